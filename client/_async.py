@@ -1,0 +1,108 @@
+"""The asyncio client."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
+from ._keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from ._protocol import Delta, Done, Encoding, Event, decode_event
+from ._replies import stream_entries
+
+DEFAULT_URL = "redis://127.0.0.1:6390"
+CANCEL_TTL_S = 86400
+
+
+class AsyncClient:
+    """Submits requests to an mlxq queue and follows their output.
+
+    >>> async with AsyncClient("redis://127.0.0.1:6390") as client:
+    ...     done = await client.generate("Hello", max_tokens=32)
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
+                 redis: aioredis.Redis | None = None) -> None:
+        self.redis = redis or aioredis.Redis.from_url(url, socket_timeout=10)
+        self.queue = queue
+        self.keys = Keys(prefix)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the Redis connections."""
+        await self.redis.aclose()
+
+    async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+                     prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
+                     encoding: Encoding = "json", **params: Any) -> AsyncJob:
+        """Queue a request (`params` are the DESIGN.md body fields) and return its job.
+
+        Raises `RequestRejected` before sending anything if the request is invalid.
+        """
+        body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
+        submission = build_submission(self.keys, queue or self.queue, id, encoding, body)
+        await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        return AsyncJob(self, submission.id, submission.output)
+
+    async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
+        """Submit and wait for the final output in one call."""
+        job = await self.submit(prompt, **kwargs)
+        return await job.result(timeout=timeout)
+
+    async def cancel(self, request_id: str) -> None:
+        """Cancel a request, running or queued; does nothing if it already finished."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
+            pipe.publish(self.keys.cancel_channel, request_id)
+            await pipe.execute()
+
+    async def events(self, stream: str, *, last_id: str = "0-0") -> AsyncIterator[tuple[str, Event]]:
+        """Every event on an output stream (a `reply_to` shared by many requests), forever."""
+        while True:
+            reply = await self.redis.xread({stream: last_id}, count=100, block=BLOCK_MS)
+            for entry_id, fields in stream_entries(reply):
+                last_id = entry_id
+                if fields is not None:
+                    yield entry_id, decode_event(fields)
+
+
+class AsyncJob:
+    """One submitted request: stream its deltas, wait for its result, or cancel it."""
+
+    def __init__(self, client: AsyncClient, request_id: str, output: str) -> None:
+        self.client = client
+        self.id = request_id
+        self.output = output
+        self._cursor = Cursor(request_id, output)
+
+    async def _read(self, deadline: Deadline) -> list[Event]:
+        reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
+                                              block=deadline.block_ms())
+        return self._cursor.feed(stream_entries(reply))
+
+    async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:
+        """Yield deltas as they arrive; at the end raise if the request failed or was cancelled."""
+        deadline = Deadline(self.id, timeout)
+        while self._cursor.terminal is None:
+            for event in await self._read(deadline):
+                if isinstance(event, Delta):
+                    yield event
+        self._cursor.outcome()
+
+    async def result(self, timeout: float | None = None) -> Done:
+        """Wait for the terminal event; raises `JobFailed`, `JobCancelled` or `JobTimeout`."""
+        deadline = Deadline(self.id, timeout)
+        while self._cursor.terminal is None:
+            await self._read(deadline)
+        return self._cursor.outcome()
+
+    async def cancel(self) -> None:
+        """Cancel this request."""
+        await self.client.cancel(self.id)

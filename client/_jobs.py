@@ -1,0 +1,92 @@
+"""What the sync and async clients share: building a submission and following a job's events."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import JobCancelled, JobFailed, JobTimeout, RequestRejected
+from ._keys import Keys
+from ._protocol import Delta, Done, Encoding, Event, InvalidRequest, decode_event, encode_request, validate_body
+from ._replies import StreamEntry
+
+BLOCK_MS = 1000  # each blocking read stays well below redis-py's 5 s socket timeout
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A validated request, ready to XADD."""
+
+    id: str
+    stream: str
+    fields: dict[str, bytes | str]
+    output: str
+
+
+def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: Encoding,
+                     body: dict[str, Any]) -> Submission:
+    """Validate `body` as the worker will and lay out the entry; raise `RequestRejected`."""
+    body = {k: v for k, v in body.items() if v is not None}
+    request_id = request_id or uuid.uuid4().hex
+    try:
+        validate_body(body)
+        fields = encode_request(request_id, body, encoding)
+    except InvalidRequest as e:
+        raise RequestRejected(str(e)) from e
+    output = body.get("reply_to") or keys.output(request_id)
+    return Submission(request_id, keys.queue(queue), fields, output)
+
+
+class Cursor:
+    """Follows one request's events on its output stream (shared streams hold others too)."""
+
+    def __init__(self, request_id: str, output: str) -> None:
+        self.request_id = request_id
+        self.output = output
+        self.last_id = "0-0"
+        self.terminal: Event | None = None
+
+    def feed(self, entries: list[StreamEntry]) -> list[Event]:
+        """This request's events among newly read entries; remembers the terminal one."""
+        events = []
+        for entry_id, fields in entries:
+            self.last_id = entry_id
+            if fields is None or self.terminal is not None:
+                continue
+            event = decode_event(fields)
+            if event.id != self.request_id:
+                continue
+            events.append(event)
+            if not isinstance(event, Delta):
+                self.terminal = event
+        return events
+
+    def outcome(self) -> Done:
+        """The final output; raises if the request failed or was cancelled."""
+        event = self.terminal
+        if isinstance(event, Done):
+            if event.finish_reason == "cancelled":
+                raise JobCancelled(self.request_id, event)
+            return event
+        assert event is not None and not isinstance(event, Delta)
+        raise JobFailed(self.request_id, event.code, event.message)
+
+
+class Deadline:
+    """A timeout turned into the next blocking read's length."""
+
+    def __init__(self, request_id: str, timeout: float | None) -> None:
+        self.request_id = request_id
+        self.timeout = timeout
+        self.at = None if timeout is None else time.monotonic() + timeout
+
+    def block_ms(self) -> int:
+        """How long the next read may block; raises `JobTimeout` once time is up."""
+        if self.at is None:
+            return BLOCK_MS
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise JobTimeout(f"request {self.request_id}: no result within {self.timeout} s")
+        return max(1, min(BLOCK_MS, int(left * 1000)))

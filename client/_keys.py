@@ -1,0 +1,49 @@
+"""Every Redis key and channel name mlxq uses, built in one place.
+
+Per-request keys carry the id inside `{}`: a Redis Cluster hash tag, so that all keys
+of one request live in one slot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GROUP = "workers"
+DEFAULT_PREFIX = "mlxq"
+DEFAULT_QUEUE = "default"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix (default `mlxq`)."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    def queue(self, queue: str) -> str:
+        """The request stream of `queue`; its consumer group is `workers`."""
+        return f"{self.prefix}:q:{queue}"
+
+    def dead(self, queue: str) -> str:
+        """Where entries that cannot be served go, with the reason."""
+        return f"{self.prefix}:q:{queue}:dead"
+
+    def output(self, request_id: str) -> str:
+        """The default output stream of one request."""
+        return f"{self.prefix}:out:{{{request_id}}}"
+
+    def cancel_flag(self, request_id: str) -> str:
+        """Set (with a TTL) by whoever cancels a request."""
+        return f"{self.prefix}:cancel:{{{request_id}}}"
+
+    @property
+    def cancel_channel(self) -> str:
+        """Pub/sub channel carrying ids to cancel, so running work stops at once."""
+        return f"{self.prefix}:cancel"
+
+    def done(self, request_id: str) -> str:
+        """Marks an id whose terminal event was written, so a repeat is not computed."""
+        return f"{self.prefix}:done:{{{request_id}}}"
+
+    def worker(self, consumer: str) -> str:
+        """One worker's heartbeat: its load and what it serves, with a TTL."""
+        return f"{self.prefix}:workers:{consumer}"

@@ -1,0 +1,260 @@
+"""The wire format: request entries and output events (see DESIGN.md).
+
+A request is a stream entry `id <id> json <object>` (or `msgpack <map>`). An output
+event is an entry `type <delta|done|error> json|msgpack <body>`. Producers, workers
+and readers all go through the functions here, so the format lives in one place.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal, Union
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+Encoding = Literal["json", "msgpack"]
+ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
+ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+
+FinishReason = Literal["stop", "length", "cancelled"]
+
+
+class Message(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: str = Field(min_length=1)
+    content: str
+
+
+class RequestBody(BaseModel):
+    """The body of a request entry. Unknown fields are an error, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    prompt: str | None = Field(None, min_length=1)
+    messages: list[Message] | None = Field(None, min_length=1)
+    prompt_tokens: list[int] | None = Field(None, min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(0.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    stream_interval: int | None = Field(None, ge=1)
+    priority: int = 0
+    deadline_ms: int | None = Field(None, ge=0)
+    reply_to: str | None = Field(None, min_length=1, max_length=512)
+    encoding: Encoding | None = None
+    images: list[bytes | str] | None = None
+    metadata: dict[str, Any] | None = None
+
+    @field_validator("prompt_tokens")
+    @classmethod
+    def _token_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, stop: list[str]) -> list[str]:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    @model_validator(mode="after")
+    def _exactly_one_prompt(self) -> RequestBody:
+        given = [name for name in ("prompt", "messages", "prompt_tokens") if getattr(self, name) is not None]
+        if len(given) != 1:
+            found = f"got {', '.join(given)}" if given else "got none"
+            raise ValueError(f"exactly one of prompt, messages, prompt_tokens is required ({found})")
+        return self
+
+
+class InvalidRequest(ValueError):
+    """A request entry that can be answered with an `error` event."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Undeliverable(ValueError):
+    """A request entry without a readable id: it goes to the dead-letter stream."""
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """What can be read of a request entry before its body is validated.
+
+    `reply_to` and `encoding` fall back to the defaults when the body cannot say,
+    so that even a broken request's error reaches its reader.
+    """
+
+    id: str
+    raw: dict[str, Any] | None
+    encoding: Encoding
+    reply_to: str | None
+    error: InvalidRequest | None = None
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def read_envelope(fields: dict[Any, Any]) -> Envelope:
+    """Read the id and body of a request entry; raise `Undeliverable` without an id."""
+    fields = {_text(k): v for k, v in fields.items()}
+    raw_id = fields.get("id")
+    try:
+        request_id = _text(raw_id) if raw_id is not None else None
+    except UnicodeDecodeError:
+        request_id = None
+    if request_id is None or not ID_PATTERN.fullmatch(request_id):
+        reason = "missing field 'id'" if raw_id is None else f"invalid id {raw_id!r}: use 1-128 of A-Za-z0-9_.:-"
+        raise Undeliverable(reason)
+    bodies = [name for name in ENCODINGS if name in fields]
+    extra = sorted(set(fields) - {"id", *ENCODINGS})
+    if len(bodies) != 1 or extra:
+        problem = f"unknown entry fields {extra}" if extra else f"found {bodies or 'neither'}"
+        return Envelope(request_id, None, "json", None,
+                        InvalidRequest(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
+    encoding: Encoding = bodies[0]  # type: ignore[assignment]
+    try:
+        raw = _decode_body(fields[encoding], encoding)
+    except InvalidRequest as e:
+        return Envelope(request_id, None, encoding, None, e)
+    reply_to = raw.get("reply_to")
+    reply_to = reply_to if isinstance(reply_to, str) and reply_to else None
+    wanted = raw.get("encoding")
+    out_encoding: Encoding = wanted if wanted in ENCODINGS else encoding
+    return Envelope(request_id, raw, out_encoding, reply_to)
+
+
+def _decode_body(data: bytes | str, encoding: Encoding) -> dict[str, Any]:
+    try:
+        body = json.loads(data) if encoding == "json" else msgpack.unpackb(data if isinstance(data, bytes) else data.encode(), raw=False)
+    except (ValueError, msgpack.UnpackException, TypeError) as e:
+        raise InvalidRequest(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {e}") from e
+    if not isinstance(body, dict):
+        kind = "a JSON object" if encoding == "json" else "a msgpack map"
+        raise InvalidRequest(f"body must be {kind}, not {type(body).__name__}")
+    return body
+
+
+def validate_body(raw: dict[str, Any]) -> RequestBody:
+    """Validate a decoded body; raise `InvalidRequest` naming each bad field and why."""
+    try:
+        return RequestBody.model_validate(raw)
+    except ValidationError as e:
+        raise InvalidRequest(describe_validation_error(e)) from e
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    """One line per problem: `field: reason`."""
+    parts = []
+    for problem in error.errors(include_url=False):
+        where = ".".join(str(p) for p in problem["loc"]) or "body"
+        message = problem["msg"].removeprefix("Value error, ")
+        parts.append(f"{where}: {message}")
+    return "; ".join(parts)
+
+
+def decode_images(images: list[bytes | str]) -> list[bytes]:
+    """Image bytes from a request: raw bytes (msgpack) or base64 strings (JSON)."""
+    out = []
+    for i, image in enumerate(images):
+        if isinstance(image, bytes):
+            out.append(image)
+            continue
+        try:
+            out.append(base64.b64decode(image, validate=True))
+        except binascii.Error as e:
+            raise InvalidRequest(f"images.{i}: not valid base64 ({e})") from e
+    return out
+
+
+def encode_request(request_id: str, body: dict[str, Any], encoding: Encoding = "json") -> dict[str, bytes | str]:
+    """The stream entry fields of a request."""
+    if not ID_PATTERN.fullmatch(request_id):
+        raise InvalidRequest(f"invalid id {request_id!r}: use 1-128 of A-Za-z0-9_.:-")
+    return {"id": request_id, encoding: _encode(body, encoding)}
+
+
+# ---- output events ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New text (never a broken UTF-8 sequence) and the token ids that made it."""
+
+    id: str
+    seq: int
+    text: str
+    tokens: list[int]
+    type: Literal["delta"] = field(default="delta", repr=False)
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a request: the whole text, why it ended, usage and timing."""
+
+    id: str
+    finish_reason: FinishReason
+    text: str
+    usage: dict[str, int]
+    timing: dict[str, float | None]
+    metadata: dict[str, Any] | None = None
+    type: Literal["done"] = field(default="done", repr=False)
+
+
+@dataclass(frozen=True)
+class Error:
+    """The request failed: `code` is machine-readable, `message` says what to do."""
+
+    id: str
+    code: str
+    message: str
+    type: Literal["error"] = field(default="error", repr=False)
+
+
+Event = Union[Delta, Done, Error]
+_EVENT_TYPES: dict[str, type[Delta] | type[Done] | type[Error]] = {"delta": Delta, "done": Done, "error": Error}
+
+
+def _encode(body: dict[str, Any], encoding: Encoding) -> bytes | str:
+    if encoding == "json":
+        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
+    """The stream entry fields of an output event."""
+    body = asdict(event)
+    kind = body.pop("type")
+    return {"type": kind, encoding: _encode(body, encoding)}
+
+
+def decode_event(fields: dict[Any, Any]) -> Event:
+    """Parse an output stream entry into a typed event."""
+    fields = {_text(k): v for k, v in fields.items()}
+    kind = _text(fields["type"])
+    if "json" in fields:
+        body = json.loads(fields["json"])
+    else:
+        body = msgpack.unpackb(fields["msgpack"], raw=False)
+    return _EVENT_TYPES[kind](**body)
+
+
+def is_terminal(event: Event) -> bool:
+    """Whether the event ends its request (`done` or `error`)."""
+    return not isinstance(event, Delta)

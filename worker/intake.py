@@ -1,0 +1,75 @@
+"""Turns a request entry into an `EngineRequest`, or an error that says what is wrong.
+
+Runs off the engine thread: it only encodes with the tokenizer and checks limits.
+"""
+
+from __future__ import annotations
+
+from client._protocol import Envelope, InvalidRequest, RequestBody, validate_body
+
+from .engine import ModelInfo
+from .messages import EngineRequest, Route, SamplingParams
+from .settings import WorkerSettings
+
+
+class Intake:
+    """Validates and tokenizes requests against one model and one worker's limits."""
+
+    def __init__(self, info: ModelInfo, settings: WorkerSettings) -> None:
+        self.info = info
+        self.settings = settings
+
+    def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
+                clock_offset_s: float) -> EngineRequest:
+        """An engine request; raises `InvalidRequest` with the field and the reason."""
+        if envelope.error is not None:
+            raise envelope.error
+        assert envelope.raw is not None
+        body = validate_body(envelope.raw)
+        if body.images:
+            raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
+        max_tokens = self._max_tokens(body)
+        tokens = self._tokenize(body)
+        room = self.info.context_length - len(tokens)
+        if room < 1:
+            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this model's context is "
+                                 f"{self.info.context_length} tokens", code="too_large")
+        return EngineRequest(
+            route=route,
+            prompt_tokens=tokens,
+            max_tokens=min(max_tokens, room),
+            sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed),
+            stop=body.stop,
+            stream_interval=body.stream_interval or self.settings.stream_interval,
+            priority=body.priority,
+            arrived_at=arrived_at,
+            deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
+            metadata=body.metadata,
+        )
+
+    def _max_tokens(self, body: RequestBody) -> int:
+        limit = self.settings.max_tokens_limit
+        if body.max_tokens is None:
+            return min(self.settings.default_max_tokens, limit)
+        if body.max_tokens > limit:
+            raise InvalidRequest(f"max_tokens: {body.max_tokens} is above this worker's limit of {limit}")
+        return body.max_tokens
+
+    def _tokenize(self, body: RequestBody) -> list[int]:
+        tokenizer = self.info.tokenizer
+        if body.prompt_tokens is not None:
+            bad = [t for t in body.prompt_tokens if t >= self.info.vocab_size]
+            if bad:
+                raise InvalidRequest(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary (size {self.info.vocab_size})")
+            return list(body.prompt_tokens)
+        if body.messages is not None:
+            if not getattr(tokenizer, "has_chat_template", False):
+                raise InvalidRequest("messages: this model has no chat template; send prompt or prompt_tokens")
+            messages = [m.model_dump() for m in body.messages]
+            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        assert body.prompt is not None
+        tokens = list(tokenizer.encode(body.prompt))
+        if not tokens:
+            raise InvalidRequest("prompt: encodes to no tokens")
+        return tokens

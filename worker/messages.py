@@ -1,0 +1,90 @@
+"""Typed messages between the event loop (owns Redis) and the engine thread (owns MLX)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from client._protocol import Encoding, Event
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; `temperature` 0 is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request's events go and which queue entry they settle."""
+
+    id: str
+    entry_id: str
+    reply_to: str
+    encoding: Encoding
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated, tokenized request, ready for the engine."""
+
+    route: Route
+    prompt_tokens: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    stop: list[str]
+    stream_interval: int
+    priority: int
+    arrived_at: float  # unix seconds on this host's clock (the entry id's stamp, offset-corrected)
+    deadline_at: float | None  # unix seconds, or None
+    metadata: dict[str, Any] | None = None
+
+    @property
+    def id(self) -> str:
+        return self.route.id
+
+
+@dataclass(frozen=True)
+class Submit:
+    """Command: queue a request in the engine."""
+
+    request: EngineRequest
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """Command: stop a request, running or waiting; unknown ids are ignored."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Command: drop waiting requests, finish running ones until `drain_until` (monotonic), stop."""
+
+    drain_until: float
+
+
+Command = Submit | Cancel | Shutdown
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One event to publish, with its route."""
+
+    route: Route
+    event: Event
+
+
+@dataclass
+class StepOutput:
+    """Everything one scheduler step produced, handed to the event loop in one piece."""
+
+    outgoing: list[Outgoing] = field(default_factory=list)
+    abandoned: list[Route] = field(default_factory=list)  # left un-acked at shutdown

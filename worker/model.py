@@ -1,0 +1,37 @@
+"""Loading a text model with mlx-lm; runs on the engine thread."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import demo_model
+from .engine import Loaded, ModelInfo
+from .generator import MlxBatchBackend
+from .settings import WorkerSettings
+
+
+def model_path(settings: WorkerSettings) -> str:
+    """The configured model, or the demo model (built on first use)."""
+    if settings.model:
+        return settings.model
+    return str(demo_model.ensure(demo_model.default_path()))
+
+
+def load_text_model(settings: WorkerSettings) -> Loaded:
+    """Load model and tokenizer (a local path or a Hugging Face id) through mlx-lm's `load()`."""
+    from mlx_lm import load
+
+    path = model_path(settings)
+    model, tokenizer, config = load(path, return_config=True)
+    text_config = config.get("text_config", config)
+    context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
+    info = ModelInfo(name=settings.model or f"demo:{Path(path)}", tokenizer=tokenizer,
+                     context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
+
+    def make_backend() -> MlxBatchBackend:
+        return MlxBatchBackend(model, tokenizer.eos_token_ids,
+                               completion_batch_size=settings.completion_batch_size,
+                               prefill_batch_size=settings.prefill_batch_size,
+                               prefill_step_size=settings.prefill_step_size)
+
+    return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer)

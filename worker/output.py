@@ -1,0 +1,133 @@
+"""Turns each step's tokens into output events: the one place that makes deltas.
+
+Per request: mlx-lm's streaming detokenizer (never splits a UTF-8 sequence), stop
+strings found in the text and cut from it, text that could still become a stop string
+held back, and deltas coalesced every `stream_interval` tokens. The concatenated delta
+texts always equal the terminal `text`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from client._protocol import Delta, Done, Error, Event, FinishReason
+
+from .generator import TokenOut
+from .messages import EngineRequest, Outgoing
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000.0, 1)
+
+
+class RequestStream:
+    """The output side of one running request."""
+
+    def __init__(self, request: EngineRequest, detokenizer: Any, admitted_at: float) -> None:
+        self.request = request
+        self.detokenizer = detokenizer
+        self.admitted_at = admitted_at
+        self.first_token_at: float | None = None
+        self.text = ""  # visible text so far: the detokenized text, cut at a stop string
+        self.sent = 0  # characters of `text` already in deltas
+        self.pending: list[int] = []  # token ids not yet in a delta
+        self.completion_tokens = 0
+        self.seq = 0
+        self.done: Done | None = None
+        self._hold = max((len(s) for s in request.stop), default=1) - 1
+
+    def add(self, out: TokenOut, now: float) -> list[Event]:
+        """Take one generated token; returns the events it completes."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        # BatchGenerator's only stop sequences are the eos ids: that token is not output.
+        if out.finish_reason != "stop":
+            self.detokenizer.add_token(out.token)
+            self.pending.append(out.token)
+            self.completion_tokens += 1
+        if out.finish_reason is not None:
+            self.detokenizer.finalize()
+        if self._update_text():
+            return self.finish("stop", now)
+        if out.finish_reason is not None:
+            return self.finish("stop" if out.finish_reason == "stop" else "length", now)
+        if len(self.pending) >= self.request.stream_interval:
+            return [self._delta(len(self.text) - self._held_back())]
+        return []
+
+    def finish(self, reason: FinishReason, now: float) -> list[Event]:
+        """End the request: flush what is left as a last delta, then `done`."""
+        events: list[Event] = []
+        if self.pending or self.sent < len(self.text):
+            events.append(self._delta(len(self.text)))
+        self.done = Done(
+            id=self.request.id,
+            finish_reason=reason,
+            text=self.text,
+            usage={"prompt_tokens": len(self.request.prompt_tokens),
+                   "completion_tokens": self.completion_tokens, "cached_tokens": 0},
+            timing=self._timing(now),
+            metadata=self.request.metadata,
+        )
+        return [*events, self.done]
+
+    def _update_text(self) -> bool:
+        """Refresh `text` from the detokenizer; True if a stop string appeared (and was cut)."""
+        full = self.detokenizer.text
+        start = max(0, len(self.text) - self._hold)
+        hits = [i for i in (full.find(s, start) for s in self.request.stop) if i >= 0]
+        self.text = full[: min(hits)] if hits else full
+        return bool(hits)
+
+    def _held_back(self) -> int:
+        """Length of the text's tail that could still grow into a stop string."""
+        for size in range(min(self._hold, len(self.text) - self.sent), 0, -1):
+            tail = self.text[-size:]
+            if any(s.startswith(tail) for s in self.request.stop):
+                return size
+        return 0
+
+    def _delta(self, upto: int) -> Delta:
+        delta = Delta(id=self.request.id, seq=self.seq, text=self.text[self.sent:upto], tokens=self.pending)
+        self.seq += 1
+        self.sent = upto
+        self.pending = []
+        return delta
+
+    def _timing(self, now: float) -> dict[str, float | None]:
+        arrived = self.request.arrived_at
+        return {
+            "queued_ms": _ms(self.admitted_at - arrived),
+            "ttft_ms": None if self.first_token_at is None else _ms(self.first_token_at - arrived),
+            "total_ms": _ms(now - arrived),
+        }
+
+
+def process_step(streams: dict[int, RequestStream], tokens: Iterable[TokenOut],
+                 now: float) -> tuple[list[Outgoing], list[int]]:
+    """Events for one step's tokens, and the uids of the sequences that finished."""
+    outgoing: list[Outgoing] = []
+    finished: list[int] = []
+    for out in tokens:
+        stream = streams.get(out.uid)
+        if stream is None:  # removed this step (cancelled); its token is dropped
+            continue
+        outgoing.extend(Outgoing(stream.request.route, e) for e in stream.add(out, now))
+        if stream.done is not None:
+            finished.append(out.uid)
+    return outgoing, finished
+
+
+def not_started(request: EngineRequest, now: float, reason: FinishReason = "cancelled") -> Outgoing:
+    """The `done` of a request that ends before it was computed: no deltas, no tokens."""
+    waited = _ms(now - request.arrived_at)
+    done = Done(id=request.id, finish_reason=reason, text="",
+                usage={"prompt_tokens": len(request.prompt_tokens), "completion_tokens": 0, "cached_tokens": 0},
+                timing={"queued_ms": waited, "ttft_ms": None, "total_ms": waited}, metadata=request.metadata)
+    return Outgoing(request.route, done)
+
+
+def failed(request: EngineRequest, code: str, message: str) -> Outgoing:
+    """An `error` event for one request."""
+    return Outgoing(request.route, Error(id=request.id, code=code, message=message))

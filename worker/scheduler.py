@@ -1,0 +1,49 @@
+"""Which waiting request runs next. Pure bookkeeping: no model, no tensors."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+
+from .messages import EngineRequest
+
+
+class Scheduler:
+    """Requests waiting for a slot: lower `priority` first, first come first served among equals."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, str]] = []
+        self._waiting: dict[str, tuple[int, EngineRequest]] = {}
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def add(self, request: EngineRequest) -> None:
+        """Queue a request."""
+        order = next(self._order)
+        self._waiting[request.id] = (order, request)
+        heapq.heappush(self._heap, (request.priority, order, request.id))
+
+    def remove(self, request_id: str) -> EngineRequest | None:
+        """Take a waiting request out (cancelled); None if it is not waiting."""
+        entry = self._waiting.pop(request_id, None)
+        return None if entry is None else entry[1]
+
+    def take(self, slots: int) -> list[EngineRequest]:
+        """Up to `slots` requests to start now, best first."""
+        taken: list[EngineRequest] = []
+        while self._heap and len(taken) < slots:
+            _, order, request_id = heapq.heappop(self._heap)
+            entry = self._waiting.get(request_id)
+            if entry is not None and entry[0] == order:  # else removed earlier: a stale heap entry
+                del self._waiting[request_id]
+                taken.append(entry[1])
+        return taken
+
+    def drain(self) -> list[EngineRequest]:
+        """Take every waiting request out, in order."""
+        return self.take(len(self._waiting))

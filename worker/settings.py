@@ -1,0 +1,77 @@
+"""Worker settings: CLI flags > `MLXQ_*` environment > TOML file (`--config`) > defaults."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+from client._keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+
+EMBEDDED_PORT = 6390
+
+
+class WorkerSettings(BaseSettings):
+    """Everything a worker can be told. Field descriptions are the CLI help and the README table."""
+
+    model_config = SettingsConfigDict(env_prefix="MLXQ_", extra="forbid", validate_default=True)
+
+    redis_url: str | None = Field(None, description="Redis URL; unset starts or reuses the embedded Valkey")
+    embedded_port: int = Field(EMBEDDED_PORT, description="port of the embedded Valkey when redis_url is unset")
+    embedded_dir: Path | None = Field(None, description="data directory of the embedded Valkey (AOF on)")
+    queue: str = Field(DEFAULT_QUEUE, pattern=r"^[A-Za-z0-9_.\-]+$", description="queue name: reads mlxq:q:<queue>")
+    prefix: str = Field(DEFAULT_PREFIX, description="key prefix")
+    consumer: str | None = Field(None, description="consumer name in the group; default <host>-<worker_index>")
+    worker_index: int = Field(0, ge=0, description="tells apart several workers on one host")
+    model: str | None = Field(None, description="local path or Hugging Face id; unset uses the demo model")
+    max_num_seqs: int = Field(16, ge=1, description="requests running at once")
+    prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
+    completion_batch_size: int = Field(32, ge=1, description="sequences decoded together")
+    prefill_step_size: int = Field(2048, ge=1, description="prompt tokens per prefill chunk")
+    stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
+    max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
+    result_ttl_s: int = Field(3600, ge=1, description="output streams expire this long after their last write")
+    dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")
+    prefetch: int = Field(2, ge=0, description="entries read beyond free room, to hide Redis latency")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
+    block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP block; below the 5 s socket timeout")
+    heartbeat_s: float = Field(5.0, gt=0, description="how often the worker's heartbeat key is refreshed")
+    log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @model_validator(mode="after")
+    def _default_consumer(self) -> WorkerSettings:
+        if self.consumer is None:
+            self.consumer = f"{socket.gethostname()}-{self.worker_index}"
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:
+    """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML)."""
+    if config_file is not None and not Path(config_file).is_file():
+        raise FileNotFoundError(f"config file not found: {config_file}")
+
+    class FromFile(WorkerSettings):
+        model_config = SettingsConfigDict(toml_file=config_file)
+
+    return FromFile(**{k: v for k, v in overrides.items() if v is not None})
