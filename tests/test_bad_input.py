@@ -1,0 +1,106 @@
+"""Bad requests get a precise error (or a dead letter) and the worker keeps serving."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import pytest
+from support import check_stream, worker_fixture, xadd_json
+
+from client import Done, Error
+
+worker = worker_fixture(max_tokens_limit=500)
+
+BAD_BODIES = [
+    ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, "invalid_request", "max_tokens: Input should be a valid integer"),
+    ("wrong type in list", {"prompt": "hi", "stop": [1]}, "invalid_request", "stop.0: Input should be a valid string"),
+    ("unknown field", {"prompt": "hi", "max_token": 5}, "invalid_request", "max_token: Extra inputs are not permitted"),
+    ("two prompt kinds", {"prompt": "hi", "prompt_tokens": [1, 2]}, "invalid_request",
+     "exactly one of prompt, messages, prompt_tokens is required (got prompt, prompt_tokens)"),
+    ("no prompt", {"max_tokens": 5}, "invalid_request", "exactly one of prompt, messages, prompt_tokens is required (got none)"),
+    ("empty prompt", {"prompt": ""}, "invalid_request", "prompt: String should have at least 1 character"),
+    ("empty messages", {"messages": []}, "invalid_request", "messages: List should have at least 1 item"),
+    ("message without role", {"messages": [{"content": "hi"}]}, "invalid_request", "messages.0.role: Field required"),
+    ("max_tokens zero", {"prompt": "hi", "max_tokens": 0}, "invalid_request",
+     "max_tokens: Input should be greater than or equal to 1"),
+    ("max_tokens above the limit", {"prompt": "hi", "max_tokens": 501}, "invalid_request",
+     "max_tokens: 501 is above this worker's limit of 500"),
+    ("negative temperature", {"prompt": "hi", "temperature": -1}, "invalid_request",
+     "temperature: Input should be greater than or equal to 0"),
+    ("token outside the vocabulary", {"prompt_tokens": [1, 99999]}, "invalid_request",
+     "prompt_tokens: ids [99999] are outside the vocabulary"),
+    ("prompt longer than the context", {"prompt_tokens": [5] * 2100}, "too_large",
+     "the prompt has 2100 tokens; this model's context is 2048 tokens"),
+    ("images on a text queue", {"prompt": "hi", "images": ["aGk="]}, "invalid_request",
+     "images: this queue serves a text-only model"),
+    ("bad encoding", {"prompt": "hi", "encoding": "xml"}, "invalid_request", "encoding: Input should be 'json' or 'msgpack'"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "code", "message"), BAD_BODIES, ids=[c[0] for c in BAD_BODIES])
+def test_bad_body_gets_a_precise_error(worker, r, outputs, new_id, case, body, code, message):
+    """Each kind of bad body is answered with its code and a message naming the field and reason."""
+    rid = new_id()
+    xadd_json(r, worker.queue, rid, body)
+    (event,) = outputs.of(rid)
+    assert isinstance(event, Error)
+    assert event.code == code
+    assert message in event.message
+
+
+RAW_ENTRIES = [
+    ("not JSON", {"json": "{not json"}, "body is not valid JSON"),
+    ("not msgpack", {"msgpack": b"\xc1"}, "body is not valid msgpack"),
+    ("JSON but not an object", {"json": "[1, 2]"}, "body must be a JSON object, not list"),
+    ("msgpack but not a map", {"msgpack": msgpack.packb("hi")}, "body must be a msgpack map, not str"),
+    ("no body", {}, "exactly one of 'json' or 'msgpack'"),
+    ("two bodies", {"json": "{}", "msgpack": msgpack.packb({})}, "exactly one of 'json' or 'msgpack'"),
+]
+
+
+@pytest.mark.parametrize(("case", "fields", "message"), RAW_ENTRIES, ids=[c[0] for c in RAW_ENTRIES])
+def test_unreadable_body_gets_an_error(worker, r, outputs, new_id, case, fields, message):
+    """An entry whose body cannot be decoded is answered on the id's output stream."""
+    rid = new_id()
+    r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, **fields})
+    (event,) = outputs.of(rid)
+    assert isinstance(event, Error) and event.code == "invalid_request"
+    assert message in event.message
+
+
+def test_an_error_honours_reply_to_and_encoding(worker, r, outputs, new_id):
+    """Even an invalid request's error goes where it asked, in the format it asked for."""
+    rid, reply_to = new_id(), f"replies-{new_id()}"
+    xadd_json(r, worker.queue, rid, {"prompt": "", "reply_to": reply_to, "encoding": "msgpack"})
+    (event,) = outputs.events(reply_to, rid)
+    assert isinstance(event, Error)
+    assert [f.keys() for _, f in r.xrange(reply_to)] == [{b"type", b"msgpack"}]
+
+
+@pytest.mark.parametrize("fields", [{"json": "{}"}, {"id": "bad id!", "json": "{}"}, {"id": "x" * 129, "json": "{}"}],
+                         ids=["no id", "bad characters", "too long"])
+def test_entry_without_a_readable_id_goes_to_the_dead_letter_stream(worker, r, fields):
+    """An entry without a usable id is moved to `<queue>:dead` with the reason, and acknowledged."""
+    entry_id = r.xadd(f"mlxq:q:{worker.queue}", fields).decode()
+    dead = f"mlxq:q:{worker.queue}:dead"
+    for _ in range(100):
+        letters = {f[b"entry_id"].decode(): f for _, f in r.xrange(dead)}
+        if entry_id in letters:
+            break
+        r.xread({dead: "$"}, block=100)
+    letter = letters[entry_id]
+    assert b"id" in letter[b"reason"]
+    assert letter[b"field:json"] == b"{}"
+
+
+def test_the_worker_keeps_serving_after_bad_input(worker, r, outputs, new_id):
+    """After every kind of bad input above, a valid request still completes."""
+    for _, body, _, _ in BAD_BODIES:
+        xadd_json(r, worker.queue, new_id(), body)
+    r.xadd(f"mlxq:q:{worker.queue}", {"json": json.dumps({"prompt": "no id"})})
+    rid = new_id()
+    xadd_json(r, worker.queue, rid, {"prompt": "Still there?", "max_tokens": 5})
+    done = check_stream(outputs.of(rid))
+    assert isinstance(done, Done) and done.finish_reason == "length"
+    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0

@@ -1,0 +1,108 @@
+"""The `mlxq` command as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import redis
+from support import ROOT, worker_fixture
+
+from client import decode_event
+
+worker = worker_fixture()
+
+MLXQ = [sys.executable, "-m", "worker"]
+
+
+def mlxq(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MLXQ, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+
+
+def test_help_lists_every_command():
+    """`mlxq --help` names the four commands; each has its own complete help."""
+    top = mlxq("--help")
+    assert top.returncode == 0
+    for command in ("worker", "submit", "redis", "demo-model"):
+        assert command in top.stdout
+        assert mlxq(command, "--help").returncode == 0
+    worker_help = mlxq("worker", "--help").stdout
+    for flag in ("--redis-url", "--model", "--max-num-seqs", "--prefill-step-size", "--stream-interval",
+                 "--default-max-tokens", "--max-tokens-limit", "--result-ttl-s", "--prefetch", "--log-format",
+                 "--config", "MLXQ_QUEUE"):
+        assert flag in worker_help
+    assert "--stream" in mlxq("submit", "--help").stdout
+
+
+def test_submit_streams_the_text(worker):
+    """`mlxq submit --stream` prints exactly the generated text, then a summary on stderr."""
+    result = mlxq("submit", "--redis-url", worker.redis_url, "--queue", worker.queue, "--stream",
+                  "--max-tokens", "16", "--id", "cli-stream-1", "Hello from the CLI")
+    assert result.returncode == 0, result.stderr
+    r = redis.Redis.from_url(worker.redis_url)
+    terminal = decode_event(r.xrange("mlxq:out:{cli-stream-1}")[-1][1])
+    assert result.stdout == terminal.text + "\n"
+    assert "16 completion tokens" in result.stderr and "TTFT" in result.stderr
+
+
+def test_submit_reports_errors(worker):
+    """A rejected request exits non-zero with the reason."""
+    result = mlxq("submit", "--redis-url", worker.redis_url, "--queue", worker.queue, "--max-tokens", "0", "x")
+    assert result.returncode == 1
+    assert "max_tokens" in result.stderr
+
+
+def test_bad_worker_settings_exit_with_a_message():
+    """An invalid setting stops the worker before it starts, naming the setting."""
+    result = mlxq("worker", "--max-num-seqs", "0")
+    assert result.returncode == 2
+    assert "max_num_seqs" in result.stderr
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_worker_with_embedded_defaults(tmp_path):
+    """With no Redis and no model configured, the worker starts Valkey, builds the demo model,
+    says which URL to use, serves `mlxq submit`, and stops both on SIGTERM."""
+    port = free_port()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([*MLXQ, "worker", "--embedded-port", str(port)], cwd=ROOT, env=env,
+                                   stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"redis://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while "worker ready" not in log.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        assert f"embedded Valkey at {url}" in log.read_text()
+        result = mlxq("submit", "--redis-url", url, "--max-tokens", "5", "Hi", env=env)
+        assert result.returncode == 0, result.stderr
+        assert (tmp_path / "cache" / "mlxq" / "demo-model" / "config.json").exists()
+        assert (tmp_path / "cache" / "mlxq" / "valkey" / "appendonlydir").is_dir()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0, log.read_text()
+    with pytest.raises(redis.ConnectionError):
+        redis.Redis.from_url(url, socket_connect_timeout=1).ping()
+
+
+def test_demo_model_command_builds_a_loadable_model(tmp_path):
+    """`mlxq demo-model PATH` writes a model mlx-lm's ordinary load() accepts."""
+    result = mlxq("demo-model", str(tmp_path / "m"))
+    assert result.returncode == 0, result.stderr
+    from mlx_lm import load
+
+    model, tokenizer = load(str(tmp_path / "m"))
+    assert tokenizer.has_chat_template and len(tokenizer.eos_token_ids) == 2

@@ -1,0 +1,145 @@
+"""The client SDK, sync and async, against a real worker."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from support import worker_fixture
+
+import client
+from client import AsyncClient, Client, Delta, Done, JobCancelled, JobFailed, JobTimeout, RequestRejected
+
+worker = worker_fixture(max_num_seqs=4)
+
+
+@pytest.fixture
+def sync_client(worker):
+    with Client(worker.redis_url, queue=worker.queue) as c:
+        yield c
+
+
+def test_public_names():
+    """The package exports exactly its documented API."""
+    assert set(client.__all__) == {
+        "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "Event", "Job",
+        "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "RequestRejected", "decode_event",
+        "encode_event", "encode_request"}
+    assert all(hasattr(client, name) for name in client.__all__)
+
+
+def test_generate_returns_the_result(sync_client):
+    """`generate` submits and waits in one call."""
+    done = sync_client.generate("Hello", max_tokens=6, metadata={"k": "v"}, timeout=30)
+    assert isinstance(done, Done)
+    assert done.usage["completion_tokens"] == 6 and done.metadata == {"k": "v"}
+
+
+def test_stream_yields_deltas_then_result_returns_the_same_text(sync_client):
+    """`stream` yields deltas whose joined text equals `result().text`."""
+    job = sync_client.submit("Stream it", max_tokens=12, id=f"sync-{uuid.uuid4().hex}")
+    deltas = list(job.stream(timeout=30))
+    assert all(isinstance(d, Delta) for d in deltas)
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert "".join(d.text for d in deltas) == job.result(timeout=5).text
+
+
+def test_chat_messages_and_msgpack(sync_client):
+    """`messages` and the msgpack encoding go through the same API."""
+    done = sync_client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, encoding="msgpack",
+                                timeout=30)
+    assert done.usage["completion_tokens"] == 3
+
+
+def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
+    """Jobs sharing a reply_to stream each see only their own events; `events` sees all."""
+    reply_to = f"replies-{uuid.uuid4().hex}"
+    jobs = [sync_client.submit(f"Prompt {i}", max_tokens=4 + i, reply_to=reply_to) for i in range(3)]
+    results = [job.result(timeout=30) for job in jobs]
+    assert [r.usage["completion_tokens"] for r in results] == [4, 5, 6]
+    assert [r.id for r in results] == [job.id for job in jobs]
+    terminal_ids = []
+    for _, event in sync_client.events(reply_to):
+        if not isinstance(event, Delta):
+            terminal_ids.append(event.id)
+        if len(terminal_ids) == 3:
+            break
+    assert sorted(terminal_ids) == sorted(job.id for job in jobs)
+
+
+def test_invalid_request_is_rejected_before_sending(sync_client):
+    """A request the worker would refuse raises `RequestRejected` and is not queued."""
+    before = sync_client.redis.xlen(f"mlxq:q:{sync_client.queue}")
+    with pytest.raises(RequestRejected, match="max_tokens"):
+        sync_client.submit("hi", max_tokens=0)
+    with pytest.raises(RequestRejected, match="exactly one of"):
+        sync_client.submit("hi", prompt_tokens=[1])
+    with pytest.raises(RequestRejected, match="invalid id"):
+        sync_client.submit("hi", id="has space")
+    assert sync_client.redis.xlen(f"mlxq:q:{sync_client.queue}") == before
+
+
+def test_worker_errors_raise_job_failed(sync_client):
+    """An `error` event becomes `JobFailed` with its code."""
+    with pytest.raises(JobFailed) as failure:
+        sync_client.generate(prompt_tokens=[5] * 3000, timeout=30)
+    assert failure.value.code == "too_large"
+
+
+def test_result_times_out(worker):
+    """With no worker on the queue, `result(timeout=...)` raises `JobTimeout`."""
+    with Client(worker.redis_url, queue=f"nobody-{uuid.uuid4().hex}") as c:
+        job = c.submit("anyone?", max_tokens=3)
+        with pytest.raises(JobTimeout):
+            job.result(timeout=0.3)
+        with pytest.raises(TimeoutError):  # JobTimeout is a TimeoutError too
+            list(job.stream(timeout=0.3))
+
+
+def test_cancel_raises_job_cancelled(sync_client):
+    """Cancelling a running job ends it; `result` raises `JobCancelled` carrying what was produced."""
+    job = sync_client.submit("Long one", max_tokens=3000)
+    stream = job.stream(timeout=30)
+    next(stream)
+    job.cancel()
+    with pytest.raises(JobCancelled) as cancelled:
+        list(stream)
+    assert cancelled.value.done.finish_reason == "cancelled"
+    with pytest.raises(JobCancelled):
+        job.result(timeout=5)
+
+
+async def test_async_client_generate_stream_and_cancel(worker):
+    """The async client streams, waits and cancels like the sync one."""
+    async with AsyncClient(worker.redis_url, queue=worker.queue) as c:
+        done = await c.generate("Async hello", max_tokens=5, timeout=30)
+        assert done.usage["completion_tokens"] == 5
+
+        job = await c.submit("Async stream", max_tokens=10)
+        texts = [d.text async for d in job.stream(timeout=30)]
+        assert "".join(texts) == (await job.result()).text
+
+        jobs = await asyncio.gather(*(c.submit(f"Together {i}", max_tokens=4) for i in range(3)))
+        results = await asyncio.gather(*(j.result(timeout=30) for j in jobs))
+        assert all(r.usage["completion_tokens"] == 4 for r in results)
+
+        long_job = await c.submit("Async long", max_tokens=3000)
+        async for _ in long_job.stream(timeout=30):
+            await long_job.cancel()
+            break
+        with pytest.raises(JobCancelled):
+            await long_job.result(timeout=30)
+
+
+async def test_async_client_errors(worker):
+    """The async client raises the same exceptions for rejection, failure and timeout."""
+    async with AsyncClient(worker.redis_url, queue=worker.queue) as c:
+        with pytest.raises(RequestRejected):
+            await c.submit("", max_tokens=3)
+        with pytest.raises(JobFailed):
+            await c.generate("hi", images=["aGk="], timeout=30)
+    async with AsyncClient(worker.redis_url, queue=f"nobody-{uuid.uuid4().hex}") as c:
+        job = await c.submit("anyone?")
+        with pytest.raises(JobTimeout):
+            await job.result(timeout=0.3)

@@ -1,0 +1,221 @@
+"""The engine thread's scheduling and lifecycle, with a fake batch backend and no model."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterable
+
+import pytest
+
+from client import Delta, Done, Error
+from worker.engine import Engine, Loaded, ModelInfo
+from worker.generator import TokenOut
+from worker.messages import EngineRequest, Route, SamplingParams, StepOutput
+from worker.scheduler import Scheduler
+
+
+class FakeDetokenizer:
+    def __init__(self) -> None:
+        self.text = ""
+
+    def add_token(self, token: int) -> None:
+        self.text += chr(ord("a") + token % 26)
+
+    def finalize(self) -> None:
+        pass
+
+
+class FakeBackend:
+    """One token per running sequence per step; optionally fails a step."""
+
+    def __init__(self, fail_on_step: int | None = None, step_s: float = 0.001) -> None:
+        self.running: dict[int, list[int]] = {}  # uid -> [generated, max_tokens]
+        self.next_uid = 0
+        self.steps = 0
+        self.most_running = 0
+        self.fail_on_step = fail_on_step
+        self.step_s = step_s
+
+    def insert(self, prompt, max_tokens, sampler, logits_processors) -> int:
+        uid, self.next_uid = self.next_uid, self.next_uid + 1
+        self.running[uid] = [0, max_tokens]
+        self.most_running = max(self.most_running, len(self.running))
+        return uid
+
+    def remove(self, uids: Iterable[int]) -> None:
+        for uid in uids:
+            self.running.pop(uid, None)
+
+    def step(self) -> list[TokenOut]:
+        self.steps += 1
+        time.sleep(self.step_s)
+        if self.steps == self.fail_on_step:
+            raise RuntimeError("boom")
+        outs = []
+        for uid, state in list(self.running.items()):
+            state[0] += 1
+            reason = "length" if state[0] >= state[1] else None
+            outs.append(TokenOut(uid, state[0], reason))
+            if reason:
+                del self.running[uid]
+        return outs
+
+    def close(self) -> None:
+        pass
+
+
+def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None) -> EngineRequest:
+    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json"), prompt_tokens=[1], max_tokens=max_tokens,
+                         sampling=SamplingParams(), stop=[], stream_interval=1, priority=priority,
+                         arrived_at=time.time(), deadline_at=deadline_at)
+
+
+class Harness:
+    def __init__(self, max_num_seqs: int = 2, **backend_args: object) -> None:
+        self.backends: list[FakeBackend] = []
+        self.outputs: queue.Queue[StepOutput] = queue.Queue()
+
+        def make_backend() -> FakeBackend:
+            rebuilt = {k: v for k, v in backend_args.items() if k != "fail_on_step"}  # only the first one fails
+            backend = FakeBackend(**(rebuilt if self.backends else backend_args))  # type: ignore[arg-type]
+            self.backends.append(backend)
+            return backend
+
+        def load() -> Loaded:
+            info = ModelInfo("fake", tokenizer=None, context_length=100, vocab_size=26)
+            return Loaded(info, make_backend, FakeDetokenizer)
+
+        self.fatal: list[BaseException] = []
+        self.engine = Engine(load, max_num_seqs, on_output=self.outputs.put, on_fatal=self.fatal.append)
+        self.engine.start()
+        self.engine.wait_ready(5)
+
+    def events_until_terminal(self, ids: set[str], timeout: float = 5) -> dict[str, list]:
+        events: dict[str, list] = {i: [] for i in ids}
+        deadline = time.monotonic() + timeout
+        while any(not evs or isinstance(evs[-1], Delta) for evs in events.values()):
+            out = self.outputs.get(timeout=max(0.01, deadline - time.monotonic()))
+            for item in out.outgoing:
+                events.setdefault(item.event.id, []).append(item.event)
+        return events
+
+
+def test_never_more_than_max_num_seqs_in_the_batch():
+    """Five requests with two slots all finish, and at most two are ever in the backend."""
+    h = Harness(max_num_seqs=2)
+    for i in range(5):
+        h.engine.submit(request(f"r{i}"))
+    events = h.events_until_terminal({f"r{i}" for i in range(5)})
+    assert all(isinstance(evs[-1], Done) and evs[-1].finish_reason == "length" for evs in events.values())
+    assert h.backends[0].most_running == 2
+
+
+def test_lower_priority_value_is_admitted_first():
+    """With the slots full, a later request of priority -1 starts before earlier priority-0 ones."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("running", max_tokens=5))
+    h.outputs.get(timeout=5)  # "running" holds the only slot
+    h.engine.submit(request("early", max_tokens=1))
+    h.engine.submit(request("urgent", max_tokens=1, priority=-1))
+    order: list[str] = ["running"]
+    while len(order) < 4:
+        for item in h.outputs.get(timeout=5).outgoing:
+            if isinstance(item.event, Done):
+                order.append(item.event.id)
+    assert order == ["running", "running", "urgent", "early"]
+
+
+def test_cancel_running_and_waiting_requests():
+    """A running request ends `cancelled` with its text so far; a waiting one with nothing."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("running", max_tokens=1000))
+    h.engine.submit(request("waiting"))
+    first = h.outputs.get(timeout=5).outgoing
+    assert [item.event.id for item in first] == ["running"]
+    h.engine.cancel("waiting")
+    h.engine.cancel("running")
+    h.engine.cancel("unknown")
+    events = h.events_until_terminal({"running", "waiting"})
+    events["running"][:0] = [first[0].event]
+    assert [type(e) for e in events["waiting"]] == [Done]
+    assert events["waiting"][0].finish_reason == "cancelled"
+    done = events["running"][-1]
+    assert done.finish_reason == "cancelled"
+    assert done.text == "".join(e.text for e in events["running"][:-1]) != ""
+    assert h.backends[0].running == {}
+
+
+def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving():
+    """A step that raises gives each request in the batch one `internal` error; later work completes."""
+    h = Harness(max_num_seqs=4, fail_on_step=2)
+    h.engine.submit(request("a", max_tokens=10))
+    h.engine.submit(request("b", max_tokens=10))
+    events = h.events_until_terminal({"a", "b"})
+    assert all(isinstance(evs[-1], Error) and evs[-1].code == "internal" for evs in events.values())
+    h.engine.submit(request("c"))
+    assert isinstance(h.events_until_terminal({"c"})["c"][-1], Done)
+    assert len(h.backends) == 2, "the batch was rebuilt"
+    assert h.fatal == []
+
+
+def test_deadline_passed_while_waiting_is_an_error():
+    """A request whose deadline passes while it waits is never started."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("running", max_tokens=20))
+    h.engine.submit(request("late", deadline_at=time.time() + 0.05))
+    events = h.events_until_terminal({"running", "late"})
+    assert [type(e) for e in events["late"]] == [Error]
+    assert events["late"][0].code == "deadline_exceeded"
+
+
+def test_shutdown_finishes_running_and_abandons_waiting():
+    """On shutdown, running requests finish within the drain time and waiting ones are handed back."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("running", max_tokens=5))
+    h.engine.submit(request("waiting"))
+    h.outputs.get(timeout=5)
+    h.engine.shutdown(drain_timeout_s=10)
+    assert h.engine.join(5)
+    outs = []
+    while not h.outputs.empty():
+        outs.append(h.outputs.get())
+    assert [r.id for o in outs for r in o.abandoned] == ["waiting"]
+    assert any(isinstance(i.event, Done) and i.event.id == "running" for o in outs for i in o.outgoing)
+
+
+def test_shutdown_abandons_running_requests_after_the_drain_timeout():
+    """Requests still running when the drain time is up are left for another worker, without a terminal event."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("endless", max_tokens=10**9))
+    h.outputs.get(timeout=5)
+    h.engine.shutdown(drain_timeout_s=0.1)
+    assert h.engine.join(5)
+    outs = []
+    while not h.outputs.empty():
+        outs.append(h.outputs.get())
+    assert [r.id for o in outs for r in o.abandoned] == ["endless"]
+    assert not any(isinstance(i.event, Done) for o in outs for i in o.outgoing)
+
+
+def test_a_failing_load_is_reported():
+    """If the model cannot load, `wait_ready` raises with the reason."""
+    from worker.engine import EngineFailed
+
+    def load() -> Loaded:
+        raise FileNotFoundError("no such model")
+
+    engine = Engine(load, 1, on_output=lambda out: None, on_fatal=lambda e: None)
+    engine.start()
+    with pytest.raises(EngineFailed, match="no such model"):
+        engine.wait_ready(5)
+
+
+def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
+    """The scheduler orders by priority, then arrival; removed requests are never taken."""
+    s = Scheduler()
+    for rid, prio in [("a", 0), ("b", 1), ("c", 0), ("d", -1)]:
+        s.add(request(rid, priority=prio))
+    s.remove("c")
+    assert [r.id for r in s.take(10)] == ["d", "a", "b"]
+    assert len(s) == 0

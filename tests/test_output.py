@@ -1,0 +1,102 @@
+"""The output processor, fed hand-made tokens through the demo model's real tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from client import Delta, Done
+from worker.generator import TokenOut
+from worker.messages import EngineRequest, Route, SamplingParams
+from worker.output import RequestStream, process_step
+
+
+@pytest.fixture(scope="module")
+def tokenizer(demo_model: Path):
+    from mlx_lm.utils import load_tokenizer
+
+    return load_tokenizer(demo_model)
+
+
+def make_request(stop: list[str] | None = None, interval: int = 1, max_tokens: int = 100) -> EngineRequest:
+    return EngineRequest(route=Route("r1", "1-0", "out", "json"), prompt_tokens=[1, 2, 3], max_tokens=max_tokens,
+                         sampling=SamplingParams(), stop=stop or [], stream_interval=interval, priority=0,
+                         arrived_at=100.0, deadline_at=None)
+
+
+def feed(tokenizer, request: EngineRequest, tokens: list[int], last_reason: str | None = "length"):
+    stream = RequestStream(request, tokenizer.detokenizer, admitted_at=100.5)
+    events = []
+    for i, token in enumerate(tokens):
+        reason = last_reason if i == len(tokens) - 1 else None
+        events += stream.add(TokenOut(0, token, reason), now=101.0 + i)
+        if stream.done:
+            break
+    return events
+
+
+def texts(events) -> list[str]:
+    return [e.text for e in events if isinstance(e, Delta)]
+
+
+def test_multibyte_text_never_splits_a_character(tokenizer):
+    """Byte-level tokens of multi-byte characters are held until the character is whole."""
+    text = "naïve café → 世界 ok"
+    events = feed(tokenizer, make_request(), tokenizer.encode(text))
+    assert all("\ufffd" not in t for t in texts(events))
+    assert "".join(texts(events)) == events[-1].text == text
+
+
+def test_stop_string_spanning_tokens_is_cut_and_never_streamed(tokenizer):
+    """A stop string split over several tokens ends the request; no part of it was ever sent."""
+    tokens = tokenizer.encode("alpha beta STOPPING gamma delta")
+    events = feed(tokenizer, make_request(stop=["STOP"]), tokens)
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "stop"
+    assert done.text == "alpha beta "
+    assert "".join(texts(events)) == done.text
+    assert not any("S" in t for t in texts(events))
+
+
+def test_text_that_might_start_a_stop_string_is_released_when_it_does_not(tokenizer):
+    """Held-back text that turns out not to be a stop string is streamed later, not lost."""
+    tokens = tokenizer.encode("one STOq two")
+    events = feed(tokenizer, make_request(stop=["STOP"]), tokens)
+    assert events[-1].finish_reason == "length"
+    assert "".join(texts(events)) == events[-1].text == "one STOq two"
+
+
+def test_eos_ends_the_request_and_is_not_output(tokenizer):
+    """An eos token finishes with `stop` and adds neither text nor a token id."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tokens = tokenizer.encode("hello world")
+    events = feed(tokenizer, make_request(), [*tokens, eos], last_reason="stop")
+    done = events[-1]
+    assert done.finish_reason == "stop" and done.text == "hello world"
+    assert eos not in [t for e in events if isinstance(e, Delta) for t in e.tokens]
+    assert done.usage["completion_tokens"] == len(tokens)
+
+
+def test_stream_interval_coalesces_tokens(tokenizer):
+    """Deltas carry `stream_interval` tokens each; the last one carries the rest."""
+    tokens = tokenizer.encode("a b c d e f g h i j")
+    events = feed(tokenizer, make_request(interval=4), tokens)
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [len(d.tokens) for d in deltas] == [4] * (len(tokens) // 4) + ([len(tokens) % 4] if len(tokens) % 4 else [])
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+
+
+def test_timing_counts_from_arrival(tokenizer):
+    """queued, TTFT and total are measured from the entry's arrival."""
+    events = feed(tokenizer, make_request(), tokenizer.encode("x y z"))
+    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 + 1000.0 * (len(tokenizer.encode("x y z")) - 1)}
+
+
+def test_process_step_drops_tokens_of_removed_sequences(tokenizer):
+    """A token for a uid no longer running (cancelled this step) is ignored."""
+    streams = {7: RequestStream(make_request(max_tokens=2), tokenizer.detokenizer, 100.0)}
+    outgoing, finished = process_step(streams, [TokenOut(7, 50, None), TokenOut(8, 51, None)], now=101.0)
+    assert [o.event.id for o in outgoing] == ["r1"] and finished == []
+    outgoing, finished = process_step(streams, [TokenOut(7, 52, "length")], now=102.0)
+    assert finished == [7] and isinstance(outgoing[-1].event, Done)
