@@ -12,7 +12,7 @@ import binascii
 import json
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -142,7 +142,10 @@ def read_envelope(fields: dict[Any, Any]) -> Envelope:
 
 def _decode_body(data: bytes | str, encoding: Encoding) -> dict[str, Any]:
     try:
-        body = json.loads(data) if encoding == "json" else msgpack.unpackb(data if isinstance(data, bytes) else data.encode(), raw=False)
+        if encoding == "json":
+            body = json.loads(data)
+        else:
+            body = msgpack.unpackb(data if isinstance(data, bytes) else data.encode(), raw=False)
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         raise InvalidRequest(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {e}") from e
     if not isinstance(body, dict):
@@ -227,7 +230,7 @@ class Error:
     type: Literal["error"] = field(default="error", repr=False)
 
 
-Event = Union[Delta, Done, Error]
+Event = Delta | Done | Error
 _EVENT_TYPES: dict[str, type[Delta] | type[Done] | type[Error]] = {"delta": Delta, "done": Done, "error": Error}
 
 

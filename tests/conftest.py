@@ -54,7 +54,8 @@ def outputs(r: redis.Redis) -> Iterator[Outputs]:
     reader = Outputs(r)
     yield reader
     for stream, request_id in sorted(reader.seen):
-        kinds = Counter(type(e).__name__ for e in reader.all_on(stream) if e.id == request_id and not isinstance(e, Delta))
+        events = [e for e in reader.all_on(stream) if e.id == request_id]
+        kinds = Counter(type(e).__name__ for e in events if not isinstance(e, Delta))
         assert sum(kinds.values()) == 1, f"{request_id} on {stream}: terminal events {dict(kinds)}"
 
 

@@ -13,12 +13,14 @@ from client import Done, Error
 worker = worker_fixture(max_tokens_limit=500)
 
 BAD_BODIES = [
-    ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, "invalid_request", "max_tokens: Input should be a valid integer"),
+    ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, "invalid_request",
+     "max_tokens: Input should be a valid integer"),
     ("wrong type in list", {"prompt": "hi", "stop": [1]}, "invalid_request", "stop.0: Input should be a valid string"),
     ("unknown field", {"prompt": "hi", "max_token": 5}, "invalid_request", "max_token: Extra inputs are not permitted"),
     ("two prompt kinds", {"prompt": "hi", "prompt_tokens": [1, 2]}, "invalid_request",
      "exactly one of prompt, messages, prompt_tokens is required (got prompt, prompt_tokens)"),
-    ("no prompt", {"max_tokens": 5}, "invalid_request", "exactly one of prompt, messages, prompt_tokens is required (got none)"),
+    ("no prompt", {"max_tokens": 5}, "invalid_request",
+     "exactly one of prompt, messages, prompt_tokens is required (got none)"),
     ("empty prompt", {"prompt": ""}, "invalid_request", "prompt: String should have at least 1 character"),
     ("empty messages", {"messages": []}, "invalid_request", "messages: List should have at least 1 item"),
     ("message without role", {"messages": [{"content": "hi"}]}, "invalid_request", "messages.0.role: Field required"),
@@ -34,7 +36,8 @@ BAD_BODIES = [
      "the prompt has 2100 tokens; this model's context is 2048 tokens"),
     ("images on a text queue", {"prompt": "hi", "images": ["aGk="]}, "invalid_request",
      "images: this queue serves a text-only model"),
-    ("bad encoding", {"prompt": "hi", "encoding": "xml"}, "invalid_request", "encoding: Input should be 'json' or 'msgpack'"),
+    ("bad encoding", {"prompt": "hi", "encoding": "xml"}, "invalid_request",
+     "encoding: Input should be 'json' or 'msgpack'"),
 ]
 
 

@@ -89,8 +89,10 @@ def test_stream_interval_coalesces_tokens(tokenizer):
 
 def test_timing_counts_from_arrival(tokenizer):
     """queued, TTFT and total are measured from the entry's arrival."""
-    events = feed(tokenizer, make_request(), tokenizer.encode("x y z"))
-    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 + 1000.0 * (len(tokenizer.encode("x y z")) - 1)}
+    tokens = tokenizer.encode("x y z")
+    events = feed(tokenizer, make_request(), tokens)
+    # arrived at 100.0, admitted at 100.5, token i at 101.0 + i
+    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 * len(tokens)}
 
 
 def test_process_step_drops_tokens_of_removed_sequences(tokenizer):

@@ -9,11 +9,11 @@ import textwrap
 
 import msgpack
 import pytest
+from support import ROOT
 
 from client import Delta, Done, Error, decode_event, encode_event, encode_request
 from client._protocol import InvalidRequest, Undeliverable, read_envelope, validate_body
 from client._replies import stream_entries
-from support import ROOT
 
 
 @pytest.mark.parametrize("event", [

@@ -26,7 +26,7 @@ from client._replies import StreamEntry
 from .engine import Engine, Loaded, ModelInfo
 from .intake import Intake
 from .messages import Outgoing, Route, StepOutput
-from .output import not_started
+from .output import deadline_exceeded, not_started
 from .settings import WorkerSettings
 from .streams import QueueStreams
 
@@ -60,28 +60,41 @@ class Worker:
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit status."""
         loop = asyncio.get_running_loop()
-        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
-        self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
-                                    result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
-        await self.streams.ensure_group()
-        self.clock_offset_s = await self.streams.clock_offset_s()
-        self.engine = Engine(self._load, self.settings.max_num_seqs,
-                             on_output=lambda out: loop.call_soon_threadsafe(self._outputs.put_nowait, out),
-                             on_fatal=lambda e: loop.call_soon_threadsafe(self._die, e))
-        self.engine.start()
-        info = await asyncio.to_thread(self.engine.wait_ready)
-        self.intake = Intake(info, self.settings)
+        await self._connect()
+        info = await self._start_engine(loop)
         self._install_signal_handlers(loop)
         log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
                  redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
         publisher = asyncio.create_task(self._publish_loop(), name="publisher")
-        background = [asyncio.create_task(c, name=n) for n, c in (
-            ("intake", self._intake_loop()), ("cancels", self._cancel_loop()), ("heartbeat", self._heartbeat_loop(info)))]
+        background = [asyncio.create_task(self._intake_loop(), name="intake"),
+                      asyncio.create_task(self._cancel_loop(), name="cancels"),
+                      asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
         await self._stop.wait()
         for task in background:
             task.cancel()
         await asyncio.gather(*background, return_exceptions=True)
         return await self._shut_down(publisher)
+
+    async def _connect(self) -> None:
+        self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
+        self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
+                                    result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
+        await self.streams.ensure_group()
+        self.clock_offset_s = await self.streams.clock_offset_s()
+
+    async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> ModelInfo:
+        """Start the engine thread; it loads the model. Its output comes back through the loop."""
+        def on_output(out: StepOutput) -> None:
+            loop.call_soon_threadsafe(self._outputs.put_nowait, out)
+
+        def on_fatal(error: BaseException) -> None:
+            loop.call_soon_threadsafe(self._die, error)
+
+        self.engine = Engine(self._load, self.settings.max_num_seqs, on_output=on_output, on_fatal=on_fatal)
+        self.engine.start()
+        info = await asyncio.to_thread(self.engine.wait_ready)
+        self.intake = Intake(info, self.settings)
+        return info
 
     async def _shut_down(self, publisher: asyncio.Task[None]) -> int:
         if self._fatal is not None:
@@ -171,8 +184,7 @@ class Worker:
         if cancelled or route.id in self._cancel_requested:
             self._emit(not_started(request, time.time()))
         elif request.deadline_at is not None and time.time() > request.deadline_at:
-            self._emit(Outgoing(route, Error(id=route.id, code="deadline_exceeded",
-                                             message="the deadline passed before the request started")))
+            self._emit(deadline_exceeded(request))
         else:
             self.engine.submit(request)
 

@@ -86,7 +86,7 @@ def build(path: Path, seed: int = 0) -> Path:
 
 
 def _corpus() -> list[str]:
-    texts = []
+    texts: list[str] = []
     for name in _CORPUS_MODULES:
         module = importlib.import_module(name)
         values = [module, *(v for v in vars(module).values() if inspect.isfunction(v) or inspect.isclass(v))]

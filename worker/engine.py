@@ -19,7 +19,7 @@ import structlog
 
 from .generator import BatchBackend
 from .messages import Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
-from .output import RequestStream, failed, not_started, process_step
+from .output import RequestStream, deadline_exceeded, failed, not_started, process_step
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
 
@@ -186,7 +186,7 @@ class Engine:
         now = time.time()
         for request in self._scheduler.take(self._max_num_seqs - len(self._streams)):
             if request.deadline_at is not None and now > request.deadline_at:
-                out.outgoing.append(failed(request, "deadline_exceeded", "the deadline passed before the request started"))
+                out.outgoing.append(deadline_exceeded(request))
                 continue
             try:
                 uid = self._backend.insert(request.prompt_tokens, request.max_tokens,

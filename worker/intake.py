@@ -61,7 +61,8 @@ class Intake:
         if body.prompt_tokens is not None:
             bad = [t for t in body.prompt_tokens if t >= self.info.vocab_size]
             if bad:
-                raise InvalidRequest(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary (size {self.info.vocab_size})")
+                raise InvalidRequest(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary "
+                                     f"(size {self.info.vocab_size})")
             return list(body.prompt_tokens)
         if body.messages is not None:
             if not getattr(tokenizer, "has_chat_template", False):

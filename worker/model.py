@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from . import demo_model
 from .engine import Loaded, ModelInfo
@@ -22,8 +23,8 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     from mlx_lm import load
 
     path = model_path(settings)
-    model, tokenizer, config = load(path, return_config=True)
-    text_config = config.get("text_config", config)
+    model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
+    text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
     context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
     info = ModelInfo(name=settings.model or f"demo:{Path(path)}", tokenizer=tokenizer,
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))

@@ -128,6 +128,11 @@ def not_started(request: EngineRequest, now: float, reason: FinishReason = "canc
     return Outgoing(request.route, done)
 
 
+def deadline_exceeded(request: EngineRequest) -> Outgoing:
+    """The error of a request whose `deadline_ms` passed before it started."""
+    return failed(request, "deadline_exceeded", "the deadline passed before the request started")
+
+
 def failed(request: EngineRequest, code: str, message: str) -> Outgoing:
     """An `error` event for one request."""
     return Outgoing(request.route, Error(id=request.id, code=code, message=message))

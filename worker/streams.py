@@ -65,8 +65,8 @@ class QueueStreams:
                 pipe.exists(self.keys.done(request_id))
                 pipe.exists(self.keys.cancel_flag(request_id))
             replies = await pipe.execute()
-        done = {i for i, flag in zip(ids, replies[0::2]) if flag}
-        cancelled = {i for i, flag in zip(ids, replies[1::2]) if flag}
+        done = {i for i, flag in zip(ids, replies[0::2], strict=True) if flag}
+        cancelled = {i for i, flag in zip(ids, replies[1::2], strict=True) if flag}
         return done, cancelled
 
     async def ack(self, entry_ids: Iterable[str]) -> None:
@@ -77,7 +77,7 @@ class QueueStreams:
 
     async def dead_letter(self, entry_id: str, fields: dict[Any, Any], reason: str) -> None:
         """Move an entry nobody can answer to the dead-letter stream, with the reason."""
-        record = {b"entry_id": entry_id, b"reason": reason, b"consumer": self.consumer}
+        record: dict[Any, Any] = {b"entry_id": entry_id, b"reason": reason, b"consumer": self.consumer}
         record.update({b"field:" + (k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()})
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.xadd(self.dead, record)
