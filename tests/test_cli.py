@@ -106,3 +106,11 @@ def test_demo_model_command_builds_a_loadable_model(tmp_path):
 
     model, tokenizer = load(str(tmp_path / "m"))
     assert tokenizer.has_chat_template and len(tokenizer.eos_token_ids) == 2
+
+
+def test_worker_exits_non_zero_when_the_model_cannot_load(valkey, tmp_path):
+    """A model that cannot be loaded stops the worker with status 1 and says why."""
+    result = mlxq("worker", "--redis-url", valkey, "--model", str(tmp_path / "no-such-model"), "--queue", "nomodel",
+                  env={"HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 1
+    assert "the model could not be loaded" in result.stderr

@@ -20,20 +20,17 @@ import structlog
 from redis.exceptions import RedisError
 
 from client._keys import Keys
-from client._protocol import Done, Error, InvalidRequest, Undeliverable, read_envelope
+from client._protocol import Delta, Done, Envelope, Error, InvalidRequest, Undeliverable, read_envelope
 from client._replies import StreamEntry
 
-from .engine import Engine, Loaded, ModelInfo
+from .engine import Engine, EngineFailed, Loaded, ModelInfo
 from .intake import Intake
 from .messages import Outgoing, Route, StepOutput
 from .output import deadline_exceeded, not_started
 from .settings import WorkerSettings
-from .streams import QueueStreams
+from .streams import QueueStreams, retrying
 
 log = structlog.get_logger("mlxq.worker")
-
-RETRY_S = (0.1, 0.5, 1.0, 2.0, 5.0)
-
 
 def entry_ms(entry_id: str) -> int:
     """The server's clock, in ms, when the entry was added (the first part of its id)."""
@@ -61,7 +58,11 @@ class Worker:
         """Serve until told to stop; returns the process exit status."""
         loop = asyncio.get_running_loop()
         await self._connect()
-        info = await self._start_engine(loop)
+        try:
+            info = await self._start_engine(loop)
+        except EngineFailed as e:
+            log.critical("worker exiting: the model could not be loaded", error=str(e))
+            return 1
         self._install_signal_handlers(loop)
         log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
                  redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
@@ -69,6 +70,8 @@ class Worker:
         background = [asyncio.create_task(self._intake_loop(), name="intake"),
                       asyncio.create_task(self._cancel_loop(), name="cancels"),
                       asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
+        for task in (publisher, *background):
+            task.add_done_callback(self._on_task_done)
         await self._stop.wait()
         for task in background:
             task.cancel()
@@ -79,8 +82,8 @@ class Worker:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
         self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
                                     result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
-        await self.streams.ensure_group()
-        self.clock_offset_s = await self.streams.clock_offset_s()
+        await retrying(self.streams.ensure_group, f"connecting to {self.redis_url}")
+        self.clock_offset_s = await retrying(self.streams.clock_offset_s, "reading the server clock")
 
     async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> ModelInfo:
         """Start the engine thread; it loads the model. Its output comes back through the loop."""
@@ -98,7 +101,7 @@ class Worker:
 
     async def _shut_down(self, publisher: asyncio.Task[None]) -> int:
         if self._fatal is not None:
-            log.critical("worker exiting: the engine died; in-flight requests stay pending for another worker",
+            log.critical("worker exiting on a fatal error; in-flight requests stay pending for another worker",
                          error=repr(self._fatal), in_flight=len(self.in_flight))
             publisher.cancel()
             return 1
@@ -111,6 +114,14 @@ class Worker:
         await self.redis.aclose()
         log.info("worker stopped", left_pending=len(self.in_flight))
         return 0
+
+    def _on_task_done(self, task: asyncio.Task[None]) -> None:
+        """Each loop runs until cancelled; one that ends on its own is a bug: exit loudly."""
+        if task.cancelled():
+            return
+        error = task.exception() or RuntimeError(f"task {task.get_name()} ended")
+        log.critical("worker task died", task=task.get_name(), error=repr(error), exc_info=error)
+        self._die(error)
 
     def _die(self, error: BaseException) -> None:
         self._fatal = error
@@ -136,46 +147,53 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
+            entries = await retrying(lambda: self.streams.read(room, self.settings.block_ms), "reading requests")
             try:
-                entries = await self.streams.read(room, self.settings.block_ms)
                 await self._accept(entries)
-            except (RedisError, OSError) as e:
-                log.warning("reading requests failed; retrying", error=repr(e))
+            except Exception:  # noqa: BLE001 - the intake keeps going; what it held stays pending in Redis
+                log.exception("accepting requests failed")
                 await asyncio.sleep(1.0)
 
     async def _accept(self, entries: list[StreamEntry]) -> None:
-        accepted = []
-        skip = []
-        for entry_id, fields in entries:
-            if fields is None:  # deleted from the stream before we read it
-                skip.append(entry_id)
-                continue
-            try:
-                envelope = read_envelope(fields)
-            except Undeliverable as e:
-                log.warning("dead letter", entry_id=entry_id, reason=str(e))
-                await self.streams.dead_letter(entry_id, fields, str(e))
-                continue
-            if envelope.id in self.in_flight:
-                log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
-                skip.append(entry_id)
-                continue
-            route = Route(envelope.id, entry_id, envelope.reply_to or self.keys.output(envelope.id), envelope.encoding)
-            self.in_flight[envelope.id] = route  # before the flag check, so no cancel slips between
-            accepted.append((envelope, route))
-        await self.streams.ack(skip)
-        done, cancelled = await self.streams.flags([route.id for _, route in accepted])
+        """Register new entries, drop repeats, and start the rest."""
+        accepted = [a for a in [await self._register(entry_id, fields) for entry_id, fields in entries] if a]
+        ids = [route.id for _, route in accepted]
+        done, cancelled = await retrying(lambda: self.streams.flags(ids), "checking done and cancel flags")
         for envelope, route in accepted:
             if route.id in done:
                 log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
                 self._forget(route.id)
-                await self.streams.ack([route.entry_id])
+                await retrying(lambda: self.streams.ack([route.entry_id]), "acknowledging a repeat")
                 continue
-            await self._start(envelope, route, cancelled=route.id in cancelled)
-        self._room.set()
+            try:
+                await self._start(envelope, route, cancelled=route.id in cancelled)
+            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
+                log.exception("could not start a request", request_id=route.id)
+                self._emit(Outgoing(route, Error(id=route.id, code="internal",
+                                                 message=f"the worker could not start this request: {e!r}")))
 
-    async def _start(self, envelope: Any, route: Route, cancelled: bool) -> None:
-        arrived_at = entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s
+    async def _register(self, entry_id: str, fields: dict[Any, Any] | None) -> tuple[Envelope, Route] | None:
+        """The envelope and route of a new entry, now in flight; None if there is nothing to run."""
+        if fields is None:  # deleted from the stream before we read it
+            await retrying(lambda: self.streams.ack([entry_id]), "acknowledging a deleted entry")
+            return None
+        try:
+            envelope = read_envelope(fields)
+        except Undeliverable as e:
+            log.warning("dead letter", entry_id=entry_id, reason=str(e))
+            await retrying(lambda: self.streams.dead_letter(entry_id, fields, str(e)), "dead-lettering")
+            return None
+        if envelope.id in self.in_flight:
+            log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
+            await retrying(lambda: self.streams.ack([entry_id]), "acknowledging a repeat")
+            return None
+        reply_to = envelope.reply_to if self.keys.allows_reply_to(envelope.reply_to) else None
+        route = Route(envelope.id, entry_id, reply_to or self.keys.output(envelope.id), envelope.encoding)
+        self.in_flight[envelope.id] = route  # before the flag check, so no cancel slips between
+        return envelope, route
+
+    async def _start(self, envelope: Envelope, route: Route, cancelled: bool) -> None:
+        arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
         try:
             request = await asyncio.to_thread(self.intake.prepare, envelope, route, arrived_at, self.clock_offset_s)
         except InvalidRequest as e:
@@ -201,7 +219,7 @@ class Worker:
                 while True:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is not None:
-                        request_id = message["data"].decode()
+                        request_id = message["data"].decode(errors="replace")
                         if request_id in self.in_flight:
                             self._cancel_requested.add(request_id)
                             self.engine.cancel(request_id)
@@ -220,26 +238,15 @@ class Worker:
                 outputs.append(self._outputs.get_nowait())
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                await asyncio.shield(self._publish(outgoing))
+                await asyncio.shield(retrying(lambda: self.streams.publish(outgoing), "publishing"))
+            for item in outgoing:
+                if not isinstance(item.event, Delta):
+                    self._forget(item.route.id)
+                    _log_finished(item)
             for out in outputs:
                 for route in out.abandoned:
                     self._forget(route.id)
                 self._outputs.task_done()
-
-    async def _publish(self, outgoing: list[Outgoing]) -> None:
-        for attempt, pause in enumerate((*RETRY_S, None)):
-            try:
-                await self.streams.publish(outgoing)
-                break
-            except (RedisError, OSError) as e:
-                if pause is None:
-                    pause = RETRY_S[-1]
-                log.warning("publishing failed; retrying", error=repr(e), attempt=attempt + 1)
-                await asyncio.sleep(pause)
-        for item in outgoing:
-            if isinstance(item.event, (Done, Error)):
-                self._forget(item.route.id)
-                _log_finished(item)
 
     def _forget(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)

@@ -5,7 +5,8 @@ Runs off the engine thread: it only encodes with the tokenizer and checks limits
 
 from __future__ import annotations
 
-from client._protocol import Envelope, InvalidRequest, RequestBody, validate_body
+from client._keys import Keys
+from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, encode_metadata, validate_body
 
 from .engine import ModelInfo
 from .messages import EngineRequest, Route, SamplingParams
@@ -18,6 +19,7 @@ class Intake:
     def __init__(self, info: ModelInfo, settings: WorkerSettings) -> None:
         self.info = info
         self.settings = settings
+        self.keys = Keys(settings.prefix)
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
                 clock_offset_s: float) -> EngineRequest:
@@ -26,6 +28,11 @@ class Intake:
             raise envelope.error
         assert envelope.raw is not None
         body = validate_body(envelope.raw)
+        if body.reply_to is not None and not self.keys.allows_reply_to(body.reply_to):
+            raise InvalidRequest(f"reply_to: {body.reply_to!r} is one of mlxq's own keys; "
+                                 f"use a key outside '{self.keys.prefix}:' or under '{self.keys.prefix}:out:'")
+        if body.metadata is not None:
+            _check_encodable(body.metadata, envelope.encoding)
         if body.images:
             raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
         max_tokens = self._max_tokens(body)
@@ -74,3 +81,11 @@ class Intake:
         if not tokens:
             raise InvalidRequest("prompt: encodes to no tokens")
         return tokens
+
+
+def _check_encodable(metadata: dict[str, object], encoding: Encoding) -> None:
+    """Metadata is echoed in `done`: refuse now what could not be written then (bytes in JSON)."""
+    try:
+        encode_metadata(metadata, encoding)
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({e})") from e

@@ -2,19 +2,43 @@
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import random
 import time
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
+import structlog
+from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._keys import GROUP, Keys
-from client._protocol import Delta, encode_event
+from client._protocol import Delta, Error, encode_event
 from client._replies import StreamEntry, stream_entries
 
 from .messages import Outgoing
+
+log = structlog.get_logger("mlxq.redis")
+
+T = TypeVar("T")
+TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
+
+
+async def retrying(operation: Callable[[], Awaitable[T]], what: str) -> T:
+    """Run a Redis operation until it succeeds, backing off (with jitter) while Redis is unreachable."""
+    for attempt in itertools.count(1):
+        try:
+            return await operation()
+        except TRANSIENT as e:
+            pause = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
+            log.warning("redis unreachable; retrying", operation=what, error=repr(e), attempt=attempt,
+                        retry_in_s=round(pause, 2))
+            await asyncio.sleep(pause)
+    raise AssertionError("unreachable")
 
 
 class QueueStreams:
@@ -86,20 +110,40 @@ class QueueStreams:
 
     async def publish(self, outgoing: list[Outgoing]) -> None:
         """Write a step's events in one pipeline: XADD each, refresh TTLs, and for each
-        terminal event mark the id done and acknowledge its entry (after the event)."""
+        terminal event mark the id done and acknowledge its entry (after the event).
+
+        A command Redis refuses (say, a `reply_to` key of another type) is logged and
+        does not hold up the rest; only an unreachable Redis raises."""
+        commands: list[tuple[str, str]] = []  # what each queued command was, for the log
         async with self.redis.pipeline(transaction=False) as pipe:
             streams = set()
             for item in outgoing:
-                pipe.xadd(item.route.reply_to, encode_event(item.event, item.route.encoding))  # type: ignore[arg-type]
+                pipe.xadd(item.route.reply_to, _encoded(item))  # type: ignore[arg-type]
+                commands.append(("XADD", item.route.reply_to))
                 streams.add(item.route.reply_to)
             for stream in streams:
                 pipe.expire(stream, self.result_ttl_s)
+                commands.append(("EXPIRE", stream))
             for item in outgoing:
                 if not isinstance(item.event, Delta):
                     pipe.set(self.keys.done(item.route.id), item.route.entry_id, ex=self.dedupe_ttl_s)
                     pipe.xack(self.stream, GROUP, item.route.entry_id)
-            await pipe.execute()
+                    commands += [("SET", self.keys.done(item.route.id)), ("XACK", item.route.entry_id)]
+            replies = await pipe.execute(raise_on_error=False)
+        for command, reply in zip(commands, replies, strict=True):
+            if isinstance(reply, Exception):
+                log.error("redis refused a write", command=command, error=str(reply))
 
     async def heartbeat(self, consumer: str, info: dict[str, Any], ttl_s: float) -> None:
         """Say this worker is alive, what it serves and how loaded it is."""
         await self.redis.set(self.keys.worker(consumer), json.dumps(info), px=int(ttl_s * 1000))
+
+
+def _encoded(item: Outgoing) -> dict[str, bytes | str]:
+    """The entry fields of an event; an event that cannot be encoded becomes an `internal` error."""
+    try:
+        return encode_event(item.event, item.route.encoding)
+    except (TypeError, ValueError) as e:
+        log.error("event could not be encoded", request_id=item.route.id, error=repr(e))
+        error = Error(id=item.route.id, code="internal", message=f"the output could not be encoded: {e}")
+        return encode_event(error, item.route.encoding)
