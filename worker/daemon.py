@@ -13,6 +13,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -147,7 +148,7 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
-            entries = await retrying(lambda: self.streams.read(room, self.settings.block_ms), "reading requests")
+            entries = await retrying(partial(self.streams.read, room, self.settings.block_ms), "reading requests")
             try:
                 await self._accept(entries)
             except Exception:  # noqa: BLE001 - the intake keeps going; what it held stays pending in Redis
@@ -158,12 +159,12 @@ class Worker:
         """Register new entries, drop repeats, and start the rest."""
         accepted = [a for a in [await self._register(entry_id, fields) for entry_id, fields in entries] if a]
         ids = [route.id for _, route in accepted]
-        done, cancelled = await retrying(lambda: self.streams.flags(ids), "checking done and cancel flags")
+        done, cancelled = await retrying(partial(self.streams.flags, ids), "checking done and cancel flags")
         for envelope, route in accepted:
             if route.id in done:
                 log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
                 self._forget(route.id)
-                await retrying(lambda: self.streams.ack([route.entry_id]), "acknowledging a repeat")
+                await retrying(partial(self.streams.ack, [route.entry_id]), "acknowledging a repeat")
                 continue
             try:
                 await self._start(envelope, route, cancelled=route.id in cancelled)
@@ -175,17 +176,18 @@ class Worker:
     async def _register(self, entry_id: str, fields: dict[Any, Any] | None) -> tuple[Envelope, Route] | None:
         """The envelope and route of a new entry, now in flight; None if there is nothing to run."""
         if fields is None:  # deleted from the stream before we read it
-            await retrying(lambda: self.streams.ack([entry_id]), "acknowledging a deleted entry")
+            await retrying(partial(self.streams.ack, [entry_id]), "acknowledging a deleted entry")
             return None
         try:
             envelope = read_envelope(fields)
         except Undeliverable as e:
-            log.warning("dead letter", entry_id=entry_id, reason=str(e))
-            await retrying(lambda: self.streams.dead_letter(entry_id, fields, str(e)), "dead-lettering")
+            reason = str(e)
+            log.warning("dead letter", entry_id=entry_id, reason=reason)
+            await retrying(partial(self.streams.dead_letter, entry_id, fields, reason), "dead-lettering")
             return None
         if envelope.id in self.in_flight:
             log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
-            await retrying(lambda: self.streams.ack([entry_id]), "acknowledging a repeat")
+            await retrying(partial(self.streams.ack, [entry_id]), "acknowledging a repeat")
             return None
         reply_to = envelope.reply_to if self.keys.allows_reply_to(envelope.reply_to) else None
         route = Route(envelope.id, entry_id, reply_to or self.keys.output(envelope.id), envelope.encoding)
@@ -238,7 +240,7 @@ class Worker:
                 outputs.append(self._outputs.get_nowait())
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                await asyncio.shield(retrying(lambda: self.streams.publish(outgoing), "publishing"))
+                await asyncio.shield(retrying(partial(self.streams.publish, outgoing), "publishing"))
             for item in outgoing:
                 if not isinstance(item.event, Delta):
                     self._forget(item.route.id)
