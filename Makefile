@@ -1,4 +1,5 @@
-# Two commands on a fresh machine with Python 3.10+ and make: `make run`, `make test`.
+# Two commands on a fresh machine with Python 3.11+ and make: `make run`, `make test`.
+# (The client alone runs on 3.10; the worker needs mlx-lm 0.32, which needs 3.11.)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +8,7 @@ STAMP := $(VENV)/.installed-stamp
 .PHONY: run test install lint clean
 
 $(STAMP): pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "mlxq needs Python 3.10+"'
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "the mlxq worker needs Python 3.11+ (mlx-lm 0.32 does); try: make PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[worker,embedded,dev]"

@@ -284,3 +284,17 @@ def test_a_repeated_finished_id_is_not_computed_again(worker, r, outputs, new_id
     check_stream(outputs.of(later))  # the worker reads in order: the repeat was handled by now
     assert len(r.xrange(f"mlxq:out:{{{rid}}}")) == written
     assert pending_count(r, worker.queue) == 0
+
+
+def test_each_finished_request_gets_a_summary_log_line(worker, r, outputs, new_id):
+    """The worker logs one line per finished request with its id, tokens, TTFT and tok/s."""
+    rid = new_id()
+    xadd_json(r, worker.queue, rid, {"prompt": "Log me", "max_tokens": 8})
+    check_stream(outputs.of(rid))
+    for _ in range(50):
+        lines = [json.loads(line) for line in worker.log().splitlines() if rid in line]
+        if lines:
+            break
+        time.sleep(0.05)
+    (line,) = [x for x in lines if x["event"] == "request finished"]
+    assert line["completion_tokens"] == 8 and line["ttft_ms"] > 0 and line["tok_s"] > 0

@@ -33,6 +33,7 @@ from .streams import QueueStreams, retrying
 
 log = structlog.get_logger("mlxq.worker")
 
+
 def entry_ms(entry_id: str) -> int:
     """The server's clock, in ms, when the entry was added (the first part of its id)."""
     return int(entry_id.split("-", 1)[0])
@@ -67,17 +68,18 @@ class Worker:
         self._install_signal_handlers(loop)
         log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
                  redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
-        publisher = asyncio.create_task(self._publish_loop(), name="publisher")
-        background = [asyncio.create_task(self._intake_loop(), name="intake"),
-                      asyncio.create_task(self._cancel_loop(), name="cancels"),
-                      asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
-        for task in (publisher, *background):
+        intake = asyncio.create_task(self._intake_loop(), name="intake")
+        others = [asyncio.create_task(self._publish_loop(), name="publisher"),
+                  asyncio.create_task(self._cancel_loop(), name="cancels"),
+                  asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
+        for task in (intake, *others):
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
-        for task in background:
-            task.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
-        return await self._shut_down(publisher)
+        await _cancel(intake)
+        status = await self._shut_down()
+        await _cancel(*others)
+        await self.redis.aclose()
+        return status
 
     async def _connect(self) -> None:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
@@ -100,19 +102,21 @@ class Worker:
         self.intake = Intake(info, self.settings)
         return info
 
-    async def _shut_down(self, publisher: asyncio.Task[None]) -> int:
+    async def _shut_down(self) -> int:
+        """Reading has stopped. Let running requests finish (cancels still apply) and publish
+        what they produce; what is left stays pending in the group for another worker."""
         if self._fatal is not None:
             log.critical("worker exiting on a fatal error; in-flight requests stay pending for another worker",
                          error=repr(self._fatal), in_flight=len(self.in_flight))
-            publisher.cancel()
             return 1
         log.info("draining", running=len(self.in_flight), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
         await asyncio.to_thread(self.engine.join)
         await self._outputs.join()
-        publisher.cancel()
-        await self.redis.delete(self.keys.worker(self.consumer))
-        await self.redis.aclose()
+        try:
+            await self.redis.delete(self.keys.worker(self.consumer))
+        except (RedisError, OSError) as e:
+            log.warning("could not remove the heartbeat", error=repr(e))
         log.info("worker stopped", left_pending=len(self.in_flight))
         return 0
 
@@ -268,6 +272,12 @@ class Worker:
             except (RedisError, OSError) as e:
                 log.warning("heartbeat failed", error=repr(e))
             await asyncio.sleep(self.settings.heartbeat_s)
+
+
+async def _cancel(*tasks: asyncio.Task[None]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _log_finished(item: Outgoing) -> None:
