@@ -8,6 +8,7 @@ from typing import Any
 from . import demo_model
 from .engine import Loaded, ModelInfo
 from .generator import MlxBatchBackend
+from .sampling import warm_up
 from .settings import WorkerSettings
 
 
@@ -28,6 +29,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
     info = ModelInfo(name=settings.model or f"demo:{Path(path)}", tokenizer=tokenizer,
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
+    warm_up(info.vocab_size)
 
     def make_backend() -> MlxBatchBackend:
         return MlxBatchBackend(model, tokenizer.eos_token_ids,

@@ -1,6 +1,10 @@
-"""Per-request samplers and logits processors, built with mlx-lm's own helpers.
+"""Per-request samplers and logits processors. Runs on the engine thread: they hold MLX state.
 
-Runs on the engine thread: samplers hold MLX state.
+mlx-lm's `make_sampler` passes temperature and top_p into `mx.compile`d functions as
+Python floats, and compile caches on their values: every new temperature or top_p
+recompiled there, stalling the whole batch for ~0.5 s on a CPU. Here they travel as
+arrays, so one compiled function serves every value; mlx-lm's own filters still do
+the work where they take arrays (top_p, top_k).
 """
 
 from __future__ import annotations
@@ -9,11 +13,10 @@ import mlx.core as mx
 from mlx_lm.sample_utils import (
     LogitsProcessor,
     Sampler,
-    apply_min_p,
     apply_top_k,
     apply_top_p,
+    greedy_sampler,
     make_logits_processors,
-    make_sampler,
 )
 
 from .messages import SamplingParams
@@ -22,9 +25,9 @@ from .messages import SamplingParams
 def build_sampler(params: SamplingParams) -> Sampler:
     """The request's own sampler. Greedy requests share mlx-lm's greedy sampler, which
     lets BatchGenerator sample them in one batched call."""
-    if params.seed is None or params.temperature == 0:
-        return make_sampler(temp=params.temperature, top_p=params.top_p, min_p=params.min_p, top_k=params.top_k)
-    return _seeded_sampler(params, params.seed)
+    if params.temperature == 0:
+        return greedy_sampler
+    return _RandomSampler(params)
 
 
 def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
@@ -32,24 +35,32 @@ def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
     return make_logits_processors(repetition_penalty=params.repetition_penalty)
 
 
-def _seeded_sampler(params: SamplingParams, seed: int) -> Sampler:
-    """mlx-lm's sampling chain drawn from a private random key, so a seeded request
-    samples the same tokens whatever else is in the batch (mlx-lm's own sampler draws
-    from the global random state, which every request shares)."""
-    filters = []
-    if 0 < params.top_p < 1.0:
-        filters.append(lambda x: apply_top_p(x, params.top_p))
-    if params.min_p != 0.0:
-        filters.append(lambda x: apply_min_p(x, params.min_p))
-    if params.top_k > 0:
-        filters.append(lambda x: apply_top_k(x, params.top_k))
-    key = mx.random.key(seed)
+def warm_up(vocab_size: int) -> None:
+    """Compile the sampling filters once at start, not in the middle of someone's stream."""
+    logprobs = mx.zeros((1, vocab_size))
+    mx.eval(_RandomSampler(SamplingParams(temperature=1.0, top_p=0.9, top_k=2, min_p=0.1, seed=0))(logprobs))
 
-    def sample(logprobs: mx.array) -> mx.array:
-        nonlocal key
-        key, draw = mx.random.split(key)
-        for keep in filters:
-            logprobs = keep(logprobs)
-        return mx.random.categorical(logprobs * (1.0 / params.temperature), key=draw)
 
-    return sample
+class _RandomSampler:
+    """Temperature sampling after top_p / min_p / top_k; with a seed, from a private random
+    key, so that the draws do not depend on what else is in the batch."""
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.inverse_temperature = mx.array(1.0 / params.temperature)
+        self.top_p = mx.array(params.top_p) if 0 < params.top_p < 1 else None
+        self.log_min_p = mx.log(mx.array(params.min_p)) if params.min_p > 0 else None
+        self.top_k = params.top_k
+        self.key = None if params.seed is None else mx.random.key(params.seed)
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        if self.top_p is not None:
+            logprobs = apply_top_p(logprobs, self.top_p)
+        if self.log_min_p is not None:  # mlx-lm's apply_min_p takes a float: inlined
+            floor = logprobs.max(axis=-1, keepdims=True) + self.log_min_p
+            logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)
+        if 0 < self.top_k < logprobs.shape[-1]:
+            logprobs = apply_top_k(logprobs, self.top_k)
+        draw = None
+        if self.key is not None:
+            self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * self.inverse_temperature, key=draw)
