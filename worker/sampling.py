@@ -54,7 +54,7 @@ class _RandomSampler:
 
     def __call__(self, logprobs: mx.array) -> mx.array:
         if self.top_p is not None:
-            logprobs = apply_top_p(logprobs, self.top_p)
+            logprobs = apply_top_p(logprobs, self.top_p)  # type: ignore[arg-type]  # an array: see above
         if self.log_min_p is not None:  # mlx-lm's apply_min_p takes a float: inlined
             floor = logprobs.max(axis=-1, keepdims=True) + self.log_min_p
             logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)
