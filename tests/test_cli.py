@@ -13,7 +13,7 @@ import pytest
 import redis
 from support import ROOT, worker_fixture
 
-from client import decode_event
+from client import Client, decode_event
 
 worker = worker_fixture()
 
@@ -72,16 +72,17 @@ def free_port() -> int:
 
 
 def test_worker_with_embedded_defaults(tmp_path):
-    """With no Redis and no model configured, the worker starts Valkey, builds the demo model,
-    says which URL to use, serves `mlxq submit`, and stops both on SIGTERM."""
+    """With no Redis and no model configured, the worker starts Valkey, builds the demo model, says
+    which URL to use and serves `mlxq submit`. Ctrl-C (SIGINT to the whole process group, as a
+    terminal sends it) lets a running request finish, then stops the worker and Valkey."""
     port = free_port()
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     log = tmp_path / "worker.log"
     with open(log, "wb") as out:
         process = subprocess.Popen([*MLXQ, "worker", "--embedded-port", str(port)], cwd=ROOT, env=env,
-                                   stdout=out, stderr=subprocess.STDOUT)
+                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"redis://127.0.0.1:{port}"
     try:
-        url = f"redis://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while "worker ready" not in log.read_text():
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
@@ -91,9 +92,15 @@ def test_worker_with_embedded_defaults(tmp_path):
         assert result.returncode == 0, result.stderr
         assert (tmp_path / "cache" / "mlxq" / "demo-model" / "config.json").exists()
         assert (tmp_path / "cache" / "mlxq" / "valkey" / "appendonlydir").is_dir()
+        with Client(url) as client:
+            job = client.submit("A long one", max_tokens=1500)
+            next(job.stream(timeout=30))
+            os.killpg(process.pid, signal.SIGINT)
+            assert job.result(timeout=60).finish_reason == "length"
+        assert process.wait(60) == 0, log.read_text()
     finally:
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(30) == 0, log.read_text()
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
     with pytest.raises(redis.ConnectionError):
         redis.Redis.from_url(url, socket_connect_timeout=1).ping()
 

