@@ -125,10 +125,7 @@ def test_more_requests_than_the_completion_batch_all_finish(narrow_worker, r, ou
 def test_a_request_joins_while_others_decode(worker, r, outputs, new_id):
     """A request submitted while two long ones decode starts and finishes before they do."""
     shared = f"shared-{new_id()}"
-    long_ids = [new_id("long") for _ in range(2)]
-    for rid in long_ids:
-        xadd_json(r, worker.queue, rid, {"prompt": "A long story", "max_tokens": LONG, "reply_to": shared})
-    _wait_for_deltas(r, shared, long_ids)
+    long_ids = start_long_requests(r, worker.queue, 2, shared, new_id)
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
     check_stream(outputs.events(shared, short))
@@ -139,6 +136,15 @@ def test_a_request_joins_while_others_decode(worker, r, outputs, new_id):
     short_done = order.index(("Done", short))
     assert all(order.index(("Done", rid)) > short_done for rid in long_ids)
     assert all(order.index(("Delta", rid)) < order.index(("Delta", short)) for rid in long_ids)
+
+
+def start_long_requests(r: redis.Redis, queue: str, n: int, reply_to: str, new_id) -> list[str]:
+    """Submit `n` long requests sharing `reply_to`; return once each has streamed a delta."""
+    ids = [new_id("long") for _ in range(n)]
+    for rid in ids:
+        xadd_json(r, queue, rid, {"prompt": "A long story", "max_tokens": LONG, "reply_to": reply_to})
+    _wait_for_deltas(r, reply_to, ids)
+    return ids
 
 
 def _wait_for_deltas(r: redis.Redis, stream: str, ids: list[str], timeout: float = 30) -> None:
@@ -215,10 +221,7 @@ def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
 def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
     """Cancelling one of four running requests ends it `cancelled`, and a new request takes its slot."""
     shared = f"shared-{new_id()}"
-    long_ids = [new_id("long") for _ in range(4)]
-    for rid in long_ids:
-        xadd_json(r, worker.queue, rid, {"prompt": "Go on", "max_tokens": LONG, "reply_to": shared})
-    _wait_for_deltas(r, shared, long_ids)
+    long_ids = start_long_requests(r, worker.queue, 4, shared, new_id)
     client = Client(worker.redis_url)
     client.cancel(long_ids[0])
     cancelled = check_stream(outputs.events(shared, long_ids[0]))
