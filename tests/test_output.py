@@ -102,3 +102,19 @@ def test_process_step_drops_tokens_of_removed_sequences(tokenizer):
     assert [o.event.id for o in outgoing] == ["r1"] and finished == []
     outgoing, finished = process_step(streams, [TokenOut(7, 52, "length")], now=102.0)
     assert finished == [7] and isinstance(outgoing[-1].event, Done)
+
+
+def test_a_request_whose_output_fails_ends_alone_with_an_error(tokenizer):
+    """If turning one request's tokens into text raises, that request gets one `internal` error; others go on."""
+    class Broken:
+        text = ""
+
+        def add_token(self, token: int) -> None:
+            raise UnicodeError("broken")
+
+    streams = {1: RequestStream(make_request(), Broken(), 100.0),
+               2: RequestStream(make_request(), tokenizer.detokenizer, 100.0)}
+    outgoing, finished = process_step(streams, [TokenOut(1, 50, None), TokenOut(2, 50, None)], now=101.0)
+    assert finished == [1]
+    assert [type(o.event).__name__ for o in outgoing] == ["Error", "Delta"]
+    assert outgoing[0].event.code == "internal"

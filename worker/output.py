@@ -113,7 +113,13 @@ def process_step(streams: dict[int, RequestStream], tokens: Iterable[TokenOut],
         stream = streams.get(out.uid)
         if stream is None:  # removed this step (cancelled); its token is dropped
             continue
-        outgoing.extend(Outgoing(stream.request.route, e) for e in stream.add(out, now))
+        try:
+            events = stream.add(out, now)
+        except Exception as e:  # noqa: BLE001 - this request alone fails
+            outgoing.append(failed(stream.request, "internal", f"could not turn tokens into text: {e!r}"))
+            finished.append(out.uid)
+            continue
+        outgoing.extend(Outgoing(stream.request.route, event) for event in events)
         if stream.done is not None:
             finished.append(out.uid)
     return outgoing, finished
