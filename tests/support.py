@@ -143,6 +143,6 @@ def worker_fixture(**settings: Any) -> Any:
         worker = start_worker(valkey, demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
         yield worker
         worker.stop()
-        assert worker.process.returncode == 0, worker.log()
+        assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"
 
     return fixture

@@ -47,3 +47,12 @@ def test_shipped_configs_load(name):
     """The example configs in config/ are valid."""
     settings = load_settings(ROOT / "config" / name)
     assert settings.max_num_seqs >= 1
+
+
+def test_every_setting_is_documented():
+    """The README's settings table and config/worker.toml name every setting."""
+    readme = (ROOT / "README.md").read_text()
+    example = (ROOT / "config" / "worker.toml").read_text()
+    for name in WorkerSettings.model_fields:
+        assert f"| `{name}` |" in readme, name
+        assert name in example, name
