@@ -224,6 +224,14 @@ class Done:
     metadata: dict[str, Any] | None = None
     type: Literal["done"] = field(default="done", repr=False)
 
+    @property
+    def decode_tok_s(self) -> float | None:
+        """Tokens per second after the first one: (tokens - 1) / (total - TTFT)."""
+        tokens, ttft, total = self.usage["completion_tokens"], self.timing["ttft_ms"], self.timing["total_ms"]
+        if tokens < 2 or ttft is None or total is None or total <= ttft:
+            return None
+        return round((tokens - 1) / ((total - ttft) / 1000.0), 1)
+
 
 @dataclass(frozen=True)
 class Error:

@@ -12,7 +12,7 @@ import pytest
 import redis
 from support import ROOT, free_port, worker_fixture
 
-from client import Client, decode_event
+from client import Client, Done, decode_event
 
 worker = worker_fixture()
 
@@ -46,6 +46,7 @@ def test_submit_streams_the_text(worker):
     assert result.returncode == 0, result.stderr
     r = redis.Redis.from_url(worker.redis_url)
     terminal = decode_event(r.xrange("mlxq:out:{cli-stream-1}")[-1][1])
+    r.close()
     assert result.stdout == terminal.text + "\n"
     assert "16 completion tokens" in result.stderr and "TTFT" in result.stderr
 
@@ -114,3 +115,25 @@ def test_worker_exits_non_zero_when_the_model_cannot_load(valkey, tmp_path):
                   env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1
     assert "the model could not be loaded" in result.stderr
+
+
+def test_ctrl_c_on_submit_cancels_the_request(worker):
+    """Interrupting `mlxq submit` cancels its request instead of leaving it to run."""
+    rid = f"cli-interrupt-{time.monotonic_ns()}"
+    process = subprocess.Popen([*MLXQ, "submit", "--redis-url", worker.redis_url, "--queue", worker.queue,
+                                "--stream", "--max-tokens", "1500", "--id", rid, "Go on and on"],
+                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = redis.Redis.from_url(worker.redis_url)
+    deadline = time.monotonic() + 30
+    while not r.exists(f"mlxq:out:{{{rid}}}"):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(30) == 130
+    last = None
+    while not isinstance(last, Done):
+        reply = r.xread({f"mlxq:out:{{{rid}}}": "0-0"}, count=10000, block=1000)
+        last = decode_event(reply[0][1][-1][1])
+        assert time.monotonic() < deadline + 30
+    assert last.finish_reason == "cancelled"
+    r.close()

@@ -14,7 +14,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from pydantic import ValidationError
 
-from client import Client, JobCancelled, JobFailed, JobTimeout, RequestRejected
+from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, RequestRejected
 from client._protocol import describe_validation_error
 
 from . import demo_model, embedded
@@ -134,28 +134,35 @@ def _run_submit(args: argparse.Namespace) -> int:
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     with Client(args.redis_url, queue=args.queue) as client:
         try:
-            started = time.monotonic()
             job = client.submit(id=args.id, **prompt, **params)
-            if args.stream:
-                for delta in job.stream(timeout=args.timeout):
-                    print(delta.text, end="", flush=True)
-                print()
-            done = job.result(timeout=args.timeout)
-        except (RequestRejected, JobFailed, JobTimeout, JobCancelled) as e:
+        except RequestRejected as e:
             print(f"mlxq submit: {e}", file=sys.stderr)
             return 1
-    if not args.stream:
-        print(done.text)
-    _print_summary(done, time.monotonic() - started)
+        try:
+            done = _follow(job, args.stream, args.timeout)
+        except KeyboardInterrupt:
+            job.cancel()
+            print(f"\nmlxq submit: cancelled {job.id}", file=sys.stderr)
+            return 130
+        except (JobFailed, JobTimeout, JobCancelled) as e:
+            print(f"mlxq submit: {e}", file=sys.stderr)
+            return 1
+    print(f"[{done.id}] {done.finish_reason}: {done.usage['prompt_tokens']} prompt + "
+          f"{done.usage['completion_tokens']} completion tokens, TTFT {done.timing['ttft_ms']} ms, "
+          f"{done.decode_tok_s} tok/s, total {done.timing['total_ms']} ms", file=sys.stderr)
     return 0
 
 
-def _print_summary(done: Any, elapsed_s: float) -> None:
-    tokens = done.usage["completion_tokens"]
-    ttft, total = done.timing["ttft_ms"], done.timing["total_ms"]
-    rate = (tokens - 1) / ((total - ttft) / 1000.0) if tokens > 1 and ttft is not None and total > ttft else 0.0
-    print(f"[{done.id}] {done.finish_reason}: {done.usage['prompt_tokens']} prompt + {tokens} completion tokens, "
-          f"TTFT {ttft} ms, {rate:.1f} tok/s, total {total} ms", file=sys.stderr)
+def _follow(job: Job, stream: bool, timeout: float) -> Done:
+    """Print the job's text (as it arrives with `stream`) and return its result."""
+    if stream:
+        for delta in job.stream(timeout=timeout):
+            print(delta.text, end="", flush=True)
+        print()
+        return job.result(timeout=timeout)
+    done = job.result(timeout=timeout)
+    print(done.text)
+    return done
 
 
 def _run_redis(args: argparse.Namespace) -> int:

@@ -286,9 +286,6 @@ def _log_finished(item: Outgoing) -> None:
         log.info("request failed", request_id=event.id, code=event.code, message=event.message)
         return
     assert isinstance(event, Done)
-    tokens = event.usage["completion_tokens"]
-    ttft, total = event.timing["ttft_ms"], event.timing["total_ms"]
-    decode_s = ((total or 0) - (ttft or 0)) / 1000.0
     log.info("request finished", request_id=event.id, finish_reason=event.finish_reason,
-             prompt_tokens=event.usage["prompt_tokens"], completion_tokens=tokens, ttft_ms=ttft, total_ms=total,
-             tok_s=round((tokens - 1) / decode_s, 1) if tokens > 1 and decode_s > 0 else None)
+             prompt_tokens=event.usage["prompt_tokens"], completion_tokens=event.usage["completion_tokens"],
+             ttft_ms=event.timing["ttft_ms"], total_ms=event.timing["total_ms"], tok_s=event.decode_tok_s)
