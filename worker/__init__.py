@@ -1,0 +1,1 @@
+"""The mlxq worker daemon: `mlxq worker` (see `worker.cli`)."""
