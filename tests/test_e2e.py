@@ -129,9 +129,10 @@ def test_a_request_joins_while_others_decode(worker, r, outputs, new_id):
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
     check_stream(outputs.events(shared, short))
-    for rid in long_ids:
-        Client(worker.redis_url).cancel(rid)
-        check_stream(outputs.events(shared, rid))
+    with Client(worker.redis_url) as client:
+        for rid in long_ids:
+            client.cancel(rid)
+            check_stream(outputs.events(shared, rid))
     order = [(type(e).__name__, e.id) for e in outputs.all_on(shared)]
     short_done = order.index(("Done", short))
     assert all(order.index(("Done", rid)) > short_done for rid in long_ids)

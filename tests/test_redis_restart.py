@@ -46,6 +46,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             assert client.redis.xlen(f"mlxq:out:{{{before}}}") == 6, "the output written before survived"
         assert worker.process.poll() is None
         assert "redis unreachable; retrying" in worker.log()
+        r.close()
     finally:
         worker.stop()
         server.stop()
