@@ -66,6 +66,10 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(loop)
+        if self.settings.completion_batch_size < self.settings.max_num_seqs:
+            log.warning("completion_batch_size is below max_num_seqs: admitted requests beyond it wait inside "
+                        "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
+                        max_num_seqs=self.settings.max_num_seqs)
         log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
                  redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
         intake = asyncio.create_task(self._intake_loop(), name="intake")
