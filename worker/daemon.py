@@ -66,12 +66,7 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(loop)
-        if self.settings.completion_batch_size < self.settings.max_num_seqs:
-            log.warning("completion_batch_size is below max_num_seqs: admitted requests beyond it wait inside "
-                        "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
-                        max_num_seqs=self.settings.max_num_seqs)
-        log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
-                 redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
+        self._announce(info)
         intake = asyncio.create_task(self._intake_loop(), name="intake")
         others = [asyncio.create_task(self._publish_loop(), name="publisher"),
                   asyncio.create_task(self._cancel_loop(), name="cancels"),
@@ -84,6 +79,14 @@ class Worker:
         await _cancel(*others)
         await self.redis.aclose()
         return status
+
+    def _announce(self, info: ModelInfo) -> None:
+        if self.settings.completion_batch_size < self.settings.max_num_seqs:
+            log.warning("completion_batch_size is below max_num_seqs: admitted requests beyond it wait inside "
+                        "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
+                        max_num_seqs=self.settings.max_num_seqs)
+        log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
+                 redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
 
     async def _connect(self) -> None:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
