@@ -91,6 +91,15 @@ class Harness:
         self.engine.start()
         self.engine.wait_ready(5)
 
+    def shut_down(self, drain_timeout_s: float) -> list[StepOutput]:
+        """Shut the engine down; everything it handed out after the last read."""
+        self.engine.shutdown(drain_timeout_s)
+        assert self.engine.join(5)
+        outs = []
+        while not self.outputs.empty():
+            outs.append(self.outputs.get())
+        return outs
+
     def events_until_terminal(self, ids: set[str], timeout: float = 5) -> dict[str, list]:
         events: dict[str, list] = {i: [] for i in ids}
         deadline = time.monotonic() + timeout
@@ -175,11 +184,7 @@ def test_shutdown_finishes_running_and_abandons_waiting():
     h.engine.submit(request("running", max_tokens=5))
     h.engine.submit(request("waiting"))
     h.outputs.get(timeout=5)
-    h.engine.shutdown(drain_timeout_s=10)
-    assert h.engine.join(5)
-    outs = []
-    while not h.outputs.empty():
-        outs.append(h.outputs.get())
+    outs = h.shut_down(drain_timeout_s=10)
     assert [r.id for o in outs for r in o.abandoned] == ["waiting"]
     assert any(isinstance(i.event, Done) and i.event.id == "running" for o in outs for i in o.outgoing)
 
@@ -189,11 +194,7 @@ def test_shutdown_abandons_running_requests_after_the_drain_timeout():
     h = Harness(max_num_seqs=1, step_s=0.01)
     h.engine.submit(request("endless", max_tokens=10**9))
     h.outputs.get(timeout=5)
-    h.engine.shutdown(drain_timeout_s=0.1)
-    assert h.engine.join(5)
-    outs = []
-    while not h.outputs.empty():
-        outs.append(h.outputs.get())
+    outs = h.shut_down(drain_timeout_s=0.1)
     assert [r.id for o in outs for r in o.abandoned] == ["endless"]
     assert not any(isinstance(i.event, Done) for o in outs for i in o.outgoing)
 
