@@ -36,8 +36,9 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
     except InvalidRequest as e:
         raise RequestRejected(str(e)) from e
     reply_to = body.get("reply_to")
-    if reply_to is not None and not keys.allows_reply_to(reply_to):
-        raise RequestRejected(f"reply_to: {reply_to!r} is one of mlxq's own keys")
+    problem = None if reply_to is None else keys.reply_to_problem(reply_to)
+    if problem:
+        raise RequestRejected(problem)
     output = reply_to or keys.output(request_id)
     return Submission(request_id, keys.queue(queue), fields, output)
 

@@ -44,12 +44,13 @@ class Keys:
         """Marks an id whose terminal event was written, so a repeat is not computed."""
         return f"{self.prefix}:done:{{{request_id}}}"
 
-    def allows_reply_to(self, key: str | None) -> bool:
-        """Whether a request may send its output to `key`: anywhere but mlxq's own keys,
-        except output streams (so no request can write into a queue or a cancel flag)."""
-        if key is None:
-            return False
-        return not key.startswith(f"{self.prefix}:") or key.startswith(f"{self.prefix}:out:")
+    def reply_to_problem(self, key: str) -> str | None:
+        """Why a request may not send its output to `key`, or None if it may: anywhere but
+        mlxq's own keys, except output streams (no request writes into a queue or a flag)."""
+        if key.startswith(f"{self.prefix}:") and not key.startswith(f"{self.prefix}:out:"):
+            return f"reply_to: {key!r} is one of mlxq's own keys; use a key outside '{self.prefix}:' " \
+                   f"or under '{self.prefix}:out:'"
+        return None
 
     def worker(self, consumer: str) -> str:
         """One worker's heartbeat: its load and what it serves, with a TTL."""

@@ -143,3 +143,9 @@ async def test_async_client_errors(worker):
         job = await c.submit("anyone?")
         with pytest.raises(JobTimeout):
             await job.result(timeout=0.3)
+
+
+def test_reply_to_into_mlxq_keys_is_rejected_before_sending(sync_client):
+    """The client refuses a reply_to that would write into a queue, with the worker's own message."""
+    with pytest.raises(RequestRejected, match="is one of mlxq's own keys"):
+        sync_client.submit("hi", reply_to=f"mlxq:q:{sync_client.queue}")

@@ -200,8 +200,10 @@ class Worker:
             log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
             await retrying(partial(self.streams.ack, [entry_id]), "acknowledging a repeat")
             return None
-        reply_to = envelope.reply_to if self.keys.allows_reply_to(envelope.reply_to) else None
-        route = Route(envelope.id, entry_id, reply_to or self.keys.output(envelope.id), envelope.encoding)
+        reply_to = envelope.reply_to
+        if reply_to is None or self.keys.reply_to_problem(reply_to):  # the error goes to the default stream
+            reply_to = self.keys.output(envelope.id)
+        route = Route(envelope.id, entry_id, reply_to, envelope.encoding)
         self.in_flight[envelope.id] = route  # before the flag check, so no cancel slips between
         return envelope, route
 

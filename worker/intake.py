@@ -28,9 +28,9 @@ class Intake:
             raise envelope.error
         assert envelope.raw is not None
         body = validate_body(envelope.raw)
-        if body.reply_to is not None and not self.keys.allows_reply_to(body.reply_to):
-            raise InvalidRequest(f"reply_to: {body.reply_to!r} is one of mlxq's own keys; "
-                                 f"use a key outside '{self.keys.prefix}:' or under '{self.keys.prefix}:out:'")
+        problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
+        if problem:
+            raise InvalidRequest(problem)
         if body.metadata is not None:
             _check_encodable(body.metadata, envelope.encoding)
         if body.images:
