@@ -44,6 +44,11 @@ class Keys:
         """Marks an id whose terminal event was written, so a repeat is not computed."""
         return f"{self.prefix}:done:{{{request_id}}}"
 
+    def progress(self, request_id: str) -> str:
+        """The publishing fence of one request: which entry writes its output, and how many
+        events (deltas and terminal) are already written."""
+        return f"{self.prefix}:progress:{{{request_id}}}"
+
     def reply_to_problem(self, key: str) -> str | None:
         """Why a request may not send its output to `key`, or None if it may: anywhere but
         mlxq's own keys, except output streams (no request writes into a queue or a flag)."""

@@ -48,7 +48,7 @@ class RequestBody(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[str] = Field(default_factory=list)
     stream_interval: int | None = Field(None, ge=1)
     priority: int = 0
     deadline_ms: int | None = Field(None, ge=0)
@@ -111,8 +111,9 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def read_envelope(fields: dict[Any, Any]) -> Envelope:
-    """Read the id and body of a request entry; raise `Undeliverable` without an id."""
+def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> Envelope:
+    """Read the id and body of a request entry; raise `Undeliverable` without an id.
+    A body over `max_body_bytes` is not decoded at all."""
     fields = {_text(k): v for k, v in fields.items()}
     raw_id = fields.get("id")
     try:
@@ -129,6 +130,10 @@ def read_envelope(fields: dict[Any, Any]) -> Envelope:
         return Envelope(request_id, None, "json", None,
                         InvalidRequest(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
     encoding: Encoding = bodies[0]  # type: ignore[assignment]
+    size = len(fields[encoding])
+    if max_body_bytes is not None and size > max_body_bytes:
+        return Envelope(request_id, None, encoding, None, InvalidRequest(
+            f"body: {size} bytes is above this worker's max_body_bytes ({max_body_bytes})", code="too_large"))
     try:
         raw = _decode_body(fields[encoding], encoding)
     except InvalidRequest as e:

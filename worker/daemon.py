@@ -8,30 +8,42 @@ The event loop owns every Redis connection; the engine thread owns MLX.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Literal
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from client._keys import Keys
-from client._protocol import Delta, Done, Envelope, Error, InvalidRequest, Undeliverable, read_envelope
-from client._replies import StreamEntry
+from client._protocol import Delta, Done, Envelope, Error, Event, InvalidRequest, Undeliverable, read_envelope
 
 from .engine import Engine, EngineFailed, Loaded, ModelInfo
 from .intake import Intake
-from .messages import Outgoing, Route, StepOutput
+from .messages import Outgoing, Resume, Route, StepOutput
 from .output import deadline_exceeded, not_started
+from .recovery import Delivery, Reclaimer
 from .settings import WorkerSettings
-from .streams import QueueStreams, retrying
+from .streams import Batch, QueueStreams, retrying
 
 log = structlog.get_logger("mlxq.worker")
+
+HAND_BACK_IDLE_MS = 10**9  # entries handed back look long abandoned, so others take them at once
+
+
+@dataclass
+class InFlight:
+    """A request this worker holds: where its output goes, and how much of it is written."""
+
+    route: Route
+    written: int = 0  # events (deltas and terminal) in its output stream: the next one's position
 
 
 def entry_ms(entry_id: str) -> int:
@@ -47,7 +59,7 @@ class Worker:
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
         self.consumer = settings.consumer or socket.gethostname()
-        self.in_flight: dict[str, Route] = {}
+        self.in_flight: dict[str, InFlight] = {}  # read and not settled; what is left at exit is handed back
         self._cancel_requested: set[str] = set()  # in flight, cancel seen (maybe before the engine had it)
         self._outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._room = asyncio.Event()
@@ -55,6 +67,7 @@ class Worker:
         self._fatal: BaseException | None = None
         self._load = load
         self.capacity = settings.max_num_seqs + settings.prefetch
+        self._started_at = time.time()
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit status."""
@@ -66,17 +79,19 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(loop)
+        await retrying(partial(self._keep_alive, info), "writing the first heartbeat")  # before the first read
         self._announce(info)
         intake = asyncio.create_task(self._intake_loop(), name="intake")
-        others = [asyncio.create_task(self._publish_loop(), name="publisher"),
-                  asyncio.create_task(self._cancel_loop(), name="cancels"),
+        publisher = asyncio.create_task(self._publish_loop(), name="publisher")
+        others = [asyncio.create_task(self._cancel_loop(), name="cancels"),
                   asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
-        for task in (intake, *others):
+        for task in (intake, publisher, *others):
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
         await _cancel(intake)
-        status = await self._shut_down()
-        await _cancel(*others)
+        status = await self._drain()
+        await _cancel(publisher, *others)
+        await self._hand_back()
         await self.redis.aclose()
         return status
 
@@ -92,6 +107,8 @@ class Worker:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
         self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
                                     result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
+        self.reclaimer = Reclaimer(self.streams, self.settings.reclaim_interval_s,
+                                   min_idle_ms=int(2000 * self.settings.heartbeat_s))
         await retrying(self.streams.ensure_group, f"connecting to {self.redis_url}")
         self.clock_offset_s = await retrying(self.streams.clock_offset_s, "reading the server clock")
 
@@ -109,23 +126,27 @@ class Worker:
         self.intake = Intake(info, self.settings)
         return info
 
-    async def _shut_down(self) -> int:
+    async def _drain(self) -> int:
         """Reading has stopped. Let running requests finish (cancels still apply) and publish
-        what they produce; what is left stays pending in the group for another worker."""
+        what they produce, until the drain timeout."""
         if self._fatal is not None:
-            log.critical("worker exiting on a fatal error; in-flight requests stay pending for another worker",
-                         error=repr(self._fatal), in_flight=len(self.in_flight))
+            log.critical("worker exiting on a fatal error", error=repr(self._fatal), in_flight=len(self.in_flight))
             return 1
         log.info("draining", running=len(self.in_flight), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
         await asyncio.to_thread(self.engine.join)
         await self._outputs.join()
-        try:
-            await self.redis.delete(self.keys.worker(self.consumer))
-        except (RedisError, OSError) as e:
-            log.warning("could not remove the heartbeat", error=repr(e))
-        log.info("worker stopped", left_pending=len(self.in_flight))
         return 0
+
+    async def _hand_back(self) -> None:
+        """Remove our heartbeat and mark what we still hold as long idle, so that another
+        worker takes it over (and resumes it) at its next scan, not after a timeout."""
+        left = [flight.route.entry_id for flight in self.in_flight.values()]
+        try:
+            await self.streams.keep_mine(left, heartbeat="", ttl_s=0, idle_ms=HAND_BACK_IDLE_MS)
+        except (RedisError, OSError) as e:
+            log.warning("could not hand back; others take over when the heartbeat expires", error=repr(e))
+        log.info("worker stopped", handed_back=len(left))
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         """Each loop runs until cancelled; one that ends on its own is a bug: exit loudly."""
@@ -159,58 +180,81 @@ class Worker:
                 self._room.clear()
                 await self._room.wait()
                 continue
-            entries = await retrying(partial(self.streams.read, room, self.settings.block_ms), "reading requests")
+            deliveries = await self._reclaimed(room)
+            if not deliveries:
+                entries = await retrying(partial(self.streams.read, room, self.settings.block_ms), "reading requests")
+                deliveries = [Delivery(entry_id, fields) for entry_id, fields in entries]
             try:
-                await self._accept(entries)
+                await self._accept(deliveries)
             except Exception:  # noqa: BLE001 - the intake keeps going; what it held stays pending in Redis
                 log.exception("accepting requests failed")
                 await asyncio.sleep(1.0)
 
-    async def _accept(self, entries: list[StreamEntry]) -> None:
+    async def _reclaimed(self, room: int) -> list[Delivery]:
+        try:
+            return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
+        except ResponseError as e:  # no group (Redis restarted empty): the next read recreates it
+            log.warning("could not look for abandoned requests", error=str(e))
+            return []
+
+    async def _accept(self, deliveries: list[Delivery]) -> None:
         """Register new entries, drop repeats, and start the rest."""
-        accepted = [a for a in [await self._register(entry_id, fields) for entry_id, fields in entries] if a]
-        ids = [route.id for _, route in accepted]
+        accepted = [a for a in [await self._register(d) for d in deliveries] if a is not None]
+        ids = [flight.route.id for _, _, flight in accepted]
         done, cancelled = await retrying(partial(self.streams.flags, ids), "checking done and cancel flags")
-        for envelope, route in accepted:
+        for delivery, envelope, flight in accepted:
+            route = flight.route
             if route.id in done:
                 log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
                 self._forget(route.id)
-                await retrying(partial(self.streams.ack, [route.entry_id]), "acknowledging a repeat")
+                await retrying(partial(self.streams.settle, [route.entry_id]), "settling a repeat")
                 continue
             try:
-                await self._start(envelope, route, cancelled=route.id in cancelled)
+                await self._start(delivery, envelope, flight, cancelled=route.id in cancelled)
             except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
                 log.exception("could not start a request", request_id=route.id)
                 self._emit(Outgoing(route, Error(id=route.id, code="internal",
                                                  message=f"the worker could not start this request: {e!r}")))
 
-    async def _register(self, entry_id: str, fields: dict[Any, Any] | None) -> tuple[Envelope, Route] | None:
-        """The envelope and route of a new entry, now in flight; None if there is nothing to run."""
+    async def _register(self, delivery: Delivery) -> tuple[Delivery, Envelope, InFlight] | None:
+        """The envelope of a new entry, now in flight; None if there is nothing to run."""
+        entry_id, fields = delivery.entry_id, delivery.fields
         if fields is None:  # deleted from the stream before we read it
-            await retrying(partial(self.streams.ack, [entry_id]), "acknowledging a deleted entry")
+            await retrying(partial(self.streams.settle, [entry_id]), "settling a deleted entry")
             return None
         try:
-            envelope = read_envelope(fields)
+            envelope = read_envelope(fields, max_body_bytes=self.settings.max_body_bytes)
         except Undeliverable as e:
-            reason = str(e)
-            log.warning("dead letter", entry_id=entry_id, reason=reason)
-            await retrying(partial(self.streams.dead_letter, entry_id, fields, reason), "dead-lettering")
+            log.warning("dead letter", entry_id=entry_id, reason=str(e))
+            await retrying(partial(self.streams.dead_letter, entry_id, fields, str(e),
+                                   deliveries=delivery.deliveries), "dead-lettering")
             return None
         if envelope.id in self.in_flight:
             log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
-            await retrying(partial(self.streams.ack, [entry_id]), "acknowledging a repeat")
+            await retrying(partial(self.streams.settle, [entry_id]), "settling a repeat")
             return None
         reply_to = envelope.reply_to
         if reply_to is None or self.keys.reply_to_problem(reply_to):  # the error goes to the default stream
             reply_to = self.keys.output(envelope.id)
-        route = Route(envelope.id, entry_id, reply_to, envelope.encoding)
-        self.in_flight[envelope.id] = route  # before the flag check, so no cancel slips between
-        return envelope, route
+        flight = InFlight(Route(envelope.id, entry_id, reply_to, envelope.encoding))
+        self.in_flight[envelope.id] = flight  # before the flag check, so no cancel slips between
+        return delivery, envelope, flight
 
-    async def _start(self, envelope: Envelope, route: Route, cancelled: bool) -> None:
+    async def _start(self, delivery: Delivery, envelope: Envelope, flight: InFlight, cancelled: bool) -> None:
+        route = flight.route
+        resume = None
+        if delivery.deliveries > 1:  # an earlier delivery may have written output: continue after it
+            point = await self._resume_point(flight)
+            if point is False:
+                return
+            resume = point
+        if delivery.deliveries > self.settings.max_deliveries:
+            await self._poisoned(delivery, route)
+            return
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
         try:
-            request = await asyncio.to_thread(self.intake.prepare, envelope, route, arrived_at, self.clock_offset_s)
+            request = await asyncio.to_thread(self.intake.prepare, envelope, route, arrived_at,
+                                              self.clock_offset_s, resume)
         except InvalidRequest as e:
             self._emit(Outgoing(route, Error(id=route.id, code=e.code, message=str(e))))
             return
@@ -220,6 +264,33 @@ class Worker:
             self._emit(deadline_exceeded(request))
         else:
             self.engine.submit(request)
+
+    async def _resume_point(self, flight: InFlight) -> Resume | Literal[False] | None:
+        """What earlier deliveries wrote: a `Resume`, None if nothing, False if it cannot go on."""
+        route = flight.route
+        progress = await retrying(partial(self.streams.progress, route), "reading earlier output")
+        flight.written = progress.written
+        if progress.written == 0:
+            return None
+        if len(progress.deltas) != progress.written:
+            self._emit(Outgoing(route, Error(id=route.id, code="internal", message=(
+                f"{progress.written} events were written by an earlier delivery but only {len(progress.deltas)} "
+                "remain in the output stream (expired?); continuing would repeat or skip text"))))
+            return False
+        log.info("resuming a request", request_id=route.id, deltas=progress.written)
+        return Resume(tokens=[t for d in progress.deltas for t in d.tokens],
+                      text="".join(d.text for d in progress.deltas), deltas=progress.written)
+
+    async def _poisoned(self, delivery: Delivery, route: Route) -> None:
+        """An entry delivered too often (each worker holding it died): dead letter, and say so."""
+        reason = (f"delivered {delivery.deliveries} times (max_deliveries is {self.settings.max_deliveries}); "
+                  "the workers that took it stopped without finishing it")
+        log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, deliveries=delivery.deliveries)
+        assert delivery.fields is not None
+        await retrying(partial(self.streams.record_dead, route.entry_id, delivery.fields, reason,
+                               deliveries=delivery.deliveries), "dead-lettering")
+        self._emit(Outgoing(route, Error(id=route.id, code="poisoned",
+                                         message=f"{reason}; moved to {self.streams.dead}")))
 
     def _emit(self, outgoing: Outgoing) -> None:
         self._outputs.put_nowait(StepOutput(outgoing=[outgoing]))
@@ -253,15 +324,58 @@ class Worker:
                 outputs.append(self._outputs.get_nowait())
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                await asyncio.shield(retrying(partial(self.streams.publish, outgoing), "publishing"))
-            for item in outgoing:
-                if not isinstance(item.event, Delta):
-                    self._forget(item.route.id)
-                    _log_finished(item)
-            for out in outputs:
-                for route in out.abandoned:
-                    self._forget(route.id)
+                await asyncio.shield(self._publish(outgoing))
+            left = sum(len(out.abandoned) for out in outputs)
+            if left:
+                log.info("requests left unfinished at the drain deadline; they are handed back", requests=left)
+            for _ in outputs:
                 self._outputs.task_done()
+
+    async def _publish(self, outgoing: list[Outgoing]) -> None:
+        """Write events (one call for all requests) and act on what each request's write found."""
+        batches = self._batches(outgoing)
+        if not batches:
+            return
+        statuses = await retrying(partial(self.streams.publish, batches), "publishing")
+        for batch, status in zip(batches, statuses, strict=True):
+            await self._published(batch, status)
+
+    def _batches(self, outgoing: list[Outgoing]) -> list[Batch]:
+        """Each held request's events, in order; events of requests no longer held are dropped."""
+        events: dict[str, list[Event]] = {}
+        for item in outgoing:
+            flight = self.in_flight.get(item.route.id)
+            if flight is not None and flight.route.entry_id == item.route.entry_id:
+                events.setdefault(item.route.id, []).append(item.event)
+        return [Batch(self.in_flight[i].route, self.in_flight[i].written, e) for i, e in events.items()]
+
+    async def _published(self, batch: Batch, status: str) -> None:
+        route, terminal = batch.route, batch.events[-1]
+        if status == "applied":
+            self.in_flight[route.id].written = batch.first + len(batch.events)
+            if not isinstance(terminal, Delta):
+                self._forget(route.id)
+                _log_finished(terminal)
+            return
+        self.engine.abandon(route.id)
+        self._forget(route.id)
+        if status == "lost":
+            log.warning("another worker took this request over; dropping it here", request_id=route.id)
+        elif status == "duplicate":
+            log.warning("another entry with this id is served; dropping this one", request_id=route.id,
+                        entry_id=route.entry_id)
+            await retrying(partial(self.streams.settle, [route.entry_id]), "settling a duplicate")
+        elif status.startswith("gap:"):
+            written = int(status.removeprefix("gap:"))
+            log.error("output written earlier is missing (Redis lost data?); failing the request",
+                      request_id=route.id, written=written, expected=batch.first)
+            self.in_flight[route.id] = InFlight(route, written)
+            await self._publish([Outgoing(route, Error(id=route.id, code="internal", message=(
+                f"{batch.first - written} events of this request's output were lost by Redis; "
+                "it cannot continue without a gap")))])
+        else:
+            log.error("redis refused the output; the request is settled without it", request_id=route.id,
+                      problem=status.removeprefix("refused:"))
 
     def _forget(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
@@ -271,16 +385,27 @@ class Worker:
     # ---- heartbeat ---------------------------------------------------------------
 
     async def _heartbeat_loop(self, info: ModelInfo) -> None:
-        started = time.time()
         while True:
-            state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
-                     "host": socket.gethostname(), "pid": os.getpid(), "started_at": started,
-                     "in_flight": len(self.in_flight), "max_num_seqs": self.settings.max_num_seqs}
+            await asyncio.sleep(self.settings.heartbeat_s)
             try:
-                await self.streams.heartbeat(self.consumer, state, ttl_s=3 * self.settings.heartbeat_s)
+                await self._keep_alive(info)
             except (RedisError, OSError) as e:
                 log.warning("heartbeat failed", error=repr(e))
-            await asyncio.sleep(self.settings.heartbeat_s)
+
+    async def _keep_alive(self, info: ModelInfo) -> None:
+        """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
+        held = {flight.route.entry_id: request_id for request_id, flight in self.in_flight.items()}
+        state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
+                 "host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
+                 "in_flight": len(held), "max_num_seqs": self.settings.max_num_seqs}
+        lost = await self.streams.keep_mine(list(held), json.dumps(state), ttl_s=3 * self.settings.heartbeat_s)
+        for entry_id in lost:
+            request_id = held[entry_id]
+            flight = self.in_flight.get(request_id)
+            if flight is not None and flight.route.entry_id == entry_id:
+                log.warning("another worker took this request over; dropping it here", request_id=request_id)
+                self.engine.abandon(request_id)
+                self._forget(request_id)
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:
@@ -289,8 +414,7 @@ async def _cancel(*tasks: asyncio.Task[None]) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _log_finished(item: Outgoing) -> None:
-    event = item.event
+def _log_finished(event: Event) -> None:
     if isinstance(event, Error):
         log.info("request failed", request_id=event.id, code=event.code, message=event.message)
         return

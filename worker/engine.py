@@ -18,7 +18,7 @@ from typing import Any
 import structlog
 
 from .generator import BatchBackend
-from .messages import Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
+from .messages import Abandon, Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
 from .output import RequestStream, deadline_exceeded, failed, not_started, process_step
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
@@ -89,6 +89,10 @@ class Engine:
     def cancel(self, request_id: str) -> None:
         self._commands.put(Cancel(request_id))
 
+    def abandon(self, request_id: str) -> None:
+        """Drop a request without output: another worker owns it now."""
+        self._commands.put(Abandon(request_id))
+
     def shutdown(self, drain_timeout_s: float) -> None:
         """Drop waiting requests, let running ones finish for `drain_timeout_s`, then stop."""
         self._commands.put(Shutdown(time.monotonic() + drain_timeout_s))
@@ -152,6 +156,8 @@ class Engine:
                 self._scheduler.add(command.request)
         elif isinstance(command, Cancel):
             self._cancel(command.request_id, out)
+        elif isinstance(command, Abandon):
+            self._abandon(command.request_id)
         elif isinstance(command, Shutdown):
             self._drain_until = command.drain_until
             out.abandoned.extend(r.route for r in self._scheduler.drain())
@@ -167,6 +173,14 @@ class Engine:
         request = self._scheduler.remove(request_id)
         if request is not None:
             out.outgoing.append(not_started(request, time.time()))
+
+    def _abandon(self, request_id: str) -> None:
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self._backend.remove([uid])
+            self._retire([uid])
+        else:
+            self._scheduler.remove(request_id)
 
     def _step(self, out: StepOutput) -> None:
         self._admit(out)
@@ -188,14 +202,19 @@ class Engine:
             if request.deadline_at is not None and now > request.deadline_at:
                 out.outgoing.append(deadline_exceeded(request))
                 continue
+            stream = RequestStream(request, self._loaded.new_detokenizer(), now)
+            if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
+                out.outgoing.extend(Outgoing(request.route, e) for e in stream.finish("length", now))
+                continue
+            prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
             try:
-                uid = self._backend.insert(request.prompt_tokens, request.max_tokens,
+                uid = self._backend.insert(prompt, request.tokens_to_generate,
                                            build_sampler(request.sampling), build_logits_processors(request.sampling))
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("insert failed", request_id=request.id, error=repr(e))
                 out.outgoing.append(failed(request, "internal", f"could not start the request: {e}"))
                 continue
-            self._streams[uid] = RequestStream(request, self._loaded.new_detokenizer(), now)
+            self._streams[uid] = stream
             self._uids[request.id] = uid
 
     def _retire(self, uids: list[int]) -> list[RequestStream]:

@@ -8,8 +8,9 @@ from __future__ import annotations
 from client._keys import Keys
 from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, encode_metadata, validate_body
 
+from . import faults
 from .engine import ModelInfo
-from .messages import EngineRequest, Route, SamplingParams
+from .messages import EngineRequest, Resume, Route, SamplingParams
 from .settings import WorkerSettings
 
 
@@ -22,25 +23,24 @@ class Intake:
         self.keys = Keys(settings.prefix)
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
-                clock_offset_s: float) -> EngineRequest:
+                clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
         """An engine request; raises `InvalidRequest` with the field and the reason."""
         if envelope.error is not None:
             raise envelope.error
         assert envelope.raw is not None
         body = validate_body(envelope.raw)
+        faults.exit_if_marked(body.prompt)
         problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
         if problem:
             raise InvalidRequest(problem)
+        self._check_stop(body.stop)
         if body.metadata is not None:
-            _check_encodable(body.metadata, envelope.encoding)
+            self._check_metadata(body.metadata, envelope.encoding)
         if body.images:
             raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
         max_tokens = self._max_tokens(body)
         tokens = self._tokenize(body)
-        room = self.info.context_length - len(tokens)
-        if room < 1:
-            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this model's context is "
-                                 f"{self.info.context_length} tokens", code="too_large")
+        room = self._check_prompt_length(tokens)
         return EngineRequest(
             route=route,
             prompt_tokens=tokens,
@@ -53,14 +53,47 @@ class Intake:
             arrived_at=arrived_at,
             deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
             metadata=body.metadata,
+            resume=resume,
         )
+
+    def _check_prompt_length(self, tokens: list[int]) -> int:
+        """The room left in the context after the prompt; the prompt must leave some."""
+        limit = self.settings.max_prompt_tokens
+        if limit is not None and len(tokens) > limit:
+            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this worker's max_prompt_tokens is {limit}",
+                                 code="too_large")
+        room = self.info.context_length - len(tokens)
+        if room < 1:
+            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this model's context is "
+                                 f"{self.info.context_length} tokens", code="too_large")
+        return room
+
+    def _check_stop(self, stop: list[str]) -> None:
+        if len(stop) > self.settings.max_stop_strings:
+            raise InvalidRequest(f"stop: {len(stop)} strings is above this worker's max_stop_strings "
+                                 f"({self.settings.max_stop_strings})", code="too_large")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > self.settings.max_stop_length:
+            raise InvalidRequest(f"stop: a string of {longest} characters is above this worker's max_stop_length "
+                                 f"({self.settings.max_stop_length})", code="too_large")
+
+    def _check_metadata(self, metadata: dict[str, object], encoding: Encoding) -> None:
+        """Metadata is echoed in `done`: refuse now what could not be written then."""
+        try:
+            size = len(encode_metadata(metadata, encoding))
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({e})") from e
+        if size > self.settings.max_metadata_bytes:
+            raise InvalidRequest(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
+                                 f"({self.settings.max_metadata_bytes})", code="too_large")
 
     def _max_tokens(self, body: RequestBody) -> int:
         limit = self.settings.max_tokens_limit
         if body.max_tokens is None:
             return min(self.settings.default_max_tokens, limit)
         if body.max_tokens > limit:
-            raise InvalidRequest(f"max_tokens: {body.max_tokens} is above this worker's limit of {limit}")
+            raise InvalidRequest(f"max_tokens: {body.max_tokens} is above this worker's max_tokens_limit ({limit})",
+                                 code="too_large")
         return body.max_tokens
 
     def _tokenize(self, body: RequestBody) -> list[int]:
@@ -81,11 +114,3 @@ class Intake:
         if not tokens:
             raise InvalidRequest("prompt: encodes to no tokens")
         return tokens
-
-
-def _check_encodable(metadata: dict[str, object], encoding: Encoding) -> None:
-    """Metadata is echoed in `done`: refuse now what could not be written then (bytes in JSON)."""
-    try:
-        encode_metadata(metadata, encoding)
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({e})") from e

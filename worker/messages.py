@@ -31,6 +31,15 @@ class Route:
 
 
 @dataclass(frozen=True)
+class Resume:
+    """What earlier deliveries of a request already streamed; it continues right after."""
+
+    tokens: list[int]  # every token id in the deltas written
+    text: str  # the deltas' joined text
+    deltas: int  # how many deltas were written: the next delta's seq
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """A validated, tokenized request, ready for the engine."""
 
@@ -44,10 +53,16 @@ class EngineRequest:
     arrived_at: float  # unix seconds on this host's clock (the entry id's stamp, offset-corrected)
     deadline_at: float | None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
+    resume: Resume | None = None
 
     @property
     def id(self) -> str:
         return self.route.id
+
+    @property
+    def tokens_to_generate(self) -> int:
+        """What is left of `max_tokens` after the tokens already streamed."""
+        return self.max_tokens - (len(self.resume.tokens) if self.resume else 0)
 
 
 @dataclass(frozen=True)
@@ -65,13 +80,20 @@ class Cancel:
 
 
 @dataclass(frozen=True)
+class Abandon:
+    """Command: drop a request without a word, running or waiting: another worker took it."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Command: drop waiting requests, finish running ones until `drain_until` (monotonic), stop."""
 
     drain_until: float
 
 
-Command = Submit | Cancel | Shutdown
+Command = Submit | Cancel | Abandon | Shutdown
 
 
 @dataclass(frozen=True)

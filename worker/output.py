@@ -14,7 +14,7 @@ from typing import Any
 from client._protocol import Delta, Done, Error, Event, FinishReason
 
 from .generator import TokenOut
-from .messages import EngineRequest, Outgoing
+from .messages import EngineRequest, Outgoing, Resume
 
 
 def _ms(seconds: float) -> float:
@@ -36,6 +36,18 @@ class RequestStream:
         self.seq = 0
         self.done: Done | None = None
         self._hold = max((len(s) for s in request.stop), default=1) - 1
+        if request.resume is not None:
+            self._replay(request.resume)
+
+    def _replay(self, resume: Resume) -> None:
+        """Take up where an earlier delivery stopped: its tokens are in the detokenizer and
+        the text it sent is not sent again (text it held back still may be)."""
+        for token in resume.tokens:
+            self.detokenizer.add_token(token)
+        self.completion_tokens = len(resume.tokens)
+        self.seq = resume.deltas
+        self._update_text()
+        self.sent = len(resume.text)
 
     def add(self, out: TokenOut, now: float) -> list[Event]:
         """Take one generated token; returns the events it completes."""

@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
-import json
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import BusyLoadingError, ResponseError
+from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._keys import GROUP, Keys
-from client._protocol import Delta, Error, encode_event
+from client._protocol import Delta, Error, Event, decode_event, encode_event
 from client._replies import StreamEntry, stream_entries
 
-from .messages import Outgoing
+from . import scripts
+from .messages import Route
 
 log = structlog.get_logger("mlxq.redis")
 
@@ -53,6 +55,7 @@ class QueueStreams:
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         self.dedupe_ttl_s = dedupe_ttl_s
+        self._scripts = _Scripts(redis)
 
     async def ensure_group(self) -> None:
         """Create the stream and its `workers` group unless they exist."""
@@ -93,57 +96,148 @@ class QueueStreams:
         cancelled = {i for i, flag in zip(ids, replies[1::2], strict=True) if flag}
         return done, cancelled
 
-    async def ack(self, entry_ids: Iterable[str]) -> None:
-        """Acknowledge entries that need no output (repeats of finished ids, deleted entries)."""
+    async def settle(self, entry_ids: Iterable[str]) -> None:
+        """Acknowledge and delete entries that need no output (repeats, deleted entries)."""
         entry_ids = list(entry_ids)
         if entry_ids:
-            await self.redis.xack(self.stream, GROUP, *entry_ids)
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xack(self.stream, GROUP, *entry_ids)
+                pipe.xdel(self.stream, *entry_ids)
+                await pipe.execute()
 
-    async def dead_letter(self, entry_id: str, fields: dict[Any, Any], reason: str) -> None:
+    async def dead_letter(self, entry_id: str, fields: dict[Any, Any], reason: str, **history: Any) -> None:
         """Move an entry nobody can answer to the dead-letter stream, with the reason."""
-        record: dict[Any, Any] = {b"entry_id": entry_id, b"reason": reason, b"consumer": self.consumer}
-        record.update({b"field:" + (k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()})
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.dead, record)
+            pipe.xadd(self.dead, self._dead_record(entry_id, fields, reason, history))
             pipe.xack(self.stream, GROUP, entry_id)
+            pipe.xdel(self.stream, entry_id)
             await pipe.execute()
 
-    async def publish(self, outgoing: list[Outgoing]) -> None:
-        """Write a step's events in one pipeline: XADD each, refresh TTLs, and for each
-        terminal event mark the id done and acknowledge its entry (after the event).
+    async def record_dead(self, entry_id: str, fields: dict[Any, Any], reason: str, **history: Any) -> None:
+        """Copy an entry to the dead-letter stream; it is settled when its error is published."""
+        await self.redis.xadd(self.dead, self._dead_record(entry_id, fields, reason, history))
 
-        A command Redis refuses (say, a `reply_to` key of another type) is logged and
-        does not hold up the rest; only an unreachable Redis raises."""
-        commands: list[tuple[str, str]] = []  # what each queued command was, for the log
+    def _dead_record(self, entry_id: str, fields: dict[Any, Any], reason: str,
+                     history: dict[str, Any]) -> dict[Any, Any]:
+        record: dict[Any, Any] = {b"entry_id": entry_id, b"reason": reason, b"consumer": self.consumer}
+        record.update({k.encode(): str(v) for k, v in history.items()})
+        record.update({b"field:" + (k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()})
+        return record
+
+    async def publish(self, batches: list[Batch]) -> list[str]:
+        """Write one step's events in one call, fenced (see `scripts.PUBLISH`); a terminal
+        event also marks the id done, acknowledges its entry and deletes it from the queue.
+        Returns one status per batch."""
+        keys: list[str] = [self.stream]
+        args: list[Any] = [GROUP, self.consumer, self.result_ttl_s, self.dedupe_ttl_s]
+        for batch in batches:
+            route = batch.route
+            keys += [route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
+            args += [route.entry_id, batch.first, int(not isinstance(batch.events[-1], Delta)), len(batch.events)]
+            for event in batch.events:
+                fields = _encoded(route, event)
+                args += [fields["type"], route.encoding, fields[route.encoding]]
+        statuses = await self._scripts.run(scripts.PUBLISH, keys, args)
+        return [_str(s) for s in statuses]
+
+    async def progress(self, route: Route) -> Progress:
+        """What earlier deliveries of this entry already published: the count and the deltas."""
+        entry, written = await self.redis.hmget(self.keys.progress(route.id), ["entry", "next"])
+        if entry is None or written is None or _str(entry) != route.entry_id:
+            return Progress(0, [])
+        deltas = []
+        entries: Any = await self.redis.xrange(route.reply_to)
+        for _, fields in entries:
+            event = decode_event(fields)
+            if isinstance(event, Delta) and event.id == route.id:
+                deltas.append(event)
+        return Progress(int(written), deltas)
+
+    async def keep_mine(self, entry_ids: list[str], heartbeat: str, ttl_s: float, idle_ms: int = 0) -> list[str]:
+        """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set its
+        entries' idle time; returns the ids another worker took over."""
+        keys = [self.stream, self.keys.worker(self.consumer)]
+        args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, *entry_ids]
+        return [_str(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
+
+    async def dead_consumers(self) -> list[str]:
+        """Other consumers of the group whose heartbeat is gone."""
+        try:
+            consumers = await self.redis.xinfo_consumers(self.stream, GROUP)
+        except ResponseError:  # no stream or group (Redis restarted empty): read() recreates them
+            return []
+        others = [name for name in (_str(c["name"]) for c in consumers) if name != self.consumer]
         async with self.redis.pipeline(transaction=False) as pipe:
-            streams = set()
-            for item in outgoing:
-                pipe.xadd(item.route.reply_to, _encoded(item))  # type: ignore[arg-type]
-                commands.append(("XADD", item.route.reply_to))
-                streams.add(item.route.reply_to)
-            for stream in streams:
-                pipe.expire(stream, self.result_ttl_s)
-                commands.append(("EXPIRE", stream))
-            for item in outgoing:
-                if not isinstance(item.event, Delta):
-                    pipe.set(self.keys.done(item.route.id), item.route.entry_id, ex=self.dedupe_ttl_s)
-                    pipe.xack(self.stream, GROUP, item.route.entry_id)
-                    commands += [("SET", self.keys.done(item.route.id)), ("XACK", item.route.entry_id)]
-            replies = await pipe.execute(raise_on_error=False)
-        for command, reply in zip(commands, replies, strict=True):
-            if isinstance(reply, Exception):
-                log.error("redis refused a write", command=command, error=str(reply))
+            for name in others:
+                pipe.exists(self.keys.worker(name))
+            alive = await pipe.execute()
+        return [name for name, is_alive in zip(others, alive, strict=True) if not is_alive]
 
-    async def heartbeat(self, consumer: str, info: dict[str, Any], ttl_s: float) -> None:
-        """Say this worker is alive, what it serves and how loaded it is."""
-        await self.redis.set(self.keys.worker(consumer), json.dumps(info), px=int(ttl_s * 1000))
+    async def pending(self, consumer: str, count: int, min_idle_ms: int,
+                      after: str = "-") -> list[tuple[str, int]]:
+        """Up to `count` entries `consumer` holds, idle at least `min_idle_ms`, with ids
+        above `after`: (id, deliveries)."""
+        start = after if after == "-" else f"({after}"
+        rows = await self.redis.xpending_range(self.stream, GROUP, start, "+", count, consumername=consumer,
+                                               idle=min_idle_ms or None)
+        return [(_str(row["message_id"]), int(row["times_delivered"])) for row in rows]  # type: ignore[arg-type]
+
+    async def claim(self, entry_ids: list[str], min_idle_ms: int) -> list[StreamEntry]:
+        """Take entries over (their delivery count goes up); deleted ones drop out of the
+        pending list and are not returned."""
+        if not entry_ids:
+            return []
+        reply: Any = await self.redis.xclaim(
+            self.stream, GROUP, self.consumer, min_idle_ms, list[Any](entry_ids))
+        return [(_str(entry_id), fields) for entry_id, fields in reply if fields is not None]
+
+    async def forget_consumer(self, consumer: str) -> bool:
+        """Delete a consumer that left, if it is silent and owns nothing; True if deleted."""
+        keys = [self.stream, self.keys.worker(consumer)]
+        return bool(await self._scripts.run(scripts.FORGET_CONSUMER, keys, [GROUP, consumer]))
 
 
-def _encoded(item: Outgoing) -> dict[str, bytes | str]:
+@dataclass(frozen=True)
+class Batch:
+    """One request's events from one publish, and the position of the first."""
+
+    route: Route
+    first: int
+    events: list[Event]
+
+
+@dataclass(frozen=True)
+class Progress:
+    """An entry's output so far: how many events were written, and its deltas."""
+
+    written: int
+    deltas: list[Delta]
+
+
+class _Scripts:
+    """Runs Lua scripts by hash, loading one when Redis does not have it (after a restart)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+
+    async def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        sha = hashlib.sha1(script.encode()).hexdigest()
+        try:
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await self.redis.script_load(script)
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _encoded(route: Route, event: Event) -> dict[str, bytes | str]:
     """The entry fields of an event; an event that cannot be encoded becomes an `internal` error."""
     try:
-        return encode_event(item.event, item.route.encoding)
+        return encode_event(event, route.encoding)
     except (TypeError, ValueError) as e:
-        log.error("event could not be encoded", request_id=item.route.id, error=repr(e))
-        error = Error(id=item.route.id, code="internal", message=f"the output could not be encoded: {e}")
-        return encode_event(error, item.route.encoding)
+        log.error("event could not be encoded", request_id=route.id, error=repr(e))
+        error = Error(id=route.id, code="internal", message=f"the output could not be encoded: {e}")
+        return encode_event(error, route.encoding)

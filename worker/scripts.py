@@ -1,0 +1,106 @@
+"""The Lua scripts the worker runs in Redis: each makes one decision atomically.
+
+Publishing and keeping leases are checks-then-writes that must not interleave with
+another worker's: a worker that was cut off while another took over its requests, or
+a pipeline retried after a dropped connection, must never write an event twice.
+They touch the request stream and per-request keys in one call, so on a Redis Cluster
+they would need every key in one slot (a later step; one Redis serves the fleet today).
+"""
+
+from __future__ import annotations
+
+# KEYS[1] request stream; then per request: its reply stream, progress hash, done key.
+# ARGV: group, consumer, result_ttl_s, dedupe_ttl_s; then per request: entry id, the
+#   position of its first event, 1 if its last event is terminal, the event count, and
+#   type / encoding / body for each event.
+# One status per request:
+#   applied    written (or already written by an earlier try of this same call)
+#   lost       another consumer owns the entry now, or it is no longer pending: write nothing
+#   duplicate  another entry with the same request id writes this output
+#   gap:<n>    the stream holds <n> events, not the position given (output lost in Redis)
+#   refused:<e> Redis refused the reply stream (say, a key of another type); entry settled
+PUBLISH = """
+local group, consumer = ARGV[1], ARGV[2]
+local result_ttl, dedupe_ttl = ARGV[3], ARGV[4]
+local statuses = {}
+local arg = 5
+for k = 2, #KEYS, 3 do
+  local reply, progress, done = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+  local entry, first = ARGV[arg], tonumber(ARGV[arg + 1])
+  local terminal, count = ARGV[arg + 2] == '1', tonumber(ARGV[arg + 3])
+  local events = arg + 4
+  arg = events + 3 * count
+  local status = 'applied'
+  local done_by = redis.call('GET', done)
+  local owner = redis.pcall('XPENDING', KEYS[1], group, entry, entry, 1)
+  local fence = redis.call('HMGET', progress, 'entry', 'next')
+  local written = tonumber(fence[2] or '0')
+  if done_by then
+    if done_by ~= entry then status = 'duplicate' end
+  elseif owner.err or #owner == 0 or owner[1][2] ~= consumer then
+    status = 'lost'
+  elseif fence[1] and fence[1] ~= entry then
+    status = 'duplicate'
+  elseif written == first + count then
+    status = 'applied'
+  elseif written ~= first then
+    status = 'gap:' .. written
+  else
+    local kind = redis.call('TYPE', reply).ok
+    if kind ~= 'stream' and kind ~= 'none' then
+      status = 'refused:the reply stream ' .. reply .. ' is a ' .. kind
+    else
+      for i = events, arg - 1, 3 do
+        redis.call('XADD', reply, '*', 'type', ARGV[i], ARGV[i + 1], ARGV[i + 2])
+      end
+      redis.call('EXPIRE', reply, result_ttl)
+      redis.call('HSET', progress, 'entry', entry, 'next', first + count)
+      redis.call('EXPIRE', progress, result_ttl)
+    end
+    if terminal or status ~= 'applied' then
+      redis.call('SET', done, entry, 'EX', dedupe_ttl)
+      redis.call('XACK', KEYS[1], group, entry)
+      redis.call('XDEL', KEYS[1], entry)
+    end
+  end
+  statuses[#statuses + 1] = status
+end
+return statuses
+"""
+
+# KEYS[1] request stream, KEYS[2] this worker's heartbeat key.
+# ARGV: group, consumer, heartbeat value ('' deletes it), its TTL in ms, the idle time to
+#   give our entries in ms (0 keeps them fresh; a large value hands them back), entry ids.
+# Claims (JUSTID: the delivery count stays) only the entries this consumer still owns,
+# and returns the ids it no longer owns: another worker took them over.
+KEEP_MINE = """
+local group, consumer = ARGV[1], ARGV[2]
+if ARGV[3] == '' then
+  redis.call('DEL', KEYS[2])
+else
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
+end
+local mine, lost = {}, {}
+for i = 6, #ARGV do
+  local owner = redis.pcall('XPENDING', KEYS[1], group, ARGV[i], ARGV[i], 1)
+  if not owner.err and #owner == 1 and owner[1][2] == consumer then
+    mine[#mine + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+if #mine > 0 then
+  redis.call('XCLAIM', KEYS[1], group, consumer, 0, unpack(mine), 'IDLE', ARGV[5], 'JUSTID')
+end
+return lost
+"""
+
+# KEYS[1] request stream, KEYS[2] the consumer's heartbeat key. ARGV: group, consumer.
+# Deletes a consumer that left, only if it is still silent and owns nothing: deleting a
+# consumer makes its pending entries unclaimable.
+FORGET_CONSUMER = """
+if redis.call('EXISTS', KEYS[2]) == 1 then return 0 end
+local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
+if #pending > 0 then return 0 end
+return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) + 1
+"""
