@@ -1,0 +1,172 @@
+"""Workers die, restart and stop; requests are neither lost nor told twice.
+
+Every test here runs real worker processes against a real Valkey. `check_stream`
+asserts that seq runs 0, 1, 2, ... with no gap or repeat and that the joined deltas
+equal the terminal text; the autouse `never_told_twice` fixture checks that no request
+got two terminal events.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+import uuid
+
+import pytest
+import redis
+from support import Outputs, check_stream, start_worker, xadd_json
+
+from client import Done, Error
+
+PROMPTS = [f"Story number {i}:" for i in range(6)]
+LONG = 1000  # tokens: long enough to kill a worker in the middle of a generation
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"rec{uuid.uuid4().hex[:8]}"
+
+
+def submit_all(r: redis.Redis, queue: str, max_tokens: int = LONG, tag: str = "") -> list[str]:
+    ids = [f"{tag}{i}-{uuid.uuid4().hex[:8]}" for i in range(len(PROMPTS))]
+    for request_id, prompt in zip(ids, PROMPTS, strict=True):
+        xadd_json(r, queue, request_id, {"prompt": prompt, "max_tokens": max_tokens})
+    return ids
+
+
+def wait_for_deltas(r: redis.Redis, ids: list[str], at_least: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while min(r.xlen(f"mlxq:out:{{{i}}}") for i in ids) < at_least:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.01)
+
+
+def finished(outputs: Outputs, ids: list[str]) -> dict[str, Done]:
+    """Each request's `done`, after checking its stream's invariants."""
+    result = {}
+    for request_id in ids:
+        terminal = check_stream(outputs.of(request_id, timeout=90))
+        assert isinstance(terminal, Done), terminal
+        result[request_id] = terminal
+    return result
+
+
+def uninterrupted(outputs: Outputs, r: redis.Redis, queue: str) -> list[str]:
+    """The greedy texts of the same prompts run without interruption."""
+    ids = submit_all(r, queue, tag="reference")
+    return [done.text for done in finished(outputs, ids).values()]
+
+
+def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, logs_dir, r, outputs, queue):
+    """A worker killed with SIGKILL in the middle of six generations: the other worker
+    takes them over and continues each from the last written delta. Every reader sees
+    seq without gap or repeat, one `done`, and the same text as an uninterrupted run."""
+    victim = start_worker(valkey, demo_model, queue, logs_dir, consumer="victim")
+    ids = submit_all(r, queue)
+    wait_for_deltas(r, ids, at_least=20)
+    survivor = start_worker(valkey, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
+    try:
+        written_before = {i: r.xlen(f"mlxq:out:{{{i}}}") for i in ids}
+        victim.process.kill()
+        victim.wait()
+        done = finished(outputs, ids)
+        assert all(d.usage["completion_tokens"] == LONG for d in done.values())
+        assert all(written_before[i] < LONG for i in ids), "the kill came after a request had finished"
+        assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
+        assert "took over the requests of a silent worker" in survivor.log()
+        assert r.xlen(f"mlxq:q:{queue}") == 0, "finished entries are deleted from the request stream"
+        consumers = [c["name"] for c in r.xinfo_consumers(f"mlxq:q:{queue}", "workers")]
+        assert consumers == [b"survivor"], "the dead consumer is removed once its entries were taken"
+    finally:
+        survivor.stop()
+
+
+def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, logs_dir, r, outputs, queue):
+    """A generation that outlasts the reclaim idle time (2 heartbeats) stays with its
+    worker: its lease is renewed, so the other worker, scanning every 0.1 s, never takes it."""
+    owner = start_worker(valkey, demo_model, queue, logs_dir, consumer="owner")
+    request_id = f"long-{uuid.uuid4().hex[:8]}"
+    entry_id = xadd_json(r, queue, request_id, {"prompt": "Once upon a time", "max_tokens": 1800})
+    wait_for_deltas(r, [request_id], at_least=1)
+    other = start_worker(valkey, demo_model, queue, logs_dir, consumer="other", reclaim_interval_s=0.1)
+    try:
+        started = time.monotonic()
+        while owners := r.xpending_range(f"mlxq:q:{queue}", "workers", entry_id, entry_id, 1):
+            assert (owners[0]["consumer"], owners[0]["times_delivered"]) == (b"owner", 1)
+            time.sleep(0.1)
+        assert time.monotonic() - started > 1.0, "the generation must outlast the reclaim idle time"
+        finished(outputs, [request_id])
+        assert "took over" not in other.log()
+    finally:
+        other.stop()
+        owner.stop()
+
+
+def test_a_worker_restarted_under_its_name_resumes_its_own_pending(valkey, demo_model, logs_dir, r, outputs, queue):
+    """After kill -9, the same consumer name starting again first takes up its own
+    pending entries (no waiting for a heartbeat to expire) and resumes them."""
+    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="phoenix")
+    ids = submit_all(r, queue)
+    wait_for_deltas(r, ids, at_least=20)
+    worker.process.kill()
+    worker.wait()
+    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="phoenix")
+    try:
+        done = finished(outputs, ids)
+        assert "resuming this consumer's own pending requests" in worker.log()
+        assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
+    finally:
+        worker.stop()
+    assert worker.process.returncode == 0
+
+
+def test_an_entry_that_kills_every_worker_is_dead_lettered(valkey, demo_model, logs_dir, r, outputs, queue):
+    """A request that makes the process exit (the test hook, like an OOM kill) is delivered
+    `max_deliveries` times, then goes to the dead-letter stream with its history; its
+    reader gets `poisoned`; the next request is served."""
+    poison = f"poison-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, poison, {"prompt": "CRASH-ME now", "max_tokens": 5})
+    exits = []
+    for _ in range(4):
+        worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="crashy", max_deliveries=2,
+                              env={"MLXQ_TEST_EXIT_ON": "CRASH-ME"})
+        try:
+            exits.append(worker.wait(timeout=5))
+        except Exception:  # noqa: BLE001 - it stayed up: the poison is handled
+            break
+    try:
+        assert exits == [70, 70], "delivered twice (each time the worker died), then no more"
+        (error,) = outputs.of(poison)
+        assert isinstance(error, Error)
+        assert error.code == "poisoned"
+        assert "delivered 3 times" in error.message
+        ((_, dead),) = r.xrange(f"mlxq:q:{queue}:dead")
+        assert dead[b"deliveries"] == b"3"
+        assert dead[b"field:id"] == poison.encode()
+        after = f"after-{uuid.uuid4().hex[:8]}"
+        xadd_json(r, queue, after, {"prompt": "Fine", "max_tokens": 3})
+        assert isinstance(check_stream(outputs.of(after)), Done)
+        assert r.xlen(f"mlxq:q:{queue}") == 0
+    finally:
+        worker.stop()
+
+
+def test_sigterm_hands_back_what_the_drain_could_not_finish(valkey, demo_model, logs_dir, r, outputs, queue):
+    """SIGTERM with a 0.3 s drain: the stopping worker exits 0 and hands its unfinished
+    requests back; the second worker resumes them at its next scan, without waiting for
+    the first one's heartbeat (15 s here) to expire."""
+    leaving = start_worker(valkey, demo_model, queue, logs_dir, consumer="leaving", heartbeat_s=5,
+                           drain_timeout_s=0.3)
+    ids = submit_all(r, queue)
+    wait_for_deltas(r, ids, at_least=20)
+    staying = start_worker(valkey, demo_model, queue, logs_dir, consumer="staying", reclaim_interval_s=0.2)
+    try:
+        leaving.signal(signal.SIGTERM)
+        assert leaving.wait() == 0
+        stopped = time.monotonic()
+        done = finished(outputs, ids)
+        assert time.monotonic() - stopped < 10, "taken over at once, not when the 15 s heartbeat expired"
+        assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
+        assert "handed_back" in leaving.log()
+    finally:
+        staying.stop()
