@@ -10,7 +10,8 @@ from support import check_stream, worker_fixture, xadd_json
 
 from client import Done, Error
 
-worker = worker_fixture(max_tokens_limit=500)
+worker = worker_fixture(max_tokens_limit=500, max_body_bytes=20_000, max_prompt_tokens=3000, max_stop_strings=4,
+                        max_stop_length=10, max_metadata_bytes=100)
 
 BAD_BODIES = [
     ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, "invalid_request",
@@ -34,6 +35,16 @@ BAD_BODIES = [
      "prompt_tokens: ids [99999] are outside the vocabulary"),
     ("prompt longer than the context", {"prompt_tokens": [5] * 2100}, "too_large",
      "the prompt has 2100 tokens; this model's context is 2048 tokens"),
+    ("body above max_body_bytes", {"prompt": "x" * 25_000}, "too_large",
+     "body: 25014 bytes is above this worker's max_body_bytes (20000)"),
+    ("prompt above max_prompt_tokens", {"prompt_tokens": [5] * 3001}, "too_large",
+     "the prompt has 3001 tokens; this worker's max_prompt_tokens is 3000"),
+    ("too many stop strings", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "too_large",
+     "stop: 5 strings is above this worker's max_stop_strings (4)"),
+    ("stop string too long", {"prompt": "hi", "stop": ["x" * 11]}, "too_large",
+     "stop: a string of 11 characters is above this worker's max_stop_length (10)"),
+    ("metadata too large", {"prompt": "hi", "metadata": {"note": "y" * 200}}, "too_large",
+     "metadata: 211 bytes encoded is above this worker's max_metadata_bytes (100)"),
     ("images on a text queue", {"prompt": "hi", "images": ["aGk="]}, "invalid_request",
      "images: this queue serves a text-only model"),
     ("reply_to into a queue", {"prompt": "hi", "reply_to": "mlxq:q:default"}, "invalid_request",

@@ -11,7 +11,7 @@ import pytest
 from client import Delta, Done, Error
 from worker.engine import Engine, Loaded, ModelInfo
 from worker.generator import TokenOut
-from worker.messages import EngineRequest, Route, SamplingParams, StepOutput
+from worker.messages import EngineRequest, Resume, Route, SamplingParams, StepOutput
 from worker.scheduler import Scheduler
 
 
@@ -36,8 +36,10 @@ class FakeBackend:
         self.most_running = 0
         self.fail_on_step = fail_on_step
         self.step_s = step_s
+        self.prompts: list[list[int]] = []
 
     def insert(self, prompt, max_tokens, sampler, logits_processors) -> int:
+        self.prompts.append(prompt)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.running[uid] = [0, max_tokens]
         self.most_running = max(self.most_running, len(self.running))
@@ -65,10 +67,11 @@ class FakeBackend:
         pass
 
 
-def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None) -> EngineRequest:
+def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None,
+            resume: Resume | None = None) -> EngineRequest:
     return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json"), prompt_tokens=[1], max_tokens=max_tokens,
                          sampling=SamplingParams(), stop=[], stream_interval=1, priority=priority,
-                         arrived_at=time.time(), deadline_at=deadline_at)
+                         arrived_at=time.time(), deadline_at=deadline_at, resume=resume)
 
 
 class Harness:
@@ -220,3 +223,40 @@ def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
     s.remove("c")
     assert [r.id for r in s.take(10)] == ["d", "a", "b"]
     assert len(s) == 0
+
+
+def test_a_resumed_request_continues_after_what_was_streamed():
+    """A request taken over after 2 deltas: the prompt carries the streamed tokens, only the
+    rest of max_tokens is generated, seq goes on from 2, and `done` has the whole text."""
+    h = Harness()
+    h.engine.submit(request("again", max_tokens=5, resume=Resume(tokens=[0, 1], text="ab", deltas=2)))
+    events = h.events_until_terminal({"again"})["again"]
+    assert h.backends[0].prompts == [[1, 0, 1]]
+    assert [e.seq for e in events[:-1]] == [2, 3, 4]
+    assert events[-1].text == "ab" + "".join(e.text for e in events[:-1])
+    assert events[-1].usage["completion_tokens"] == 5
+
+
+def test_a_request_resumed_with_nothing_left_to_generate_just_ends():
+    """Taken over after its last token was streamed but before its `done`: `done` at once."""
+    h = Harness()
+    h.engine.submit(request("spent", max_tokens=2, resume=Resume(tokens=[0, 1], text="ab", deltas=2)))
+    (done,) = h.events_until_terminal({"spent"})["spent"]
+    assert (done.finish_reason, done.text, done.usage["completion_tokens"]) == ("length", "ab", 2)
+    assert h.backends[0].prompts == []
+
+
+def test_an_abandoned_request_stops_without_a_word():
+    """Abandon (another worker owns the request now) frees the slot and writes nothing."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("taken", max_tokens=10**9))
+    h.engine.submit(request("queued"))
+    h.outputs.get(timeout=5)
+    h.engine.abandon("queued")
+    h.engine.abandon("taken")
+    h.engine.submit(request("next"))
+    seen = []
+    while not seen or not isinstance(seen[-1], Done):
+        seen += [item.event for item in h.outputs.get(timeout=5).outgoing]
+    assert {e.id for e in seen if not isinstance(e, Delta)} == {"next"}, "no terminal event for the abandoned"
+    assert "queued" not in {e.id for e in seen}

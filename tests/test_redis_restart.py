@@ -51,3 +51,57 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
         worker.stop()
         server.stop()
     assert worker.process.returncode == 0, worker.log()
+
+
+def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_model, logs_dir):
+    """Valkey stopped and started again (appendonly) in the middle of 50 requests: all 50
+    finish with intact streams, and the request stream ends empty."""
+    data = tmp_path / "valkey"
+    config = {"appendonly": "yes", "save": ""}
+    server = ValkeyServer(port=free_port(), data_dir=data, persist=True, config=config)
+    server.start()
+    port = server.port
+    worker = start_worker(server.connection_url, demo_model, f"load-{uuid.uuid4().hex[:6]}", logs_dir,
+                          max_num_seqs=8)
+    r = redis.Redis.from_url(server.connection_url)
+    try:
+        ids = [f"load{i}-{uuid.uuid4().hex[:6]}" for i in range(50)]
+        for i, request_id in enumerate(ids):
+            xadd_json(r, worker.queue, request_id, {"prompt": f"Request {i}", "max_tokens": 60})
+        while sum(r.exists(f"mlxq:done:{{{i}}}") for i in ids) < 5:  # some done, many still to go
+            time.sleep(0.01)
+        server.stop()
+        time.sleep(1.0)
+        server = ValkeyServer(port=port, data_dir=data, persist=True, config=config)
+        server.start()
+        outputs = Outputs(r)
+        for request_id in ids:
+            assert isinstance(check_stream(outputs.of(request_id, timeout=120)), Done)
+        assert r.xlen(f"mlxq:q:{worker.queue}") == 0
+        assert worker.process.poll() is None
+    finally:
+        r.close()
+        worker.stop()
+        server.stop()
+    assert worker.process.returncode == 0, worker.log()
+
+
+def test_a_redis_restarted_empty_gets_its_group_back(tmp_path, demo_model, logs_dir):
+    """Valkey restarted without its data: the worker recreates the stream and the group
+    (NOGROUP) instead of failing in a loop, and serves new requests."""
+    server = ValkeyServer(port=free_port())
+    server.start()
+    port = server.port
+    worker = start_worker(server.connection_url, demo_model, f"empty-{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        server.stop()
+        server = ValkeyServer(port=port)
+        server.start()
+        with Client(server.connection_url, queue=worker.queue) as client:
+            done = client.generate("After the loss", max_tokens=4, timeout=60)
+            assert done.usage["completion_tokens"] == 4
+        assert worker.process.poll() is None
+    finally:
+        worker.stop()
+        server.stop()
+    assert worker.process.returncode == 0, worker.log()

@@ -352,7 +352,9 @@ class Worker:
     async def _published(self, batch: Batch, status: str) -> None:
         route, terminal = batch.route, batch.events[-1]
         if status == "applied":
-            self.in_flight[route.id].written = batch.first + len(batch.events)
+            flight = self.in_flight.get(route.id)
+            if flight is not None and flight.route == route:  # not dropped while the write was under way
+                flight.written = batch.first + len(batch.events)
             if not isinstance(terminal, Delta):
                 self._forget(route.id)
                 _log_finished(terminal)
