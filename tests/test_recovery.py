@@ -170,3 +170,40 @@ def test_sigterm_hands_back_what_the_drain_could_not_finish(valkey, demo_model, 
         assert "handed_back" in leaving.log()
     finally:
         staying.stop()
+
+
+def test_a_fatal_engine_error_exits_non_zero_and_its_requests_are_taken_over(valkey, demo_model, logs_dir, r,
+                                                                              outputs, queue):
+    """The engine thread itself fails (test hook): the worker exits 1, loudly, and what it
+    held (the running request and the one that broke it) is finished by another worker."""
+    broken = start_worker(valkey, demo_model, queue, logs_dir, consumer="broken",
+                          env={"MLXQ_TEST_FATAL_ON_TOKEN": "1000"})
+    running = f"running-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, running, {"prompt": "Keep going", "max_tokens": LONG})
+    wait_for_deltas(r, [running], at_least=20)
+    trigger = f"trigger-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, trigger, {"prompt_tokens": [5, 1000, 7], "max_tokens": 3})
+    assert broken.wait() == 1
+    assert "engine failed" in broken.log() and "injected engine failure" in broken.log()
+    healthy = start_worker(valkey, demo_model, queue, logs_dir, consumer="healthy", reclaim_interval_s=0.2)
+    try:
+        finished(outputs, [running, trigger])
+    finally:
+        healthy.stop()
+
+
+def test_a_second_sigterm_exits_at_once_and_nothing_is_corrupted(valkey, demo_model, logs_dir, r, outputs, queue):
+    """Two SIGTERMs: the worker exits 1 without waiting for its 60 s drain; the request it
+    was running is resumed by the next worker with its stream intact."""
+    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="impatient", drain_timeout_s=60)
+    ids = submit_all(r, queue)
+    wait_for_deltas(r, ids, at_least=20)
+    worker.signal(signal.SIGTERM)
+    time.sleep(0.1)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=5) == 1
+    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="impatient")
+    try:
+        finished(outputs, ids)
+    finally:
+        worker.stop()

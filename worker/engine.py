@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from . import faults
 from .generator import BatchBackend
 from .messages import Abandon, Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
 from .output import RequestStream, deadline_exceeded, failed, not_started, process_step
@@ -199,6 +200,7 @@ class Engine:
     def _admit(self, out: StepOutput) -> None:
         now = time.time()
         for request in self._scheduler.take(self._max_num_seqs - len(self._streams)):
+            faults.fail_if_marked(request.prompt_tokens)
             if request.deadline_at is not None and now > request.deadline_at:
                 out.outgoing.append(deadline_exceeded(request))
                 continue
