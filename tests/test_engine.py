@@ -38,16 +38,17 @@ class FakeBackend:
         self.step_s = step_s
         self.prompts: list[list[int]] = []
 
-    def insert(self, prompt, max_tokens, sampler, logits_processors) -> int:
+    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None) -> int:
         self.prompts.append(prompt)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.running[uid] = [0, max_tokens]
         self.most_running = max(self.most_running, len(self.running))
         return uid
 
-    def remove(self, uids: Iterable[int]) -> None:
+    def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict:
         for uid in uids:
             self.running.pop(uid, None)
+        return {}
 
     def step(self) -> list[TokenOut]:
         self.steps += 1

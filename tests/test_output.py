@@ -92,7 +92,8 @@ def test_timing_counts_from_arrival(tokenizer):
     tokens = tokenizer.encode("x y z")
     events = feed(tokenizer, make_request(), tokens)
     # arrived at 100.0, admitted at 100.5, token i at 101.0 + i
-    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 * len(tokens)}
+    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 * len(tokens),
+                                 "itl_ms": 1000.0, "tok_s": 1.0}
 
 
 def test_process_step_drops_tokens_of_removed_sequences(tokenizer):

@@ -18,13 +18,16 @@ from typing import Any
 import structlog
 
 from . import faults
-from .generator import BatchBackend
+from .generator import BatchBackend, Coverage
 from .messages import Abandon, Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
 from .output import RequestStream, deadline_exceeded, failed, not_started, process_step
+from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
 
 log = structlog.get_logger("mlxq.engine")
+
+HOUSEKEEPING_S = 5.0  # under steady load, how often cached buffers are released and stats refreshed
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,9 @@ class Loaded:
     info: ModelInfo
     make_backend: Callable[[], BatchBackend]
     new_detokenizer: Callable[[], Any]
+    prefix_cache: PrefixCache | None = None
+    memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
+    release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
 
 
 class EngineFailed(RuntimeError):
@@ -69,6 +75,8 @@ class Engine:
         self._streams: dict[int, RequestStream] = {}
         self._uids: dict[str, int] = {}
         self._drain_until: float | None = None
+        self._next_housekeeping = 0.0
+        self.stats: dict[str, Any] = {}  # replaced whole by the engine thread; read by others
 
     # ---- called from other threads -------------------------------------------------
 
@@ -134,8 +142,24 @@ class Engine:
                 self._step(out)
             if out.outgoing or out.abandoned:
                 self._on_output(out)
+            if not self._busy() or time.monotonic() >= self._next_housekeeping:
+                self._housekeeping()
             if self._drain_until is not None and not self._busy():
                 return
+
+    def _housekeeping(self) -> None:
+        """Release the framework's cached buffers (when idle, and now and then under load)
+        and refresh the stats others may read."""
+        self._loaded.release_memory()
+        cache = self._loaded.prefix_cache
+        self.stats = {
+            "running": len(self._streams), "waiting": len(self._scheduler),
+            "memory": self._loaded.memory(),
+            "prefix_cache": None if cache is None else {
+                "entries": len(cache), "bytes": cache.nbytes, "hits": cache.hits, "misses": cache.misses,
+                "hit_rate": cache.hit_rate, "refused": cache.refused},
+        }
+        self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _busy(self) -> bool:
         return bool(self._streams or len(self._scheduler))
@@ -194,8 +218,21 @@ class Engine:
             return
         outgoing, finished = process_step(self._streams, tokens, time.time())
         out.outgoing.extend(outgoing)
-        self._backend.remove(finished)  # those that ended on a stop string are still in it
+        coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
+        # Those that ended on a stop string are still in the batch.
+        coverage.update(self._backend.remove(finished, keep_caches=self._loaded.prefix_cache is not None))
         self._retire(finished)
+        self._keep_caches([coverage[uid] for uid in finished if uid in coverage])
+
+    def _keep_caches(self, finished: list[Coverage]) -> None:
+        cache = self._loaded.prefix_cache
+        if cache is None:
+            return
+        for coverage in finished:
+            try:
+                cache.store(coverage.tokens, coverage.cache)
+            except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
+                log.warning("could not keep a prompt cache", error=repr(e))
 
     def _admit(self, out: StepOutput) -> None:
         now = time.time()
@@ -208,16 +245,27 @@ class Engine:
             if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
                 out.outgoing.extend(Outgoing(request.route, e) for e in stream.finish("length", now))
                 continue
-            prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
             try:
-                uid = self._backend.insert(prompt, request.tokens_to_generate,
-                                           build_sampler(request.sampling), build_logits_processors(request.sampling))
+                uid = self._insert(request, stream)
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("insert failed", request_id=request.id, error=repr(e))
                 out.outgoing.append(failed(request, "internal", f"could not start the request: {e}"))
                 continue
             self._streams[uid] = stream
             self._uids[request.id] = uid
+
+    def _insert(self, request: EngineRequest, stream: RequestStream) -> int:
+        """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
+        prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
+        cache = self._loaded.prefix_cache
+        hit = cache.fetch(prompt) if cache is not None else None
+        cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+        uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
+                                   build_sampler(request.sampling), build_logits_processors(request.sampling), cached)
+        if cache is not None:
+            cache.count(hit)
+        stream.cached_tokens = 0 if hit is None else hit.reused
+        return uid
 
     def _retire(self, uids: list[int]) -> list[RequestStream]:
         streams = [self._streams.pop(uid) for uid in uids]

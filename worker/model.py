@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from . import demo_model
 from .engine import Loaded, ModelInfo
 from .generator import MlxBatchBackend
+from .prefix_cache import PrefixCache
 from .sampling import warm_up
 from .settings import WorkerSettings
 
@@ -37,4 +40,10 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                                prefill_batch_size=settings.prefill_batch_size,
                                prefill_step_size=settings.prefill_step_size)
 
-    return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer)
+    return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
+                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
+                  memory=_memory, release_memory=mx.clear_cache)
+
+
+def _memory() -> dict[str, int]:
+    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}

@@ -33,6 +33,8 @@ class RequestStream:
         self.sent = 0  # characters of `text` already in deltas
         self.pending: list[int] = []  # token ids not yet in a delta
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.last_token_at: float | None = None
         self.seq = 0
         self.done: Done | None = None
         self._hold = max((len(s) for s in request.stop), default=1) - 1
@@ -53,6 +55,7 @@ class RequestStream:
         """Take one generated token; returns the events it completes."""
         if self.first_token_at is None:
             self.first_token_at = now
+        self.last_token_at = now
         # BatchGenerator's only stop sequences are the eos ids: that token is not output.
         if out.finish_reason != "stop":
             self.detokenizer.add_token(out.token)
@@ -78,7 +81,7 @@ class RequestStream:
             finish_reason=reason,
             text=self.text,
             usage={"prompt_tokens": len(self.request.prompt_tokens),
-                   "completion_tokens": self.completion_tokens, "cached_tokens": 0},
+                   "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens},
             timing=self._timing(now),
             metadata=self.request.metadata,
         )
@@ -108,11 +111,18 @@ class RequestStream:
         return delta
 
     def _timing(self, now: float) -> dict[str, float | None]:
-        arrived = self.request.arrived_at
+        """Queue time, time to first token and total from arrival; then, over this run's
+        tokens after the first, mean inter-token latency and tokens per second."""
+        arrived, first, last = self.request.arrived_at, self.first_token_at, self.last_token_at
+        resumed = len(self.request.resume.tokens) if self.request.resume else 0
+        after_first = self.completion_tokens - resumed - 1
+        decoding = None if first is None or last is None or after_first < 1 else last - first
         return {
             "queued_ms": _ms(self.admitted_at - arrived),
-            "ttft_ms": None if self.first_token_at is None else _ms(self.first_token_at - arrived),
+            "ttft_ms": None if first is None else _ms(first - arrived),
             "total_ms": _ms(now - arrived),
+            "itl_ms": None if not decoding else _ms(decoding / after_first),
+            "tok_s": None if not decoding else round(after_first / decoding, 1),
         }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any, Literal
@@ -36,6 +37,10 @@ class WorkerSettings(BaseSettings):
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
     completion_batch_size: int = Field(32, ge=1, description="sequences decoded together")
     prefill_step_size: int = Field(2048, ge=1, description="prompt tokens per prefill chunk")
+    cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
+                                        "unset: cache_memory_percent of RAM")
+    cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")
+    cache_max_entries: int = Field(256, ge=0, description="most prompt caches kept")
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
@@ -61,6 +66,13 @@ class WorkerSettings(BaseSettings):
         if self.consumer is None:
             self.consumer = f"{socket.gethostname()}-{self.worker_index}"
         return self
+
+    def cache_budget_bytes(self) -> int:
+        """The prefix cache's byte budget."""
+        if self.cache_memory_mb is not None:
+            return self.cache_memory_mb * 1024 * 1024
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return int(ram * self.cache_memory_percent / 100)
 
     @classmethod
     def settings_customise_sources(
