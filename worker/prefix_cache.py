@@ -68,7 +68,8 @@ class PrefixCache:
             candidates.append((found.exact, len(tokens) - 1))
         if found.shorter is not None:
             candidates.append((found.shorter, len(found.shorter)))
-        if found.longer is not None and found.common_prefix >= self.min_common_prefix:
+        whole_prompt = found.common_prefix == len(tokens)  # the prompt is a prefix of a stored sequence
+        if found.longer is not None and (whole_prompt or found.common_prefix >= self.min_common_prefix):
             candidates.append((found.longer, min(found.common_prefix, len(tokens) - 1)))
         for key, reused in sorted(candidates, key=lambda c: -c[1]):
             hit = self._copy(tuple(key), reused)
@@ -94,14 +95,14 @@ class PrefixCache:
             return False
         key = tuple(tokens)
         self._drop(key)
-        if can_trim_prompt_cache(detached):  # a stored prefix of this key is now redundant
-            for prefix_len, _ in self._trie.pop_prefixes(MODEL, tokens):
-                self._forget(key[:prefix_len])
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
             self._drop(next(iter(self._entries)))
         self._trie.add(MODEL, tokens, key)
         self._entries[key] = _Entry(detached, nbytes)
         self.nbytes += nbytes
+        if can_trim_prompt_cache(detached):  # a stored prefix of this key is now redundant
+            for prefix_len, _ in self._trie.pop_prefixes(MODEL, tokens):
+                self._forget(key[:prefix_len])
         return True
 
     def _copy(self, key: tuple[int, ...], reused: int) -> Hit | None:

@@ -1,0 +1,166 @@
+"""The prefix cache with real MLX on the demo model (in process), then through the worker."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from support import check_stream, worker_fixture, xadd_json
+
+from client import Done
+from worker.generator import Coverage, MlxBatchBackend
+from worker.prefix_cache import PrefixCache
+from worker.sampling import build_logits_processors, build_sampler
+
+from worker.messages import SamplingParams  # isort: skip
+
+GREEDY = SamplingParams()
+
+
+@pytest.fixture(scope="module")
+def model(demo_model):
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model))
+    return model, tokenizer
+
+
+def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache | None = None,
+             ) -> tuple[list[int], Coverage, int]:
+    """Greedy tokens, the finished sequence's cache, and how many prompt tokens came from `cache`."""
+    net, tokenizer = model
+    backend = MlxBatchBackend(net, tokenizer.eos_token_ids, completion_batch_size=8, prefill_batch_size=8,
+                              prefill_step_size=2048)
+    hit = cache.fetch(prompt) if cache else None
+    cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+    uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),
+                         build_logits_processors(GREEDY), cached)
+    tokens: list[int] = []
+    while True:
+        for out in backend.step():
+            assert out.uid == uid
+            tokens.append(out.token)
+            if out.finish_reason is not None:
+                backend.close()
+                assert out.coverage is not None
+                return tokens, out.coverage, 0 if hit is None else hit.reused
+
+
+def snapshot(cache: PrefixCache) -> list[np.ndarray]:
+    return [np.array(a) for entry in cache._entries.values() for layer in entry.cache for a in layer.state[:2]]
+
+
+PROMPT = list(range(100, 140))
+
+
+def test_identical_prompt_reuses_all_but_one_token_and_matches_cold(model):
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    assert cache.fetch(PROMPT) is None, "miss first"
+    cold, coverage, _ = generate(model, PROMPT)
+    assert coverage.tokens == PROMPT + cold[:-1] or coverage.tokens[: len(PROMPT)] == PROMPT
+    assert cache.store(coverage.tokens, coverage.cache)
+    (entry,) = cache._entries.values()
+    assert entry.cache[0].offset == len(coverage.tokens), "the key is exactly what the cache covers"
+    warm, _, reused = generate(model, PROMPT, cache=cache)
+    assert reused == len(PROMPT) - 1
+    assert warm == cold
+
+
+def test_extended_and_divergent_prompts_reuse_the_common_prefix(model):
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    _, coverage, _ = generate(model, PROMPT)
+    cache.store(coverage.tokens, coverage.cache)
+    extended = coverage.tokens + [7, 8, 9]
+    cold, _, _ = generate(model, extended)
+    warm, _, reused = generate(model, extended, cache=cache)
+    assert reused == len(coverage.tokens), "everything stored is reused; only the 3 new tokens are prefilled"
+    assert warm == cold
+    divergent = PROMPT[:30] + [5, 6, 7, 8]
+    cold, _, _ = generate(model, divergent)
+    warm, _, reused = generate(model, divergent, cache=cache)
+    assert reused == 30, "only the common prefix"
+    assert warm == cold
+
+
+def test_a_short_prompt_is_cached_too(model):
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    short = [300, 301, 302]
+    cold, coverage, _ = generate(model, short, max_tokens=1)
+    cache.store(coverage.tokens, coverage.cache)
+    warm, _, reused = generate(model, short, max_tokens=1, cache=cache)
+    assert reused == 2 and warm == cold
+
+
+def test_a_stored_entry_is_unchanged_by_the_request_that_reuses_it(model):
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    _, coverage, _ = generate(model, PROMPT)
+    cache.store(coverage.tokens, coverage.cache)
+    before = snapshot(cache)
+    generate(model, coverage.tokens + [1, 2, 3], max_tokens=40, cache=cache)  # decodes 40 tokens on top of it
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache), strict=True))
+
+
+def test_budget_evicts_the_least_recently_used_and_refuses_what_cannot_fit(model):
+    entries = []
+    for start in (400, 500, 600):
+        _, coverage, _ = generate(model, list(range(start, start + 20)), max_tokens=2)
+        entries.append(coverage)
+    size = PrefixCache(10**9, 10)
+    size.store(entries[0].tokens, entries[0].cache)
+    one = size.nbytes
+    cache = PrefixCache(max_bytes=2 * one, max_entries=10)
+    cache.store(entries[0].tokens, entries[0].cache)
+    cache.store(entries[1].tokens, entries[1].cache)
+    assert cache.fetch(entries[0].tokens) is not None  # entry 0 is now the most recently used
+    cache.store(entries[2].tokens, entries[2].cache)
+    assert cache.fetch(entries[1].tokens) is None, "the least recently used went"
+    assert cache.fetch(entries[0].tokens) is not None and cache.fetch(entries[2].tokens) is not None
+    tiny = PrefixCache(max_bytes=one - 1, max_entries=10)
+    assert not tiny.store(entries[0].tokens, entries[0].cache)
+    assert tiny.refused == 1 and len(tiny) == 0
+    few = PrefixCache(max_bytes=10 * one, max_entries=1)
+    few.store(entries[0].tokens, entries[0].cache)
+    few.store(entries[1].tokens, entries[1].cache)
+    assert len(few) == 1 and few.fetch(entries[1].tokens) is not None
+
+
+def test_hits_count_only_when_used(model):
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    _, coverage, _ = generate(model, PROMPT)
+    cache.store(coverage.tokens, coverage.cache)
+    cache.fetch(PROMPT)
+    assert (cache.hits, cache.misses) == (0, 0)
+    generate(model, PROMPT, cache=cache)
+    cache.count(cache.fetch(PROMPT))
+    cache.count(cache.fetch([9, 9, 9]))
+    assert (cache.hits, cache.misses, cache.hit_rate) == (1, 1, 0.5)
+
+
+worker = worker_fixture()
+
+
+def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
+    """The seeds' table, from `usage.cached_tokens`: first MISS, same prompt HIT,
+    different prompt MISS, back to the first HIT."""
+    first = {"prompt_tokens": list(range(200, 260)), "max_tokens": 5}
+    other = {"prompt_tokens": list(range(700, 760)), "max_tokens": 5}
+    seen = []
+    for body in (first, first, other, first):
+        rid = new_id()
+        xadd_json(r, worker.queue, rid, body)
+        done = check_stream(outputs.of(rid))
+        assert isinstance(done, Done)
+        seen.append(done.usage["cached_tokens"])
+    assert seen == [0, 59, 0, 59]
+
+
+def test_different_users_share_a_system_prompt(worker, r, outputs, new_id):
+    """Chat requests with the same system prompt and different user messages reuse the system part."""
+    system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 4}
+    cached = []
+    for question in ("What is a queue?", "Why batch requests?"):
+        rid = new_id()
+        xadd_json(r, worker.queue, rid, {"messages": [system, {"role": "user", "content": question}],
+                                         "max_tokens": 4})
+        done = check_stream(outputs.of(rid))
+        cached.append(done.usage["cached_tokens"])
+    assert cached[0] == 0 and cached[1] >= 40
