@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import time
 from collections.abc import Iterable
@@ -261,3 +262,16 @@ def test_an_abandoned_request_stops_without_a_word():
         seen += [item.event for item in h.outputs.get(timeout=5).outgoing]
     assert {e.id for e in seen if not isinstance(e, Delta)} == {"next"}, "no terminal event for the abandoned"
     assert "queued" not in {e.id for e in seen}
+
+
+def test_aging_lets_a_starved_request_in_eventually():
+    """Priority 5 that has waited 6 aging periods goes before priority 0 that just came;
+    one that has waited 4 does not."""
+    s = Scheduler(aging_s=1.0)
+    now = time.time()
+    starved = dataclasses.replace(request("starved", priority=5), arrived_at=now - 6)
+    patient = dataclasses.replace(request("patient", priority=5), arrived_at=now - 4)
+    s.add(patient)
+    s.add(starved)
+    s.add(dataclasses.replace(request("fresh", priority=0), arrived_at=now))
+    assert [r.id for r in s.take(3)] == ["starved", "fresh", "patient"]

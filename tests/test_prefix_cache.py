@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import numpy as np
 import pytest
 from support import check_stream, worker_fixture, xadd_json
@@ -151,6 +154,13 @@ def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
         assert isinstance(done, Done)
         seen.append(done.usage["cached_tokens"])
     assert seen == [0, 59, 0, 59]
+    deadline = time.monotonic() + 10
+    while (stats := json.loads(r.get(f"mlxq:workers:{worker.consumer}")))["prefix_cache"]["hits"] < 2:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    assert stats["prefix_cache"]["entries"] >= 2 and stats["prefix_cache"]["bytes"] > 0
+    assert stats["memory"]["active"] > 0 and {"peak", "cache"} <= set(stats["memory"])
+    assert stats["running"] == 0 and stats["waiting"] == 0
 
 
 def test_different_users_share_a_system_prompt(worker, r, outputs, new_id):

@@ -120,7 +120,8 @@ class Worker:
         def on_fatal(error: BaseException) -> None:
             loop.call_soon_threadsafe(self._die, error)
 
-        self.engine = Engine(self._load, self.settings.max_num_seqs, on_output=on_output, on_fatal=on_fatal)
+        self.engine = Engine(self._load, self.settings.max_num_seqs, on_output=on_output, on_fatal=on_fatal,
+                             priority_aging_s=self.settings.priority_aging_s)
         self.engine.start()
         info = await asyncio.to_thread(self.engine.wait_ready)
         self.intake = Intake(info, self.settings)
@@ -399,7 +400,7 @@ class Worker:
         held = {flight.route.entry_id: request_id for request_id, flight in self.in_flight.items()}
         state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
                  "host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
-                 "in_flight": len(held), "max_num_seqs": self.settings.max_num_seqs}
+                 "in_flight": len(held), "max_num_seqs": self.settings.max_num_seqs, **self.engine.stats}
         lost = await self.streams.keep_mine(list(held), json.dumps(state), ttl_s=3 * self.settings.heartbeat_s)
         for entry_id in lost:
             request_id = held[entry_id]

@@ -60,7 +60,8 @@ class Engine:
     """Runs `load` and then the step loop on its own thread."""
 
     def __init__(self, load: Callable[[], Loaded], max_num_seqs: int,
-                 on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None]) -> None:
+                 on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None],
+                 priority_aging_s: float = 10.0) -> None:
         self._load = load
         self._max_num_seqs = max_num_seqs
         self._on_output = on_output
@@ -71,7 +72,7 @@ class Engine:
         self._info: ModelInfo | None = None
         self._error: BaseException | None = None
         # Engine-thread state from here on.
-        self._scheduler = Scheduler()
+        self._scheduler = Scheduler(priority_aging_s)
         self._streams: dict[int, RequestStream] = {}
         self._uids: dict[str, int] = {}
         self._drain_until: float | None = None
@@ -123,6 +124,7 @@ class Engine:
         self._info = loaded.info
         self._loaded = loaded
         self._backend = loaded.make_backend()
+        self._housekeeping()
         self._ready.set()
         try:
             self._loop()

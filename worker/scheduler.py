@@ -9,10 +9,17 @@ from .messages import EngineRequest
 
 
 class Scheduler:
-    """Requests waiting for a slot: lower `priority` first, first come first served among equals."""
+    """Requests waiting for a slot: lower `priority` first, first come first served among
+    equals, and every `aging_s` seconds of waiting counts as one priority level better, so
+    that a low priority cannot starve forever.
 
-    def __init__(self) -> None:
-        self._heap: list[tuple[int, int, str]] = []
+    Aging is the same for every waiting request, so the order never changes while they
+    wait: ranking by `priority + arrived_at / aging_s` once, at arrival, is exact.
+    """
+
+    def __init__(self, aging_s: float = 10.0) -> None:
+        self.aging_s = aging_s
+        self._heap: list[tuple[float, int, str]] = []
         self._waiting: dict[str, tuple[int, EngineRequest]] = {}
         self._order = itertools.count()
 
@@ -26,7 +33,7 @@ class Scheduler:
         """Queue a request."""
         order = next(self._order)
         self._waiting[request.id] = (order, request)
-        heapq.heappush(self._heap, (request.priority, order, request.id))
+        heapq.heappush(self._heap, (request.priority + request.arrived_at / self.aging_s, order, request.id))
 
     def remove(self, request_id: str) -> EngineRequest | None:
         """Take a waiting request out (cancelled); None if it is not waiting."""

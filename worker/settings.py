@@ -36,11 +36,14 @@ class WorkerSettings(BaseSettings):
     max_num_seqs: int = Field(16, ge=1, description="requests running at once")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
     completion_batch_size: int = Field(32, ge=1, description="sequences decoded together")
-    prefill_step_size: int = Field(2048, ge=1, description="prompt tokens per prefill chunk")
+    prefill_step_size: int = Field(512, ge=1, description="prompt tokens per prefill chunk; running streams "
+                                   "get a token between chunks")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")
     cache_max_entries: int = Field(256, ge=0, description="most prompt caches kept")
+    priority_aging_s: float = Field(10.0, gt=0, description="waiting this long counts as one priority level "
+                                    "better, so low priorities are not starved")
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")

@@ -1,0 +1,96 @@
+"""Scheduling with the real model: chunked prefill, the engine thread, an idle engine."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import uuid
+
+from support import worker_fixture, xadd_json
+
+from client import Delta, Done
+from worker.engine import Engine
+from worker.messages import EngineRequest, Route, SamplingParams, StepOutput
+from worker.model import load_text_model
+from worker.settings import WorkerSettings
+
+worker = worker_fixture(prefill_step_size=128)
+
+
+def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
+    """While a 2,000-token prompt is prefilled in chunks of 128, a running request keeps
+    getting deltas: count them between the long request's admission and its first token."""
+    running, long = f"run-{uuid.uuid4().hex[:8]}", f"long-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, worker.queue, running, {"prompt": "Keep streaming", "max_tokens": 1500})
+    while r.xlen(f"mlxq:out:{{{running}}}") < 5:
+        time.sleep(0.005)
+    entry_id = xadd_json(r, worker.queue, long, {"prompt_tokens": [5 + i % 900 for i in range(2000)],
+                                                 "max_tokens": 2})
+    (*_, done) = outputs.of(long)
+    assert isinstance(done, Done)
+    arrived_ms = int(entry_id.split("-")[0])
+    window = (arrived_ms + done.timing["queued_ms"], arrived_ms + done.timing["ttft_ms"])
+    during = [e for e, f in r.xrange(f"mlxq:out:{{{running}}}")
+              if f[b"type"] == b"delta" and window[0] <= int(e.decode().split("-")[0]) <= window[1]]
+    assert len(during) >= 5, f"{len(during)} deltas of the running request during a {window[1] - window[0]} ms prefill"
+    outputs.of(running)
+
+
+def _request(rid: str, tokens: list[int], max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json"), prompt_tokens=tokens, max_tokens=max_tokens,
+                         sampling=SamplingParams(), stop=[], stream_interval=1, priority=0, arrived_at=time.time(),
+                         deadline_at=None)
+
+
+def _until_done(outputs: queue.Queue[StepOutput], request_id: str) -> tuple[float, Done]:
+    """Wait for the request's `done`; returns when its first delta came, and the `done`."""
+    first = None
+    while True:
+        for item in outputs.get(timeout=30).outgoing:
+            if item.event.id == request_id and isinstance(item.event, Delta) and first is None:
+                first = time.monotonic()
+            if item.event.id == request_id and isinstance(item.event, Done):
+                return first or time.monotonic(), item.event
+
+
+def test_mlx_runs_on_the_engine_thread_only_and_an_idle_engine_starts_at_once(demo_model):
+    """Every call into the model, the batch and the prefix cache happens on the engine
+    thread; after idling, a request's first token comes without any polling delay."""
+    threads: set[int] = set()
+    settings = WorkerSettings(model=str(demo_model))
+
+    def load():
+        loaded = load_text_model(settings)
+        make_backend = loaded.make_backend
+
+        def recording_backend():
+            backend = make_backend()
+            for name in ("insert", "step", "remove", "close"):
+                method = getattr(backend, name)
+                setattr(backend, name, lambda *a, _m=method, **k: (threads.add(threading.get_ident()), _m(*a, **k))[1])
+            return backend
+
+        cache = loaded.prefix_cache
+        for name in ("fetch", "store"):
+            method = getattr(cache, name)
+            setattr(cache, name, lambda *a, _m=method, **k: (threads.add(threading.get_ident()), _m(*a, **k))[1])
+        threads.add(threading.get_ident())
+        loaded.make_backend = recording_backend
+        return loaded
+
+    outputs: queue.Queue[StepOutput] = queue.Queue()
+    engine = Engine(load, 4, on_output=outputs.put, on_fatal=lambda e: None)
+    engine.start()
+    engine.wait_ready(60)
+    engine.submit(_request("a", list(range(50, 90))))
+    _until_done(outputs, "a")
+    time.sleep(1.0)  # idle: the engine blocks on its command queue
+    submitted = time.monotonic()
+    engine.submit(_request("b", list(range(50, 90))))
+    first, done = _until_done(outputs, "b")
+    assert done.usage["cached_tokens"] == 39
+    assert first - submitted < 0.25, "an idle engine wakes up on submit, not on a timer"
+    engine.shutdown(1)
+    assert engine.join(10)
+    assert threads == {engine._thread.ident}
