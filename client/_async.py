@@ -41,13 +41,15 @@ class AsyncClient:
 
     async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
-                     encoding: Encoding = "json", **params: Any) -> AsyncJob:
+                     lane: str | None = None, encoding: Encoding = "json", **params: Any) -> AsyncJob:
         """Queue a request (`params` are the DESIGN.md body fields) and return its job.
+        `lane` puts it on a priority lane of the queue (workers read the lanes they are
+        configured with before the queue itself).
 
         Raises `RequestRejected` before sending anything if the request is invalid.
         """
         body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
-        submission = build_submission(self.keys, queue or self.queue, id, encoding, body)
+        submission = build_submission(self.keys, queue or self.queue, id, encoding, body, lane)
         await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
         return AsyncJob(self, submission.id, submission.output)
 

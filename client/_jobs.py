@@ -26,8 +26,9 @@ class Submission:
 
 
 def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: Encoding,
-                     body: dict[str, Any]) -> Submission:
-    """Validate `body` as the worker will and lay out the entry; raise `RequestRejected`."""
+                     body: dict[str, Any], lane: str | None = None) -> Submission:
+    """Validate `body` as the worker will and lay out the entry (on `lane` of the queue,
+    if given); raise `RequestRejected`."""
     body = {k: v for k, v in body.items() if v is not None}
     request_id = request_id or uuid.uuid4().hex
     try:
@@ -40,7 +41,8 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
     if problem:
         raise RequestRejected(problem)
     output = reply_to or keys.output(request_id)
-    return Submission(request_id, keys.queue(queue), fields, output)
+    stream = keys.queue(queue) if lane is None else keys.lane(queue, lane)
+    return Submission(request_id, stream, fields, output)
 
 
 class Cursor:

@@ -23,6 +23,10 @@ class Keys:
         """The request stream of `queue`; its consumer group is `workers`."""
         return f"{self.prefix}:q:{queue}"
 
+    def lane(self, queue: str, lane: str) -> str:
+        """A priority lane of `queue`: workers configured with it read it before the queue."""
+        return f"{self.prefix}:q:{queue}:{lane}"
+
     def dead(self, queue: str) -> str:
         """Where entries that cannot be served go, with the reason."""
         return f"{self.prefix}:q:{queue}:dead"

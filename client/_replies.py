@@ -17,12 +17,17 @@ def _text(value: bytes | str) -> str:
 
 def stream_entries(reply: Any) -> list[StreamEntry]:
     """The entries of an XREAD / XREADGROUP reply over one or more streams, in order."""
+    return [(entry_id, fields) for _, entry_id, fields in keyed_stream_entries(reply)]
+
+
+def keyed_stream_entries(reply: Any) -> list[tuple[str, str, dict[bytes, bytes] | None]]:
+    """The entries of an XREAD / XREADGROUP reply, each with the key of its stream."""
     if not reply:
         return []
     groups = reply.items() if isinstance(reply, dict) else reply
-    entries: list[StreamEntry] = []
-    for _key, items in groups:
+    entries: list[tuple[str, str, dict[bytes, bytes] | None]] = []
+    for key, items in groups:
         if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
             items = items[0]
-        entries.extend((_text(entry_id), fields) for entry_id, fields in items)
+        entries.extend((_text(key), _text(entry_id), fields) for entry_id, fields in items)
     return entries

@@ -38,9 +38,9 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 8) -> EngineRequest:
-    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json"), prompt_tokens=tokens, max_tokens=max_tokens,
-                         sampling=SamplingParams(), stop=[], stream_interval=1, priority=0, arrived_at=time.time(),
-                         deadline_at=None)
+    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json", "q"), prompt_tokens=tokens,
+                         max_tokens=max_tokens, sampling=SamplingParams(), stop=[], stream_interval=1, priority=0,
+                         arrived_at=time.time(), deadline_at=None)
 
 
 def _until_done(outputs: queue.Queue[StepOutput], request_id: str) -> tuple[float, Done]:
@@ -94,3 +94,28 @@ def test_mlx_runs_on_the_engine_thread_only_and_an_idle_engine_starts_at_once(de
     engine.shutdown(1)
     assert engine.join(10)
     assert threads == {engine._thread.ident}
+
+
+lanes_worker = worker_fixture(lanes="urgent", max_num_seqs=1, prefetch=0)
+
+
+def test_a_lane_request_skips_the_backlog_in_redis(lanes_worker, r, outputs):
+    """With the worker full and a backlog waiting in the queue stream, a request on the
+    `urgent` lane is read (and finished) before every entry of the backlog."""
+    queue = lanes_worker.queue
+    running = f"run-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, running, {"prompt": "Occupy the only slot", "max_tokens": 300})
+    while not r.exists(f"mlxq:out:{{{running}}}"):
+        time.sleep(0.005)
+    backlog = [f"backlog{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
+    for request_id in backlog:
+        xadd_json(r, queue, request_id, {"prompt": "Wait your turn", "max_tokens": 2})
+    urgent = f"urgent-{uuid.uuid4().hex[:8]}"
+    r.xadd(f"mlxq:q:{queue}:urgent", {"id": urgent, "json": '{"prompt": "Me first", "max_tokens": 2}'})
+    finished_at = {}
+    for request_id in [running, urgent, *backlog]:
+        (*_, done) = outputs.of(request_id)
+        assert isinstance(done, Done)
+        finished_at[request_id] = int(r.xrevrange(f"mlxq:out:{{{request_id}}}", count=1)[0][0].split(b"-")[0])
+    assert all(finished_at[urgent] <= finished_at[b] for b in backlog)
+    assert r.xlen(f"mlxq:q:{queue}:urgent") == 0 and r.xlen(f"mlxq:q:{queue}") == 0

@@ -55,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--seed", type=int, help="seed for sampling")
     submit.add_argument("--stop", action="append", help="stop string (repeatable)")
     submit.add_argument("--priority", type=int, help="lower is served first")
+    submit.add_argument("--lane", help="submit to this priority lane of the queue")
     submit.add_argument("--id", help="request id (default: random)")
     submit.add_argument("--queue", default=os.environ.get("MLXQ_QUEUE", "default"), help="queue name")
     submit.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL") or embedded.url(EMBEDDED_PORT),
@@ -77,9 +78,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any) -> None:
     kind, choices = _flag_type(field.annotation)
-    default = field.default if field.default is not None else "unset"
+    default = field.get_default(call_default_factory=True)
+    default = "unset" if default is None else default
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
-                        help=f"{field.description} (default: {default}; env MLXQ_{name.upper()})")
+                        nargs="+" if get_origin(field.annotation) is list else None,
+                        help=f"{field.description} (default: {default or 'none'}; env MLXQ_{name.upper()})"
+                        .replace("%", "%%"))
 
 
 def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
@@ -134,7 +138,7 @@ def _run_submit(args: argparse.Namespace) -> int:
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     with Client(args.redis_url, queue=args.queue) as client:
         try:
-            job = client.submit(id=args.id, **prompt, **params)
+            job = client.submit(id=args.id, lane=args.lane, **prompt, **params)
         except RequestRejected as e:
             print(f"mlxq submit: {e}", file=sys.stderr)
             return 1

@@ -13,7 +13,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 from typing import Literal
@@ -106,7 +106,8 @@ class Worker:
     async def _connect(self) -> None:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
         self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
-                                    result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s)
+                                    result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s,
+                                    lanes=self.settings.lanes)
         self.reclaimer = Reclaimer(self.streams, self.settings.reclaim_interval_s,
                                    min_idle_ms=int(2000 * self.settings.heartbeat_s))
         await retrying(self.streams.ensure_group, f"connecting to {self.redis_url}")
@@ -142,12 +143,12 @@ class Worker:
     async def _hand_back(self) -> None:
         """Remove our heartbeat and mark what we still hold as long idle, so that another
         worker takes it over (and resumes it) at its next scan, not after a timeout."""
-        left = [flight.route.entry_id for flight in self.in_flight.values()]
+        left = _by_stream(self.in_flight.values())
         try:
             await self.streams.keep_mine(left, heartbeat="", ttl_s=0, idle_ms=HAND_BACK_IDLE_MS)
         except (RedisError, OSError) as e:
             log.warning("could not hand back; others take over when the heartbeat expires", error=repr(e))
-        log.info("worker stopped", handed_back=len(left))
+        log.info("worker stopped", handed_back=len(self.in_flight))
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
         """Each loop runs until cancelled; one that ends on its own is a bug: exit loudly."""
@@ -184,7 +185,7 @@ class Worker:
             deliveries = await self._reclaimed(room)
             if not deliveries:
                 entries = await retrying(partial(self.streams.read, room, self.settings.block_ms), "reading requests")
-                deliveries = [Delivery(entry_id, fields) for entry_id, fields in entries]
+                deliveries = [Delivery(stream, entry_id, fields) for stream, entry_id, fields in entries]
             try:
                 await self._accept(deliveries)
             except Exception:  # noqa: BLE001 - the intake keeps going; what it held stays pending in Redis
@@ -208,7 +209,7 @@ class Worker:
             if route.id in done:
                 log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
                 self._forget(route.id)
-                await retrying(partial(self.streams.settle, [route.entry_id]), "settling a repeat")
+                await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a repeat")
                 continue
             try:
                 await self._start(delivery, envelope, flight, cancelled=route.id in cancelled)
@@ -219,25 +220,25 @@ class Worker:
 
     async def _register(self, delivery: Delivery) -> tuple[Delivery, Envelope, InFlight] | None:
         """The envelope of a new entry, now in flight; None if there is nothing to run."""
-        entry_id, fields = delivery.entry_id, delivery.fields
+        stream, entry_id, fields = delivery.stream, delivery.entry_id, delivery.fields
         if fields is None:  # deleted from the stream before we read it
-            await retrying(partial(self.streams.settle, [entry_id]), "settling a deleted entry")
+            await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a deleted entry")
             return None
         try:
             envelope = read_envelope(fields, max_body_bytes=self.settings.max_body_bytes)
         except Undeliverable as e:
             log.warning("dead letter", entry_id=entry_id, reason=str(e))
-            await retrying(partial(self.streams.dead_letter, entry_id, fields, str(e),
+            await retrying(partial(self.streams.dead_letter, stream, entry_id, fields, str(e),
                                    deliveries=delivery.deliveries), "dead-lettering")
             return None
         if envelope.id in self.in_flight:
             log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
-            await retrying(partial(self.streams.settle, [entry_id]), "settling a repeat")
+            await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
             return None
         reply_to = envelope.reply_to
         if reply_to is None or self.keys.reply_to_problem(reply_to):  # the error goes to the default stream
             reply_to = self.keys.output(envelope.id)
-        flight = InFlight(Route(envelope.id, entry_id, reply_to, envelope.encoding))
+        flight = InFlight(Route(envelope.id, entry_id, reply_to, envelope.encoding, stream))
         self.in_flight[envelope.id] = flight  # before the flag check, so no cancel slips between
         return delivery, envelope, flight
 
@@ -288,7 +289,7 @@ class Worker:
                   "the workers that took it stopped without finishing it")
         log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, deliveries=delivery.deliveries)
         assert delivery.fields is not None
-        await retrying(partial(self.streams.record_dead, route.entry_id, delivery.fields, reason,
+        await retrying(partial(self.streams.record_dead, route.stream, route.entry_id, delivery.fields, reason,
                                deliveries=delivery.deliveries), "dead-lettering")
         self._emit(Outgoing(route, Error(id=route.id, code="poisoned",
                                          message=f"{reason}; moved to {self.streams.dead}")))
@@ -367,7 +368,7 @@ class Worker:
         elif status == "duplicate":
             log.warning("another entry with this id is served; dropping this one", request_id=route.id,
                         entry_id=route.entry_id)
-            await retrying(partial(self.streams.settle, [route.entry_id]), "settling a duplicate")
+            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a duplicate")
         elif status.startswith("gap:"):
             written = int(status.removeprefix("gap:"))
             log.error("output written earlier is missing (Redis lost data?); failing the request",
@@ -401,7 +402,8 @@ class Worker:
         state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
                  "host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
                  "in_flight": len(held), "max_num_seqs": self.settings.max_num_seqs, **self.engine.stats}
-        lost = await self.streams.keep_mine(list(held), json.dumps(state), ttl_s=3 * self.settings.heartbeat_s)
+        lost = await self.streams.keep_mine(_by_stream(self.in_flight.values()), json.dumps(state),
+                                            ttl_s=3 * self.settings.heartbeat_s)
         for entry_id in lost:
             request_id = held[entry_id]
             flight = self.in_flight.get(request_id)
@@ -409,6 +411,14 @@ class Worker:
                 log.warning("another worker took this request over; dropping it here", request_id=request_id)
                 self.engine.abandon(request_id)
                 self._forget(request_id)
+
+
+def _by_stream(flights: Iterable[InFlight]) -> dict[str, list[str]]:
+    """Entry ids grouped by the request stream they are in."""
+    grouped: dict[str, list[str]] = {}
+    for flight in flights:
+        grouped.setdefault(flight.route.stream, []).append(flight.route.entry_id)
+    return grouped
 
 
 async def _cancel(*tasks: asyncio.Task[None]) -> None:

@@ -28,6 +28,7 @@ class Route:
     entry_id: str
     reply_to: str
     encoding: Encoding
+    stream: str  # the request stream (queue or lane) the entry is in
 
 
 @dataclass(frozen=True)

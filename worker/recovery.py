@@ -25,6 +25,7 @@ log = structlog.get_logger("mlxq.recovery")
 class Delivery:
     """A request entry handed to this worker, and how many times it was delivered so far."""
 
+    stream: str
     entry_id: str
     fields: dict[Any, Any] | None  # None: deleted from the stream
     deliveries: int = 1
@@ -38,38 +39,42 @@ class Reclaimer:
         self.streams = streams
         self.interval_s = interval_s
         self.min_idle_ms = min_idle_ms
-        self._own_after: str | None = "-"  # XPENDING cursor over our own entries; None once done
+        self._own_after = dict.fromkeys(streams.streams, "-")  # XPENDING cursors over our own entries
         self._next_scan = 0.0
 
     async def take(self, room: int) -> list[Delivery]:
         """Up to `room` entries to serve now; usually none."""
-        if self._own_after is not None:
+        if self._own_after:
             return await self._own(room)
         if time.monotonic() < self._next_scan:
             return []
         self._next_scan = time.monotonic() + self.interval_s
-        for consumer in await self.streams.dead_consumers():
-            taken = await self._claim(await self.streams.pending(consumer, room, self.min_idle_ms))
-            if taken:
-                log.warning("took over the requests of a silent worker", consumer=consumer, entries=len(taken))
-                self._next_scan = 0.0  # there may be more
-                return taken
-            if await self.streams.forget_consumer(consumer):
-                log.info("removed a consumer that left", consumer=consumer)
+        for stream in self.streams.streams:
+            for consumer in await self.streams.dead_consumers(stream):
+                rows = await self.streams.pending(stream, consumer, room, self.min_idle_ms)
+                taken = await self._claim(stream, rows, self.min_idle_ms)
+                if taken:
+                    log.warning("took over the requests of a silent worker", consumer=consumer, entries=len(taken))
+                    self._next_scan = 0.0  # there may be more
+                    return taken
+                if await self.streams.forget_consumer(stream, consumer):
+                    log.info("removed a consumer that left", consumer=consumer, stream=stream)
         return []
 
     async def _own(self, room: int) -> list[Delivery]:
         """Our own pending entries, left by an earlier run under this consumer name."""
-        assert self._own_after is not None
-        rows = await self.streams.pending(self.streams.consumer, room, 0, after=self._own_after)
-        self._own_after = rows[-1][0] if len(rows) == room else None
-        taken = await self._claim(rows, min_idle_ms=0)
+        stream, after = next(iter(self._own_after.items()))
+        rows = await self.streams.pending(stream, self.streams.consumer, room, 0, after=after)
+        if len(rows) == room:
+            self._own_after[stream] = rows[-1][0]
+        else:
+            del self._own_after[stream]
+        taken = await self._claim(stream, rows, min_idle_ms=0)
         if taken:
             log.info("resuming this consumer's own pending requests", entries=len(taken))
         return taken
 
-    async def _claim(self, rows: list[tuple[str, int]], min_idle_ms: int | None = None) -> list[Delivery]:
-        idle = self.min_idle_ms if min_idle_ms is None else min_idle_ms
+    async def _claim(self, stream: str, rows: list[tuple[str, int]], min_idle_ms: int) -> list[Delivery]:
         counts = dict(rows)
-        entries = await self.streams.claim([entry_id for entry_id, _ in rows], idle)
-        return [Delivery(entry_id, fields, counts[entry_id] + 1) for entry_id, fields in entries]
+        entries = await self.streams.claim(stream, [entry_id for entry_id, _ in rows], min_idle_ms)
+        return [Delivery(stream, entry_id, fields, counts[entry_id] + 1) for entry_id, fields in entries]

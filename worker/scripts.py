@@ -9,7 +9,7 @@ they would need every key in one slot (a later step; one Redis serves the fleet 
 
 from __future__ import annotations
 
-# KEYS[1] request stream; then per request: its reply stream, progress hash, done key.
+# KEYS: per request, its request stream, reply stream, progress hash and done key.
 # ARGV: group, consumer, result_ttl_s, dedupe_ttl_s; then per request: entry id, the
 #   position of its first event, 1 if its last event is terminal, the event count, and
 #   type / encoding / body for each event.
@@ -24,15 +24,15 @@ local group, consumer = ARGV[1], ARGV[2]
 local result_ttl, dedupe_ttl = ARGV[3], ARGV[4]
 local statuses = {}
 local arg = 5
-for k = 2, #KEYS, 3 do
-  local reply, progress, done = KEYS[k], KEYS[k + 1], KEYS[k + 2]
+for k = 1, #KEYS, 4 do
+  local stream, reply, progress, done = KEYS[k], KEYS[k + 1], KEYS[k + 2], KEYS[k + 3]
   local entry, first = ARGV[arg], tonumber(ARGV[arg + 1])
   local terminal, count = ARGV[arg + 2] == '1', tonumber(ARGV[arg + 3])
   local events = arg + 4
   arg = events + 3 * count
   local status = 'applied'
   local done_by = redis.call('GET', done)
-  local owner = redis.pcall('XPENDING', KEYS[1], group, entry, entry, 1)
+  local owner = redis.pcall('XPENDING', stream, group, entry, entry, 1)
   local fence = redis.call('HMGET', progress, 'entry', 'next')
   local written = tonumber(fence[2] or '0')
   if done_by then
@@ -59,8 +59,8 @@ for k = 2, #KEYS, 3 do
     end
     if terminal or status ~= 'applied' then
       redis.call('SET', done, entry, 'EX', dedupe_ttl)
-      redis.call('XACK', KEYS[1], group, entry)
-      redis.call('XDEL', KEYS[1], entry)
+      redis.call('XACK', stream, group, entry)
+      redis.call('XDEL', stream, entry)
     end
   end
   statuses[#statuses + 1] = status

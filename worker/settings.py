@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -29,6 +30,8 @@ class WorkerSettings(BaseSettings):
     embedded_port: int = Field(EMBEDDED_PORT, description="port of the embedded Valkey when redis_url is unset")
     embedded_dir: Path | None = Field(None, description="data directory of the embedded Valkey (AOF on)")
     queue: str = Field(DEFAULT_QUEUE, pattern=r"^[A-Za-z0-9_.\-]+$", description="queue name: reads mlxq:q:<queue>")
+    lanes: list[str] = Field(default_factory=list, description="priority lanes, read before the queue itself "
+                             "and in this order: mlxq:q:<queue>:<lane>")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix")
     consumer: str | None = Field(None, description="consumer name in the group; default <host>-<worker_index>")
     worker_index: int = Field(0, ge=0, description="tells apart several workers on one host")
@@ -63,6 +66,14 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @field_validator("lanes")
+    @classmethod
+    def _lane_names(cls, lanes: list[str]) -> list[str]:
+        for lane in lanes:
+            if not re.fullmatch(r"[A-Za-z0-9_.\-]+", lane) or lane == "dead":
+                raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream)")
+        return lanes
 
     @model_validator(mode="after")
     def _default_consumer(self) -> WorkerSettings:

@@ -19,7 +19,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._keys import GROUP, Keys
 from client._protocol import Delta, Error, Event, decode_event, encode_event
-from client._replies import StreamEntry, stream_entries
+from client._replies import StreamEntry, keyed_stream_entries
 
 from . import scripts
 from .messages import Route
@@ -44,13 +44,15 @@ async def retrying(operation: Callable[[], Awaitable[T]], what: str) -> T:
 
 
 class QueueStreams:
-    """One queue's request stream, its dead letters, and the output streams it writes."""
+    """One queue's request streams (its priority lanes first), its dead letters, and the
+    output streams it writes."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, queue: str, consumer: str, *,
-                 result_ttl_s: int, dedupe_ttl_s: int) -> None:
+                 result_ttl_s: int, dedupe_ttl_s: int, lanes: list[str] | None = None) -> None:
         self.redis = redis
         self.keys = keys
         self.stream = keys.queue(queue)
+        self.streams = [keys.lane(queue, lane) for lane in lanes or []] + [self.stream]  # read in this order
         self.dead = keys.dead(queue)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
@@ -58,12 +60,13 @@ class QueueStreams:
         self._scripts = _Scripts(redis)
 
     async def ensure_group(self) -> None:
-        """Create the stream and its `workers` group unless they exist."""
-        try:
-            await self.redis.xgroup_create(self.stream, GROUP, id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        """Create the streams and their `workers` group unless they exist."""
+        for stream in self.streams:
+            try:
+                await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
+            except ResponseError as e:
+                if "BUSYGROUP" not in str(e):
+                    raise
 
     async def clock_offset_s(self) -> float:
         """Redis server time minus this host's clock, in seconds."""
@@ -72,16 +75,28 @@ class QueueStreams:
         after = time.time()
         return seconds + micros / 1e6 - (before + after) / 2
 
-    async def read(self, count: int, block_ms: int) -> list[StreamEntry]:
-        """Up to `count` new entries for this consumer; recreates the group after a data loss."""
+    async def read(self, count: int, block_ms: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
+        """Up to `count` new entries (stream, id, fields), higher lanes first; recreates the
+        group after a data loss. When every stream is empty it blocks on all of them, taking
+        one entry from each that gets one (so up to one per lane beyond `count`)."""
         try:
-            reply = await self.redis.xreadgroup(GROUP, self.consumer, {self.stream: ">"}, count=count, block=block_ms)
+            entries: list[tuple[str, str, dict[Any, Any] | None]] = []
+            for stream in self.streams if len(self.streams) > 1 else []:
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count - len(entries))
+                entries += keyed_stream_entries(reply)
+                if len(entries) >= count:
+                    return entries
+            if entries:
+                return entries
+            wanted = count if len(self.streams) == 1 else 1
+            reply = await self.redis.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams}, count=wanted,
+                                                block=block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             await self.ensure_group()
             return []
-        return stream_entries(reply)
+        return sorted(keyed_stream_entries(reply), key=lambda e: self.streams.index(e[0]))
 
     async def flags(self, ids: list[str]) -> tuple[set[str], set[str]]:
         """Which ids already finished, and which were cancelled, in one round trip."""
@@ -96,30 +111,33 @@ class QueueStreams:
         cancelled = {i for i, flag in zip(ids, replies[1::2], strict=True) if flag}
         return done, cancelled
 
-    async def settle(self, entry_ids: Iterable[str]) -> None:
+    async def settle(self, stream: str, entry_ids: Iterable[str]) -> None:
         """Acknowledge and delete entries that need no output (repeats, deleted entries)."""
         entry_ids = list(entry_ids)
         if entry_ids:
             async with self.redis.pipeline(transaction=False) as pipe:
-                pipe.xack(self.stream, GROUP, *entry_ids)
-                pipe.xdel(self.stream, *entry_ids)
+                pipe.xack(stream, GROUP, *entry_ids)
+                pipe.xdel(stream, *entry_ids)
                 await pipe.execute()
 
-    async def dead_letter(self, entry_id: str, fields: dict[Any, Any], reason: str, **history: Any) -> None:
+    async def dead_letter(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
+                          **history: Any) -> None:
         """Move an entry nobody can answer to the dead-letter stream, with the reason."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.dead, self._dead_record(entry_id, fields, reason, history))
-            pipe.xack(self.stream, GROUP, entry_id)
-            pipe.xdel(self.stream, entry_id)
+            pipe.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history))
+            pipe.xack(stream, GROUP, entry_id)
+            pipe.xdel(stream, entry_id)
             await pipe.execute()
 
-    async def record_dead(self, entry_id: str, fields: dict[Any, Any], reason: str, **history: Any) -> None:
+    async def record_dead(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
+                          **history: Any) -> None:
         """Copy an entry to the dead-letter stream; it is settled when its error is published."""
-        await self.redis.xadd(self.dead, self._dead_record(entry_id, fields, reason, history))
+        await self.redis.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history))
 
-    def _dead_record(self, entry_id: str, fields: dict[Any, Any], reason: str,
+    def _dead_record(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
                      history: dict[str, Any]) -> dict[Any, Any]:
-        record: dict[Any, Any] = {b"entry_id": entry_id, b"reason": reason, b"consumer": self.consumer}
+        record: dict[Any, Any] = {b"stream": stream, b"entry_id": entry_id, b"reason": reason,
+                                  b"consumer": self.consumer}
         record.update({k.encode(): str(v) for k, v in history.items()})
         record.update({b"field:" + (k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()})
         return record
@@ -128,11 +146,11 @@ class QueueStreams:
         """Write one step's events in one call, fenced (see `scripts.PUBLISH`); a terminal
         event also marks the id done, acknowledges its entry and deletes it from the queue.
         Returns one status per batch."""
-        keys: list[str] = [self.stream]
+        keys: list[str] = []
         args: list[Any] = [GROUP, self.consumer, self.result_ttl_s, self.dedupe_ttl_s]
         for batch in batches:
             route = batch.route
-            keys += [route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
+            keys += [route.stream, route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
             args += [route.entry_id, batch.first, int(not isinstance(batch.events[-1], Delta)), len(batch.events)]
             for event in batch.events:
                 fields = _encoded(route, event)
@@ -153,17 +171,21 @@ class QueueStreams:
                 deltas.append(event)
         return Progress(int(written), deltas)
 
-    async def keep_mine(self, entry_ids: list[str], heartbeat: str, ttl_s: float, idle_ms: int = 0) -> list[str]:
-        """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set its
-        entries' idle time; returns the ids another worker took over."""
-        keys = [self.stream, self.keys.worker(self.consumer)]
-        args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, *entry_ids]
-        return [_str(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
+    async def keep_mine(self, entries: dict[str, list[str]], heartbeat: str, ttl_s: float,
+                        idle_ms: int = 0) -> list[str]:
+        """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set the
+        idle time of its entries (ids by stream); returns the ids another worker took over."""
+        lost = []
+        for stream in self.streams:
+            keys = [stream, self.keys.worker(self.consumer)]
+            args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, *entries.get(stream, [])]
+            lost += [_str(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
+        return lost
 
-    async def dead_consumers(self) -> list[str]:
-        """Other consumers of the group whose heartbeat is gone."""
+    async def dead_consumers(self, stream: str) -> list[str]:
+        """Other consumers of the group on `stream` whose heartbeat is gone."""
         try:
-            consumers = await self.redis.xinfo_consumers(self.stream, GROUP)
+            consumers = await self.redis.xinfo_consumers(stream, GROUP)
         except ResponseError:  # no stream or group (Redis restarted empty): read() recreates them
             return []
         others = [name for name in (_str(c["name"]) for c in consumers) if name != self.consumer]
@@ -173,27 +195,27 @@ class QueueStreams:
             alive = await pipe.execute()
         return [name for name, is_alive in zip(others, alive, strict=True) if not is_alive]
 
-    async def pending(self, consumer: str, count: int, min_idle_ms: int,
+    async def pending(self, stream: str, consumer: str, count: int, min_idle_ms: int,
                       after: str = "-") -> list[tuple[str, int]]:
-        """Up to `count` entries `consumer` holds, idle at least `min_idle_ms`, with ids
-        above `after`: (id, deliveries)."""
+        """Up to `count` entries `consumer` holds on `stream`, idle at least `min_idle_ms`,
+        with ids above `after`: (id, deliveries)."""
         start = after if after == "-" else f"({after}"
-        rows = await self.redis.xpending_range(self.stream, GROUP, start, "+", count, consumername=consumer,
+        rows = await self.redis.xpending_range(stream, GROUP, start, "+", count, consumername=consumer,
                                                idle=min_idle_ms or None)
         return [(_str(row["message_id"]), int(row["times_delivered"])) for row in rows]  # type: ignore[arg-type]
 
-    async def claim(self, entry_ids: list[str], min_idle_ms: int) -> list[StreamEntry]:
+    async def claim(self, stream: str, entry_ids: list[str], min_idle_ms: int) -> list[StreamEntry]:
         """Take entries over (their delivery count goes up); deleted ones drop out of the
         pending list and are not returned."""
         if not entry_ids:
             return []
         reply: Any = await self.redis.xclaim(
-            self.stream, GROUP, self.consumer, min_idle_ms, list[Any](entry_ids))
+            stream, GROUP, self.consumer, min_idle_ms, list[Any](entry_ids))
         return [(_str(entry_id), fields) for entry_id, fields in reply if fields is not None]
 
-    async def forget_consumer(self, consumer: str) -> bool:
+    async def forget_consumer(self, stream: str, consumer: str) -> bool:
         """Delete a consumer that left, if it is silent and owns nothing; True if deleted."""
-        keys = [self.stream, self.keys.worker(consumer)]
+        keys = [stream, self.keys.worker(consumer)]
         return bool(await self._scripts.run(scripts.FORGET_CONSUMER, keys, [GROUP, consumer]))
 
 
