@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/mlxq worker
 
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m worker.blas $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check client worker tests

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, RequestRejected
 from client._protocol import describe_validation_error
 
-from . import demo_model, embedded
+from . import blas, demo_model, embedded
 from .settings import EMBEDDED_PORT, WorkerSettings, load_settings
 
 
@@ -28,6 +28,8 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "command", None):
         parser.print_help()
         sys.exit(2)
+    if args.command in ("worker", "bench"):  # these run MLX: on a real BLAS where there is one
+        blas.exec_with_blas([sys.executable, "-m", "worker", *(sys.argv[1:] if argv is None else argv)])
     sys.exit(args.run(args))
 
 
@@ -72,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo-model", help="build the tiny offline demo model",
                                description="Build the demo model (random weights, real BPE tokenizer) into PATH.")
     demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(), help="output directory")
+    demo.add_argument("--size", choices=sorted(demo_model.SIZES), default="demo",
+                      help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
     demo.set_defaults(run=_run_demo_model)
     return parser
 
@@ -189,7 +193,7 @@ def _run_redis(args: argparse.Namespace) -> int:
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    path = demo_model.build(args.path)
+    path = demo_model.build(args.path, size=args.size)
     print(f"demo model written to {path}")
     return 0
 

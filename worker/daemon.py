@@ -25,6 +25,7 @@ from redis.exceptions import RedisError, ResponseError
 from client._keys import Keys
 from client._protocol import Delta, Done, Envelope, Error, Event, InvalidRequest, Undeliverable, read_envelope
 
+from . import blas
 from .engine import Engine, EngineFailed, Loaded, ModelInfo
 from .intake import Intake
 from .messages import Outgoing, Resume, Route, StepOutput
@@ -101,7 +102,10 @@ class Worker:
                         "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
                         max_num_seqs=self.settings.max_num_seqs)
         log.info("worker ready", queue=self.streams.stream, consumer=self.consumer, model=info.name,
-                 redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs)
+                 redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs, blas=blas.in_use())
+        if blas.in_use() == "reference":
+            log.warning("MLX runs on the reference BLAS, which is slow: install the worker extra (mkl) or "
+                        "`apt install libopenblas0-pthread`; see the README")
 
     async def _connect(self) -> None:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)

@@ -41,6 +41,11 @@ MODEL_CONFIG = {
     "tie_word_embeddings": True,
 }
 
+# Bigger, for benchmarks: ~25M parameters, where batching and the BLAS show up.
+BENCH_CONFIG = {**MODEL_CONFIG, "hidden_size": 512, "num_hidden_layers": 6, "intermediate_size": 2048,
+                "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
+SIZES = {"demo": MODEL_CONFIG, "bench": BENCH_CONFIG}
+
 VOCAB_SIZE = 1024
 
 # Modules whose docstrings make the tokenizer's training text: always on disk, no
@@ -69,14 +74,15 @@ def ensure(path: Path) -> Path:
     return path
 
 
-def build(path: Path, seed: int = 0) -> Path:
-    """Build the demo model into `path` (written atomically: a crash leaves nothing half-built)."""
+def build(path: Path, seed: int = 0, size: str = "demo") -> Path:
+    """Build the demo model (or the `bench` size) into `path`, written atomically: a crash
+    leaves nothing half-built."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
     try:
         _write_tokenizer(staging)
-        _write_model(staging, seed)
+        _write_model(staging, seed, SIZES[size])
         if path.exists():
             shutil.rmtree(path)
         staging.rename(path)
@@ -119,7 +125,7 @@ def _write_tokenizer(out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
 
 
-def _write_model(out: Path, seed: int) -> None:
+def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
     from mlx_lm.models import qwen3
@@ -128,7 +134,7 @@ def _write_model(out: Path, seed: int) -> None:
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
     vocab_size = tokenizer.get_vocab_size()
     eos_ids = [tokenizer.token_to_id(t) for t in EOS_TOKENS]
-    config = {**MODEL_CONFIG, "vocab_size": vocab_size, "eos_token_id": eos_ids}
+    config = {**shape, "vocab_size": vocab_size, "eos_token_id": eos_ids}
 
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
