@@ -71,6 +71,33 @@ def _parser() -> argparse.ArgumentParser:
     server.add_argument("--dir", type=Path, default=None, help=f"data directory (default {embedded.default_dir()})")
     server.set_defaults(run=_run_redis)
 
+    bench = commands.add_parser("bench", help="measure a running worker fleet through Redis",
+                                description="Send a workload to the workers serving a queue and report latency "
+                                            "percentiles and throughput; optionally the same workload in process.")
+    bench.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL") or embedded.url(EMBEDDED_PORT),
+                       help="Redis URL (default: $MLXQ_REDIS_URL or the embedded server)")
+    bench.add_argument("--queue", default=os.environ.get("MLXQ_QUEUE", "default"), help="queue name")
+    bench.add_argument("--requests", type=int, default=64, help="number of requests per run")
+    bench.add_argument("--rate", type=float, help="Poisson arrivals, requests per second (default: a burst)")
+    bench.add_argument("--concurrency", default="16",
+                       help="most requests outstanding; a comma list sweeps it (e.g. 1,4,16); 0: no limit")
+    bench.add_argument("--input-len", type=int, default=100, help="prompt tokens (mean)")
+    bench.add_argument("--output-len", type=int, default=128, help="generated tokens (mean)")
+    bench.add_argument("--len-jitter", type=float, default=0.0, help="lengths uniform within ± this fraction")
+    bench.add_argument("--shared-prefix", type=float, default=0.0,
+                       help="fraction of requests starting with one common prefix")
+    bench.add_argument("--prefix-len", type=int, default=64, help="length of the common prefix")
+    bench.add_argument("--stream-interval", type=int, default=1, help="tokens per delta")
+    bench.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    bench.add_argument("--baseline", action="append", choices=["inprocess", "sequential"], default=[],
+                       help="also run the workload through mlx-lm in this process (needs --model)")
+    bench.add_argument("--model", help="model path for the baselines (the workers' model)")
+    bench.add_argument("--json", type=Path, help="write every figure to this file")
+    bench.add_argument("--plot", type=Path, help="draw throughput and TTFT against concurrency (PNG)")
+    bench.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
+    bench.set_defaults(run=_run_bench)
+
     demo = commands.add_parser("demo-model", help="build the tiny offline demo model",
                                description="Build the demo model (random weights, real BPE tokenizer) into PATH.")
     demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(), help="output directory")
@@ -190,6 +217,12 @@ def _run_redis(args: argparse.Namespace) -> int:
     finally:
         server.stop()
     return 0
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    from . import bench_cli
+
+    return bench_cli.run(args)
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:

@@ -1,0 +1,81 @@
+"""`mlxq bench`: its metric math, its workload, and one small run against a real worker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from support import ROOT, worker_fixture
+
+from worker.bench import Workload
+from worker.bench_metrics import RequestTiming, command_stats, percentiles, summarize
+
+
+def test_percentiles_interpolate_linearly():
+    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.5, "p95": 95.05, "p99": 99.01}
+    assert percentiles([7.0]) == {"p50": 7.0, "p95": 7.0, "p99": 7.0}
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+
+
+def test_request_latencies_from_arrival_times():
+    """TTFT from submit to the first delta; ITL spreads each later delta's gap over its tokens."""
+    t = RequestTiming(submitted=10.0, token_times=[(10.1, 1), (10.3, 2), (10.4, 1)], done=10.5, tokens=4)
+    assert t.ttft_ms == pytest.approx(100.0)
+    assert t.itl_ms() == pytest.approx([100.0, 100.0, 100.0])
+    assert t.e2e_ms == pytest.approx(500.0)
+
+
+def test_summary_rates_span_first_submit_to_last_done():
+    a = RequestTiming(submitted=0.0, token_times=[(0.5, 1), (1.0, 1)], done=1.0, tokens=2, queued_ms=3.0)
+    b = RequestTiming(submitted=1.0, token_times=[(1.2, 1), (2.0, 2)], done=2.0, tokens=3, cached_tokens=9)
+    summary = summarize([a, b])
+    assert summary["throughput_tok_s"] == 2.5 and summary["requests_s"] == 1.0
+    assert summary["ttft_ms"]["p50"] == pytest.approx(350.0)
+    assert summary["itl_ms"]["p50"] == pytest.approx(400.0)  # gaps 500, 400, 400
+    assert summary["queue_ms"]["p50"] == 3.0 and summary["cached_tokens"] == 9
+
+
+def test_command_stats_count_the_run_only():
+    before = {"cmdstat_evalsha": {"calls": 10}, "cmdstat_xadd": {"calls": 5}}
+    after = {"cmdstat_evalsha": {"calls": 30}, "cmdstat_xadd": {"calls": 7}, "cmdstat_xread": {"calls": 8}}
+    assert command_stats(before, after, tokens=100) == {
+        "commands": 30, "per_token": 0.3, "by_command": {"evalsha": 20, "xread": 8, "xadd": 2}}
+
+
+def test_workload_lengths_arrivals_and_shared_prefix():
+    burst = Workload(requests=200, input_len=50, output_len=20, len_jitter=0.5, shared_prefix=0.5, prefix_len=30)
+    plan = burst.plan()
+    assert all(p.send_at == 0 for p in plan)
+    assert {len(p.prompt_tokens) for p in plan} <= set(range(25, 76)) and len({len(p.prompt_tokens) for p in plan}) > 10
+    prefix = max((tuple(p.prompt_tokens[:20]) for p in plan), key=[tuple(p.prompt_tokens[:20]) for p in plan].count)
+    sharing = sum(tuple(p.prompt_tokens[:20]) == prefix for p in plan)
+    assert 70 <= sharing <= 130, "about half share the prefix"
+    poisson = Workload(requests=400, rate=20.0).plan()
+    gaps = [b.send_at - a.send_at for a, b in zip(poisson, poisson[1:], strict=False)]
+    assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.15)
+    assert Workload(seed=3).plan() == Workload(seed=3).plan()
+
+
+worker = worker_fixture()
+
+
+def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_path):
+    """A small sweep through Redis plus both baselines: the JSON has the documented keys."""
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, "-m", "worker", "bench", "--redis-url", worker.redis_url, "--queue",
+                          worker.queue, "--requests", "8", "--concurrency", "1,4", "--input-len", "20",
+                          "--output-len", "8", "--vocab", "900", "--baseline", "inprocess", "--baseline",
+                          "sequential", "--model", str(demo_model), "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "through Redis / inprocess" in run.stdout
+    report = json.loads(out.read_text())
+    for key in ("throughput_tok_s", "ttft_ms", "itl_ms", "baseline_inprocess_tok_s", "baseline_sequential_tok_s"):
+        assert report[key] is not None, key
+    assert set(report["ttft_ms"]) == {"p50", "p95", "p99"}
+    redis_runs = [r for r in report["runs"] if r["name"].startswith("redis")]
+    assert [r["concurrency"] for r in redis_runs] == [1, 4]
+    assert all(r["finished"] == 8 and r["tokens"] == 64 for r in redis_runs)
+    assert redis_runs[0]["redis"]["by_command"]["evalsha"] > 0

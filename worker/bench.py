@@ -1,0 +1,158 @@
+"""`mlxq bench`: drive a running worker fleet through Redis with a workload and measure
+what the producers see; optionally run the same workload in process for comparison.
+
+Prompts are random token ids (exact lengths, no tokenizer needed on this side), so a
+request's cost is what the workload says. Arrivals are a burst or a Poisson process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from client import AsyncClient
+
+from .bench_metrics import RequestTiming, command_stats
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What to send: how many, how fast, how long, how much shared."""
+
+    requests: int = 64
+    rate: float | None = None  # requests per second, Poisson arrivals; None: all at once
+    input_len: int = 100
+    output_len: int = 128
+    len_jitter: float = 0.0  # lengths drawn uniformly within ±this fraction
+    shared_prefix: float = 0.0  # fraction of requests that start with one common prefix
+    prefix_len: int = 64
+    stream_interval: int = 1
+    vocab: int = 1000  # prompt ids are drawn from [10, vocab): clear of special tokens
+    seed: int = 0
+
+    def plan(self) -> list[Planned]:
+        """The requests, each with its send time (seconds after the start)."""
+        rng = random.Random(self.seed)
+        prefix = [rng.randrange(10, self.vocab) for _ in range(self.prefix_len)]
+        planned, at = [], 0.0
+        for _ in range(self.requests):
+            length = self._jittered(rng, self.input_len)
+            shared = rng.random() < self.shared_prefix
+            head = prefix[:length - 1] if shared else []
+            tokens = head + [rng.randrange(10, self.vocab) for _ in range(length - len(head))]
+            planned.append(Planned(tokens, self._jittered(rng, self.output_len), at))
+            if self.rate:
+                at += rng.expovariate(self.rate)
+        return planned
+
+    def _jittered(self, rng: random.Random, mean: int) -> int:
+        return max(1, round(mean * (1 + rng.uniform(-self.len_jitter, self.len_jitter))))
+
+
+@dataclass(frozen=True)
+class Planned:
+    prompt_tokens: list[int]
+    max_tokens: int
+    send_at: float
+
+
+Progress = Callable[[int], None]  # called with the number of requests just finished
+
+
+async def through_redis(url: str, queue: str, planned: list[Planned], concurrency: int | None,
+                        stream_interval: int, progress: Progress, timeout: float) -> tuple[list[RequestTiming], dict]:
+    """Send the workload to the fleet serving `queue`; each request's timing, and the Redis
+    commands the run cost."""
+    async with AsyncClient(url, queue=queue) as client:
+        info = aioredis.Redis.from_url(url)
+        before = await info.info("commandstats")
+        limit = asyncio.Semaphore(concurrency or len(planned))
+        start = time.monotonic()
+
+        async def one(request: Planned) -> RequestTiming:
+            await asyncio.sleep(max(0.0, start + request.send_at - time.monotonic()))
+            async with limit:
+                timing = RequestTiming(submitted=time.monotonic())
+                job = await client.submit(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
+                                          stream_interval=stream_interval)
+                async for delta in job.stream(timeout=timeout):
+                    timing.token_times.append((time.monotonic(), len(delta.tokens)))
+                done = await job.result(timeout=timeout)
+                timing.done = time.monotonic()
+                timing.tokens = done.usage["completion_tokens"]
+                timing.queued_ms = done.timing["queued_ms"]
+                timing.cached_tokens = done.usage["cached_tokens"]
+                progress(1)
+                return timing
+
+        timings = await asyncio.gather(*(one(r) for r in planned))
+        after = await info.info("commandstats")
+        await info.aclose()
+    return list(timings), command_stats(before, after, sum(t.tokens for t in timings))
+
+
+def in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
+               sequential: bool = False) -> list[RequestTiming]:
+    """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
+    queue): the ceiling the worker is measured against. `sequential` runs one at a time."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(model_path)[:2]
+    width = 1 if sequential else (concurrency or len(planned))
+    generator = BatchGenerator(model, stop_tokens=[[i] for i in tokenizer.eos_token_ids],
+                               completion_batch_size=width, prefill_batch_size=min(width, 8))
+    timings: dict[int, RequestTiming] = {}
+    waiting = list(planned)
+    running = 0
+    start = time.monotonic()
+    while waiting or running:
+        now = time.monotonic()
+        while waiting and running < width and (sequential or start + waiting[0].send_at <= now):
+            request = waiting.pop(0)
+            (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
+            timings[uid] = RequestTiming(submitted=now if sequential else start + request.send_at)
+            running += 1
+        if not running:
+            time.sleep(max(0.0, start + waiting[0].send_at - now))
+            continue
+        generated = generator.next_generated()
+        arrived = time.monotonic()
+        for response in generated:
+            timing = timings[response.uid]
+            if response.finish_reason != "stop":
+                timing.token_times.append((arrived, 1))
+                timing.tokens += 1
+            if response.finish_reason is not None:
+                timing.done = arrived
+                running -= 1
+                progress(1)
+    generator.close()
+    return list(timings.values())
+
+
+def result_table(rows: list[dict[str, Any]]) -> str:
+    """One line per run: throughput and the latency percentiles."""
+    header = (f"{'run':<22}{'tok/s':>9}{'req/s':>8}{'TTFT p50':>10}{'p95':>8}{'p99':>8}"
+              f"{'ITL p50':>9}{'p95':>7}{'p99':>7}{'E2E p50':>9}{'queue p50':>10}")
+    lines = [header]
+    for row in rows:
+        t, i, e, q = row["ttft_ms"], row["itl_ms"], row["e2e_ms"], row["queue_ms"]
+        lines.append(f"{row['name']:<22}{_n(row['throughput_tok_s']):>9}{_n(row['requests_s']):>8}"
+                     f"{_n(t['p50']):>10}{_n(t['p95']):>8}{_n(t['p99']):>8}{_n(i['p50']):>9}{_n(i['p95']):>7}"
+                     f"{_n(i['p99']):>7}{_n(e['p50']):>9}{_n(q['p50']):>10}")
+    return "\n".join(lines)
+
+
+def _n(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def workload_dict(workload: Workload) -> dict[str, Any]:
+    return asdict(workload)
