@@ -117,7 +117,7 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
         while waiting and running < width and (sequential or start + waiting[0].send_at <= now):
             request = waiting.pop(0)
             (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
-            timings[uid] = RequestTiming(submitted=now if sequential else start + request.send_at)
+            timings[uid] = RequestTiming(submitted=now)  # like a producer that waits for room to submit
             running += 1
         if not running:
             time.sleep(max(0.0, start + waiting[0].send_at - now))

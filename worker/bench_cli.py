@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import platform
+import random
 import sys
 import time
 from typing import Any
@@ -21,11 +23,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     workload = Workload(requests=args.requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                         len_jitter=args.len_jitter, shared_prefix=args.shared_prefix, prefix_len=args.prefix_len,
-                        stream_interval=args.stream_interval, vocab=args.vocab, seed=args.seed)
-    planned = workload.plan()
+                        stream_interval=args.stream_interval, vocab=args.vocab,
+                        seed=random.randrange(2**31) if args.seed is None else args.seed)
     levels = [int(c) or None for c in args.concurrency.split(",")]
     rows: list[dict[str, Any]] = []
-    for level in levels:
+    for i, level in enumerate(levels):
+        # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
+        planned = dataclasses.replace(workload, seed=workload.seed + i).plan()
         with _progress(f"redis c={level or 'all'}", len(planned)) as tick:
             timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
                                                              args.stream_interval, tick, args.timeout))
@@ -62,9 +66,17 @@ def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, A
             report[f"baseline_{name}_tok_s"] = by_name[name]["throughput_tok_s"]
             report[f"ratio_to_{name}"] = _ratio(main["throughput_tok_s"], by_name[name]["throughput_tok_s"])
     if "inprocess" in by_name:
-        report["ttft_p50_over_inprocess_ms"] = round(main["ttft_ms"]["p50"] - by_name["inprocess"]["ttft_ms"]["p50"],
-                                                     2)
+        report["ttft_p50_over_inprocess_ms"] = _gap(main, by_name["inprocess"])
+    single = [r for r in rows if r["name"] == "redis c=1"]
+    if single and "sequential" in by_name:
+        report["ttft_p50_c1_over_sequential_ms"] = _gap(single[0], by_name["sequential"])
     return report
+
+
+def _gap(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
+    """How much later the first token came through Redis than in process (p50, ms)."""
+    ours, theirs = run["ttft_ms"]["p50"], baseline["ttft_ms"]["p50"]
+    return None if ours is None or theirs is None else round(ours - theirs, 2)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -77,6 +89,9 @@ def _print_ratios(report: dict[str, Any]) -> None:
             print(f"through Redis / {name}: {report[f'ratio_to_{name}']}x throughput")
     if "ttft_p50_over_inprocess_ms" in report:
         print(f"TTFT p50 through Redis minus in process: {report['ttft_p50_over_inprocess_ms']} ms")
+    if "ttft_p50_c1_over_sequential_ms" in report:
+        print(f"TTFT p50 at concurrency 1 through Redis minus sequential in process: "
+              f"{report['ttft_p50_c1_over_sequential_ms']} ms")
     print(f"Redis commands per generated token: {report['redis_commands_per_token']}")
 
 

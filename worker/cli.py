@@ -89,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--prefix-len", type=int, default=64, help="length of the common prefix")
     bench.add_argument("--stream-interval", type=int, default=1, help="tokens per delta")
     bench.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the workload")
+    bench.add_argument("--seed", type=int, help="seed of the workload (default: random, so that prompts are new "
+                                               "to the workers' prefix cache; the report has it)")
     bench.add_argument("--baseline", action="append", choices=["inprocess", "sequential"], default=[],
                        help="also run the workload through mlx-lm in this process (needs --model)")
     bench.add_argument("--model", help="model path for the baselines (the workers' model)")
