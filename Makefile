@@ -21,8 +21,10 @@ run: $(STAMP)
 	@echo "From another terminal:  $(BIN)/mlxq submit --stream \"Hello\""
 	$(BIN)/mlxq worker
 
+# The tests run on the real BLAS too, single-threaded: several worker processes share
+# 2 cores, and MKL's spinning threads would only fight over them.
 test: $(STAMP)
-	$(BIN)/python -m worker.blas $(BIN)/python -m pytest
+	MKL_THREADING_LAYER=SEQUENTIAL $(BIN)/python -m worker.blas $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check client worker tests

@@ -105,6 +105,7 @@ class Envelope:
     encoding: Encoding
     reply_to: str | None
     error: InvalidRequest | None = None
+    size: int = 0  # bytes of the encoded body
 
 
 def _text(value: bytes | str) -> str:
@@ -142,7 +143,7 @@ def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> 
     reply_to = reply_to if isinstance(reply_to, str) and reply_to else None
     wanted = raw.get("encoding")
     out_encoding: Encoding = wanted if wanted in ENCODINGS else encoding
-    return Envelope(request_id, raw, out_encoding, reply_to)
+    return Envelope(request_id, raw, out_encoding, reply_to, size=size)
 
 
 def _decode_body(data: bytes | str, encoding: Encoding) -> dict[str, Any]:

@@ -69,7 +69,9 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
                         stream_interval: int, progress: Progress, timeout: float) -> tuple[list[RequestTiming], dict]:
     """Send the workload to the fleet serving `queue`; each request's timing, and the Redis
     commands the run cost."""
-    async with AsyncClient(url, queue=queue) as client:
+    # Each outstanding request blocks one connection in XREAD: size the pool for all of them.
+    connections = aioredis.Redis.from_url(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
+    async with AsyncClient(url, queue=queue, redis=connections) as client:
         info = aioredis.Redis.from_url(url)
         before = await info.info("commandstats")
         limit = asyncio.Semaphore(concurrency or len(planned))

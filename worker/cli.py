@@ -131,7 +131,6 @@ def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
 def _run_worker(args: argparse.Namespace) -> int:
     from . import logs
     from .daemon import Worker
-    from .model import load_text_model
 
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
     try:
@@ -143,10 +142,20 @@ def _run_worker(args: argparse.Namespace) -> int:
     logs.configure(settings.log_format, settings.log_level)
     server, url = _redis_for(settings)
     try:
-        return asyncio.run(Worker(settings, url, partial(load_text_model, settings)).run())
+        return asyncio.run(Worker(settings, url, _loader(settings)).run())
     finally:
         if server is not None:
             embedded.stop_detached(server)
+
+
+def _loader(settings: WorkerSettings) -> Any:
+    """How the engine thread gets its model: mlx-lm, or the fleet simulation's fake."""
+    from .model import load_text_model
+    from .sim import load_sim
+
+    if settings.model and settings.model.startswith("sim:"):
+        return partial(load_sim, settings.model)
+    return partial(load_text_model, settings)
 
 
 def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:

@@ -36,6 +36,7 @@ from .streams import Batch, QueueStreams, retrying
 
 log = structlog.get_logger("mlxq.worker")
 
+INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
 HAND_BACK_IDLE_MS = 10**9  # entries handed back look long abandoned, so others take them at once
 
 
@@ -258,9 +259,10 @@ class Worker:
             await self._poisoned(delivery, route)
             return
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
+        prepare = partial(self.intake.prepare, envelope, route, arrived_at, self.clock_offset_s, resume)
         try:
-            request = await asyncio.to_thread(self.intake.prepare, envelope, route, arrived_at,
-                                              self.clock_offset_s, resume)
+            # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
+            request = prepare() if envelope.size <= INLINE_BODY_BYTES else await asyncio.to_thread(prepare)
         except InvalidRequest as e:
             self._emit(Outgoing(route, Error(id=route.id, code=e.code, message=str(e))))
             return

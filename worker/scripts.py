@@ -9,6 +9,8 @@ they would need every key in one slot (a later step; one Redis serves the fleet 
 
 from __future__ import annotations
 
+# Per request and step: XPENDING, HMGET, XADD per event, HSET; the TYPE check and TTL
+# refreshes only now and then.
 # KEYS: per request, its request stream, reply stream, progress hash and done key.
 # ARGV: group, consumer, result_ttl_s, dedupe_ttl_s; then per request: entry id, the
 #   position of its first event, 1 if its last event is terminal, the event count, and
@@ -31,31 +33,35 @@ for k = 1, #KEYS, 4 do
   local events = arg + 4
   arg = events + 3 * count
   local status = 'applied'
-  local done_by = redis.call('GET', done)
   local owner = redis.pcall('XPENDING', stream, group, entry, entry, 1)
-  local fence = redis.call('HMGET', progress, 'entry', 'next')
-  local written = tonumber(fence[2] or '0')
+  local mine = not owner.err and #owner == 1 and owner[1][2] == consumer
+  local done_by = not mine and redis.call('GET', done)
+  local fence = mine and redis.call('HMGET', progress, 'entry', 'next')
+  local written = mine and tonumber(fence[2] or '0')
   if done_by then
-    if done_by ~= entry then status = 'duplicate' end
-  elseif owner.err or #owner == 0 or owner[1][2] ~= consumer then
+    if done_by ~= entry then status = 'duplicate' end  -- else a retry of the call that finished it
+  elseif not mine then
     status = 'lost'
   elseif fence[1] and fence[1] ~= entry then
     status = 'duplicate'
   elseif written == first + count then
-    status = 'applied'
+    status = 'applied'  -- a retry of this very call
   elseif written ~= first then
     status = 'gap:' .. written
   else
-    local kind = redis.call('TYPE', reply).ok
+    local kind = first == 0 and redis.call('TYPE', reply).ok or 'stream'
     if kind ~= 'stream' and kind ~= 'none' then
       status = 'refused:the reply stream ' .. reply .. ' is a ' .. kind
     else
       for i = events, arg - 1, 3 do
         redis.call('XADD', reply, '*', 'type', ARGV[i], ARGV[i + 1], ARGV[i + 2])
       end
-      redis.call('EXPIRE', reply, result_ttl)
       redis.call('HSET', progress, 'entry', entry, 'next', first + count)
-      redis.call('EXPIRE', progress, result_ttl)
+      -- TTLs are refreshed at the first write, at the last, and every 32 events between.
+      if first == 0 or terminal or math.floor(first / 32) ~= math.floor((first + count) / 32) then
+        redis.call('EXPIRE', reply, result_ttl)
+        redis.call('EXPIRE', progress, result_ttl)
+      end
     end
     if terminal or status ~= 'applied' then
       redis.call('SET', done, entry, 'EX', dedupe_ttl)

