@@ -61,8 +61,11 @@ def in_use() -> str:
         return "platform"
     if "libmkl_rt" in maps:
         return "mkl"
-    if "openblas" in maps:
+    if "openblas-pthread" in maps:  # Debian's; numpy's own OpenBLAS has prefixed symbols and does not count
         return "openblas"
+    custom = os.environ.get("MLXQ_BLAS")
+    if custom and custom != "off" and custom in maps:
+        return custom
     return "reference"
 
 
