@@ -1,8 +1,9 @@
 """The worker daemon's event loop: reads requests, feeds the engine, publishes its output.
 
-    Redis ──XREADGROUP──> intake ──Submit──> engine thread ──StepOutput──> publisher ──pipeline──> Redis
+    Redis ──XREADGROUP──> intake ──Submit──> engine thread ──StepOutput──> publisher ──one call──> Redis
 
-The event loop owns every Redis connection; the engine thread owns MLX.
+The event loop owns every Redis connection; the engine thread owns MLX. Leases on the
+requests it holds are renewed with the heartbeat; recovery takes over what dead workers left.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
@@ -23,29 +23,22 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from client._keys import Keys
-from client._protocol import Delta, Done, Envelope, Error, Event, InvalidRequest, Undeliverable, read_envelope
+from client._protocol import Envelope, Error, InvalidRequest, Undeliverable, read_envelope
 
 from . import blas
 from .engine import Engine, EngineFailed, Loaded, ModelInfo
 from .intake import Intake
 from .messages import Outgoing, Resume, Route, StepOutput
 from .output import deadline_exceeded, not_started
+from .publisher import InFlight, Publisher
 from .recovery import Delivery, Reclaimer
 from .settings import WorkerSettings
-from .streams import Batch, QueueStreams, retrying
+from .streams import QueueStreams, retrying
 
 log = structlog.get_logger("mlxq.worker")
 
 INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
 HAND_BACK_IDLE_MS = 10**9  # entries handed back look long abandoned, so others take them at once
-
-
-@dataclass
-class InFlight:
-    """A request this worker holds: where its output goes, and how much of it is written."""
-
-    route: Route
-    written: int = 0  # events (deltas and terminal) in its output stream: the next one's position
 
 
 def entry_ms(entry_id: str) -> int:
@@ -63,7 +56,6 @@ class Worker:
         self.consumer = settings.consumer or socket.gethostname()
         self.in_flight: dict[str, InFlight] = {}  # read and not settled; what is left at exit is handed back
         self._cancel_requested: set[str] = set()  # in flight, cancel seen (maybe before the engine had it)
-        self._outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
         self._room = asyncio.Event()
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -84,7 +76,7 @@ class Worker:
         await retrying(partial(self._keep_alive, info), "writing the first heartbeat")  # before the first read
         self._announce(info)
         intake = asyncio.create_task(self._intake_loop(), name="intake")
-        publisher = asyncio.create_task(self._publish_loop(), name="publisher")
+        publisher = asyncio.create_task(self.publisher.run(), name="publisher")
         others = [asyncio.create_task(self._cancel_loop(), name="cancels"),
                   asyncio.create_task(self._heartbeat_loop(info), name="heartbeat")]
         for task in (intake, publisher, *others):
@@ -121,7 +113,7 @@ class Worker:
     async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> ModelInfo:
         """Start the engine thread; it loads the model. Its output comes back through the loop."""
         def on_output(out: StepOutput) -> None:
-            loop.call_soon_threadsafe(self._outputs.put_nowait, out)
+            loop.call_soon_threadsafe(self.publisher.outputs.put_nowait, out)
 
         def on_fatal(error: BaseException) -> None:
             loop.call_soon_threadsafe(self._die, error)
@@ -131,6 +123,7 @@ class Worker:
         self.engine.start()
         info = await asyncio.to_thread(self.engine.wait_ready)
         self.intake = Intake(info, self.settings)
+        self.publisher = Publisher(self.streams, self.in_flight, self.engine, self._forget)
         return info
 
     async def _drain(self) -> int:
@@ -142,7 +135,7 @@ class Worker:
         log.info("draining", running=len(self.in_flight), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
         await asyncio.to_thread(self.engine.join)
-        await self._outputs.join()
+        await self.publisher.outputs.join()
         return 0
 
     async def _hand_back(self) -> None:
@@ -301,7 +294,7 @@ class Worker:
                                          message=f"{reason}; moved to {self.streams.dead}")))
 
     def _emit(self, outgoing: Outgoing) -> None:
-        self._outputs.put_nowait(StepOutput(outgoing=[outgoing]))
+        self.publisher.outputs.put_nowait(StepOutput(outgoing=[outgoing]))
 
     # ---- cancels -----------------------------------------------------------------
 
@@ -322,70 +315,6 @@ class Worker:
                 await asyncio.sleep(1.0)
             finally:
                 await pubsub.aclose()
-
-    # ---- publishing --------------------------------------------------------------
-
-    async def _publish_loop(self) -> None:
-        while True:
-            outputs = [await self._outputs.get()]
-            while not self._outputs.empty():
-                outputs.append(self._outputs.get_nowait())
-            outgoing = [item for out in outputs for item in out.outgoing]
-            if outgoing:
-                await asyncio.shield(self._publish(outgoing))
-            left = sum(len(out.abandoned) for out in outputs)
-            if left:
-                log.info("requests left unfinished at the drain deadline; they are handed back", requests=left)
-            for _ in outputs:
-                self._outputs.task_done()
-
-    async def _publish(self, outgoing: list[Outgoing]) -> None:
-        """Write events (one call for all requests) and act on what each request's write found."""
-        batches = self._batches(outgoing)
-        if not batches:
-            return
-        statuses = await retrying(partial(self.streams.publish, batches), "publishing")
-        for batch, status in zip(batches, statuses, strict=True):
-            await self._published(batch, status)
-
-    def _batches(self, outgoing: list[Outgoing]) -> list[Batch]:
-        """Each held request's events, in order; events of requests no longer held are dropped."""
-        events: dict[str, list[Event]] = {}
-        for item in outgoing:
-            flight = self.in_flight.get(item.route.id)
-            if flight is not None and flight.route.entry_id == item.route.entry_id:
-                events.setdefault(item.route.id, []).append(item.event)
-        return [Batch(self.in_flight[i].route, self.in_flight[i].written, e) for i, e in events.items()]
-
-    async def _published(self, batch: Batch, status: str) -> None:
-        route, terminal = batch.route, batch.events[-1]
-        if status == "applied":
-            flight = self.in_flight.get(route.id)
-            if flight is not None and flight.route == route:  # not dropped while the write was under way
-                flight.written = batch.first + len(batch.events)
-            if not isinstance(terminal, Delta):
-                self._forget(route.id)
-                _log_finished(terminal)
-            return
-        self.engine.abandon(route.id)
-        self._forget(route.id)
-        if status == "lost":
-            log.warning("another worker took this request over; dropping it here", request_id=route.id)
-        elif status == "duplicate":
-            log.warning("another entry with this id is served; dropping this one", request_id=route.id,
-                        entry_id=route.entry_id)
-            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a duplicate")
-        elif status.startswith("gap:"):
-            written = int(status.removeprefix("gap:"))
-            log.error("output written earlier is missing (Redis lost data?); failing the request",
-                      request_id=route.id, written=written, expected=batch.first)
-            self.in_flight[route.id] = InFlight(route, written)
-            await self._publish([Outgoing(route, Error(id=route.id, code="internal", message=(
-                f"{batch.first - written} events of this request's output were lost by Redis; "
-                "it cannot continue without a gap")))])
-        else:
-            log.error("redis refused the output; the request is settled without it", request_id=route.id,
-                      problem=status.removeprefix("refused:"))
 
     def _forget(self, request_id: str) -> None:
         self.in_flight.pop(request_id, None)
@@ -431,13 +360,3 @@ async def _cancel(*tasks: asyncio.Task[None]) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _log_finished(event: Event) -> None:
-    if isinstance(event, Error):
-        log.info("request failed", request_id=event.id, code=event.code, message=event.message)
-        return
-    assert isinstance(event, Done)
-    log.info("request finished", request_id=event.id, finish_reason=event.finish_reason,
-             prompt_tokens=event.usage["prompt_tokens"], completion_tokens=event.usage["completion_tokens"],
-             ttft_ms=event.timing["ttft_ms"], total_ms=event.timing["total_ms"], tok_s=event.decode_tok_s)
