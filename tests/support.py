@@ -49,6 +49,8 @@ class WorkerProcess:
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
+                self.process.send_signal(signal.SIGUSR1)  # its threads' stacks go to the log, then kill it
+                time.sleep(1)
                 self.process.kill()
                 self.process.wait(5)
 

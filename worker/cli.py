@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -132,6 +133,7 @@ def _run_worker(args: argparse.Namespace) -> int:
     from . import logs
     from .daemon import Worker
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
     try:
         settings = load_settings(args.config, **overrides)

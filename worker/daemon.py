@@ -134,7 +134,9 @@ class Worker:
             return 1
         log.info("draining", running=len(self.in_flight), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
-        await asyncio.to_thread(self.engine.join)
+        while not self.engine.join(timeout=0):  # no executor thread: the loop stays free to publish
+            await asyncio.sleep(0.02)
+        log.info("engine stopped; publishing what is left", events=self.publisher.outputs.qsize())
         await self.publisher.outputs.join()
         return 0
 
