@@ -180,10 +180,13 @@ def test_a_fatal_engine_error_exits_non_zero_and_its_requests_are_taken_over(val
                           env={"MLXQ_TEST_FATAL_ON_TOKEN": "1000"})
     running = f"running-{uuid.uuid4().hex[:8]}"
     xadd_json(r, queue, running, {"prompt": "Keep going", "max_tokens": LONG})
-    wait_for_deltas(r, [running], at_least=20)
-    trigger = f"trigger-{uuid.uuid4().hex[:8]}"
-    xadd_json(r, queue, trigger, {"prompt_tokens": [5, 1000, 7], "max_tokens": 3})
-    assert broken.wait() == 1
+    try:
+        wait_for_deltas(r, [running], at_least=20)
+        trigger = f"trigger-{uuid.uuid4().hex[:8]}"
+        xadd_json(r, queue, trigger, {"prompt_tokens": [5, 1000, 7], "max_tokens": 3})
+        assert broken.wait() == 1
+    finally:
+        broken.stop()
     assert "engine failed" in broken.log() and "injected engine failure" in broken.log()
     healthy = start_worker(valkey, demo_model, queue, logs_dir, consumer="healthy", reclaim_interval_s=0.2)
     try:

@@ -33,7 +33,7 @@ from .output import deadline_exceeded, not_started
 from .publisher import InFlight, Publisher
 from .recovery import Delivery, Reclaimer
 from .settings import WorkerSettings
-from .streams import QueueStreams, retrying
+from .streams import QueueStreams, retrying, stop_if_cancelled
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -82,11 +82,14 @@ class Worker:
         for task in (intake, publisher, *others):
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
-        await _cancel(intake)
+        stuck = await _cancel(intake)
         status = await self._drain()
-        await _cancel(publisher, *others)
+        stuck |= await _cancel(publisher, *others)
         await self._hand_back()
         await self.redis.aclose()
+        if stuck:  # a task that swallowed its cancellation would keep asyncio.run from returning
+            log.error("exiting with tasks that did not stop", tasks=sorted(t.get_name() for t in stuck))
+            os._exit(status)
         return status
 
     def _announce(self, info: ModelInfo) -> None:
@@ -151,8 +154,8 @@ class Worker:
         log.info("worker stopped", handed_back=len(self.in_flight))
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
-        """Each loop runs until cancelled; one that ends on its own is a bug: exit loudly."""
-        if task.cancelled():
+        """Each loop runs until the worker stops; one that ends before, or fails, is a bug: exit loudly."""
+        if task.cancelled() or (self._stop.is_set() and task.exception() is None):
             return
         error = task.exception() or RuntimeError(f"task {task.get_name()} ended")
         log.critical("worker task died", task=task.get_name(), error=repr(error), exc_info=error)
@@ -176,7 +179,7 @@ class Worker:
     # ---- intake ------------------------------------------------------------------
 
     async def _intake_loop(self) -> None:
-        while True:
+        while not self._stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
             room = self.capacity - len(self.in_flight)
             if room <= 0:
                 self._room.clear()
@@ -313,6 +316,7 @@ class Worker:
                             self._cancel_requested.add(request_id)
                             self.engine.cancel(request_id)
             except (RedisError, OSError) as e:
+                stop_if_cancelled(e)
                 log.warning("cancel subscription lost; resubscribing", error=repr(e))
                 await asyncio.sleep(1.0)
             finally:
@@ -331,6 +335,7 @@ class Worker:
             try:
                 await self._keep_alive(info)
             except (RedisError, OSError) as e:
+                stop_if_cancelled(e)
                 log.warning("heartbeat failed", error=repr(e))
 
     async def _keep_alive(self, info: ModelInfo) -> None:
@@ -358,7 +363,12 @@ def _by_stream(flights: Iterable[InFlight]) -> dict[str, list[str]]:
     return grouped
 
 
-async def _cancel(*tasks: asyncio.Task[None]) -> None:
+async def _cancel(*tasks: asyncio.Task[None]) -> set[asyncio.Task[None]]:
+    """Cancel the tasks and wait for them, but not forever: stopping must not hang.
+    Returns those still running."""
     for task in tasks:
         task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    _, pending = await asyncio.wait(tasks, timeout=5.0)
+    for task in pending:
+        log.error("a task did not stop when cancelled", task=task.get_name(), stack=repr(task.get_stack()))
+    return pending

@@ -36,11 +36,20 @@ async def retrying(operation: Callable[[], Awaitable[T]], what: str) -> T:
         try:
             return await operation()
         except TRANSIENT as e:
+            stop_if_cancelled(e)
             pause = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
             log.warning("redis unreachable; retrying", operation=what, error=repr(e), attempt=attempt,
                         retry_in_s=round(pause, 2))
             await asyncio.sleep(pause)
     raise AssertionError("unreachable")
+
+
+def stop_if_cancelled(error: BaseException) -> None:
+    """Re-raise a cancellation that a Redis client turned into a timeout or connection
+    error on its way out: a loop that retries it would never stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():  # type: ignore[attr-defined]  # 3.11+, as is the worker
+        raise asyncio.CancelledError from error
 
 
 class QueueStreams:
