@@ -17,6 +17,8 @@ from typing import Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ._replies import as_text
+
 Encoding = Literal["json", "msgpack"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
@@ -108,17 +110,13 @@ class Envelope:
     size: int = 0  # bytes of the encoded body
 
 
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> Envelope:
     """Read the id and body of a request entry; raise `Undeliverable` without an id.
     A body over `max_body_bytes` is not decoded at all."""
-    fields = {_text(k): v for k, v in fields.items()}
+    fields = {as_text(k): v for k, v in fields.items()}
     raw_id = fields.get("id")
     try:
-        request_id = _text(raw_id) if raw_id is not None else None
+        request_id = as_text(raw_id) if raw_id is not None else None
     except UnicodeDecodeError:
         request_id = None
     if request_id is None or not ID_PATTERN.fullmatch(request_id):
@@ -268,8 +266,8 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
 
 def decode_event(fields: dict[Any, Any]) -> Event:
     """Parse an output stream entry into a typed event."""
-    fields = {_text(k): v for k, v in fields.items()}
-    kind = _text(fields["type"])
+    fields = {as_text(k): v for k, v in fields.items()}
+    kind = as_text(fields["type"])
     if "json" in fields:
         body = json.loads(fields["json"])
     else:

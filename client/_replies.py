@@ -11,7 +11,8 @@ from typing import Any
 StreamEntry = tuple[str, dict[bytes, bytes] | None]
 
 
-def _text(value: bytes | str) -> str:
+def as_text(value: bytes | str) -> str:
+    """A reply value as text (replies are bytes unless the client decodes them)."""
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -29,5 +30,5 @@ def keyed_stream_entries(reply: Any) -> list[tuple[str, str, dict[bytes, bytes] 
     for key, items in groups:
         if items and isinstance(items[0], list):  # RESP3 wraps the entries once more
             items = items[0]
-        entries.extend((_text(key), _text(entry_id), fields) for entry_id, fields in items)
+        entries.extend((as_text(key), as_text(entry_id), fields) for entry_id, fields in items)
     return entries

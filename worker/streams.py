@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import random
@@ -19,7 +20,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from client._keys import GROUP, Keys
 from client._protocol import Delta, Error, Event, decode_event, encode_event
-from client._replies import StreamEntry, keyed_stream_entries
+from client._replies import StreamEntry, as_text, keyed_stream_entries
 
 from . import scripts
 from .messages import Route
@@ -165,12 +166,12 @@ class QueueStreams:
                 fields = _encoded(route, event)
                 args += [fields["type"], route.encoding, fields[route.encoding]]
         statuses = await self._scripts.run(scripts.PUBLISH, keys, args)
-        return [_str(s) for s in statuses]
+        return [as_text(s) for s in statuses]
 
     async def progress(self, route: Route) -> Progress:
         """What earlier deliveries of this entry already published: the count and the deltas."""
         entry, written = await self.redis.hmget(self.keys.progress(route.id), ["entry", "next"])
-        if entry is None or written is None or _str(entry) != route.entry_id:
+        if entry is None or written is None or as_text(entry) != route.entry_id:
             return Progress(0, [])
         deltas = []
         entries: Any = await self.redis.xrange(route.reply_to)
@@ -188,7 +189,7 @@ class QueueStreams:
         for stream in self.streams:
             keys = [stream, self.keys.worker(self.consumer)]
             args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, *entries.get(stream, [])]
-            lost += [_str(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
+            lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
         return lost
 
     async def dead_consumers(self, stream: str) -> list[str]:
@@ -197,7 +198,7 @@ class QueueStreams:
             consumers = await self.redis.xinfo_consumers(stream, GROUP)
         except ResponseError:  # no stream or group (Redis restarted empty): read() recreates them
             return []
-        others = [name for name in (_str(c["name"]) for c in consumers) if name != self.consumer]
+        others = [name for name in (as_text(c["name"]) for c in consumers) if name != self.consumer]
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in others:
                 pipe.exists(self.keys.worker(name))
@@ -211,7 +212,7 @@ class QueueStreams:
         start = after if after == "-" else f"({after}"
         rows = await self.redis.xpending_range(stream, GROUP, start, "+", count, consumername=consumer,
                                                idle=min_idle_ms or None)
-        return [(_str(row["message_id"]), int(row["times_delivered"])) for row in rows]  # type: ignore[arg-type]
+        return [(as_text(row["message_id"]), int(row["times_delivered"])) for row in rows]  # type: ignore[arg-type]
 
     async def claim(self, stream: str, entry_ids: list[str], min_idle_ms: int) -> list[StreamEntry]:
         """Take entries over (their delivery count goes up); deleted ones drop out of the
@@ -220,7 +221,7 @@ class QueueStreams:
             return []
         reply: Any = await self.redis.xclaim(
             stream, GROUP, self.consumer, min_idle_ms, list[Any](entry_ids))
-        return [(_str(entry_id), fields) for entry_id, fields in reply if fields is not None]
+        return [(as_text(entry_id), fields) for entry_id, fields in reply if fields is not None]
 
     async def forget_consumer(self, stream: str, consumer: str) -> bool:
         """Delete a consumer that left, if it is silent and owns nothing; True if deleted."""
@@ -245,6 +246,12 @@ class Progress:
     deltas: list[Delta]
 
 
+@functools.cache
+def _sha1(script: str) -> str:
+    """The hash Redis knows a script by (computed once: the publish script runs every step)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
 class _Scripts:
     """Runs Lua scripts by hash, loading one when Redis does not have it (after a restart)."""
 
@@ -252,16 +259,12 @@ class _Scripts:
         self.redis = redis
 
     async def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
-        sha = hashlib.sha1(script.encode()).hexdigest()
+        sha = _sha1(script)
         try:
             return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
         except NoScriptError:
             await self.redis.script_load(script)
             return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
-
-
-def _str(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def _encoded(route: Route, event: Event) -> dict[str, bytes | str]:
