@@ -196,9 +196,12 @@ def decode_images(images: list[bytes | str]) -> list[bytes]:
 
 
 def encode_request(request_id: str, body: dict[str, Any], encoding: Encoding = "json") -> dict[str, bytes | str]:
-    """The stream entry fields of a request."""
+    """The stream entry fields of a request. Image bytes travel raw in msgpack, as base64 in JSON."""
     if not ID_PATTERN.fullmatch(request_id):
         raise InvalidRequest(f"invalid id {request_id!r}: use 1-128 of A-Za-z0-9_.:-")
+    if encoding == "json" and body.get("images"):
+        body = {**body, "images": [base64.b64encode(i).decode() if isinstance(i, bytes) else i
+                                   for i in body["images"]]}
     return {"id": request_id, encoding: _encode(body, encoding)}
 
 

@@ -39,7 +39,7 @@ class FakeBackend:
         self.step_s = step_s
         self.prompts: list[list[int]] = []
 
-    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None) -> int:
+    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, images=None) -> int:
         self.prompts.append(prompt)
         uid, self.next_uid = self.next_uid, self.next_uid + 1
         self.running[uid] = [0, max_tokens]

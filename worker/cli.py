@@ -59,6 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--stop", action="append", help="stop string (repeatable)")
     submit.add_argument("--priority", type=int, help="lower is served first")
     submit.add_argument("--lane", help="submit to this priority lane of the queue")
+    submit.add_argument("--image", action="append", type=Path, help="image file sent with the prompt, for a "
+                        "vision model's queue (repeatable; sent as raw bytes in msgpack)")
     submit.add_argument("--id", help="request id (default: random)")
     submit.add_argument("--queue", default=os.environ.get("MLXQ_QUEUE", "default"), help="queue name")
     submit.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL") or embedded.url(EMBEDDED_PORT),
@@ -105,6 +107,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(), help="output directory")
     demo.add_argument("--size", choices=sorted(demo_model.SIZES), default="demo",
                       help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
+    demo.add_argument("--vision", action="store_true",
+                      help="a tiny Qwen2-VL instead (~200k parameters, served through mlx-vlm)")
     demo.set_defaults(run=_run_demo_model)
     return parser
 
@@ -151,13 +155,13 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 
 def _loader(settings: WorkerSettings) -> Any:
-    """How the engine thread gets its model: mlx-lm, or the fleet simulation's fake."""
-    from .model import load_text_model
+    """How the engine thread gets its model: mlx-lm or mlx-vlm, or the fleet simulation's fake."""
+    from .model import load_model
     from .sim import load_sim
 
     if settings.model and settings.model.startswith("sim:"):
         return partial(load_sim, settings.model)
-    return partial(load_text_model, settings)
+    return partial(load_model, settings)
 
 
 def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:
@@ -179,9 +183,16 @@ def _run_submit(args: argparse.Namespace) -> int:
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "stop": args.stop, "priority": args.priority}.items() if v is not None}
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
+    if args.image:
+        try:
+            params["images"] = [path.read_bytes() for path in args.image]
+        except OSError as e:
+            print(f"mlxq submit: cannot read the image: {e}", file=sys.stderr)
+            return 1
     with Client(args.redis_url, queue=args.queue) as client:
         try:
-            job = client.submit(id=args.id, lane=args.lane, **prompt, **params)
+            job = client.submit(id=args.id, lane=args.lane, encoding="msgpack" if args.image else "json",
+                                **prompt, **params)
         except RequestRejected as e:
             print(f"mlxq submit: {e}", file=sys.stderr)
             return 1
@@ -238,7 +249,7 @@ def _run_bench(args: argparse.Namespace) -> int:
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    path = demo_model.build(args.path, size=args.size)
+    path = demo_model.build(args.path, size="vision" if args.vision else args.size)
     print(f"demo model written to {path}")
     return 0
 

@@ -1,9 +1,11 @@
-"""Build a tiny Qwen3-shaped model offline, loadable by mlx-lm's ordinary `load()`.
+"""Build tiny models offline: a Qwen3-shaped text model that mlx-lm's ordinary `load()`
+reads, and a Qwen2-VL vision model that mlx-vlm's `load()` reads.
 
-The model has random weights but a real byte-level BPE tokenizer (trained here with
-the `tokenizers` library), a ChatML chat template and eos tokens, so every part of the
-serving path runs for real without a download. It is small enough (~150k parameters)
-that the test suite runs quickly on a 2-core CPU.
+They have random weights but a real byte-level BPE tokenizer (trained here with the
+`tokenizers` library), a ChatML chat template and eos tokens (and for the vision model
+the Qwen image tokens and a Qwen2-VL image processor config), so every part of the
+serving path runs for real without a download. They are small enough (~150k and ~200k
+parameters) that the test suite runs quickly on a 2-core CPU.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_TOKENS = ["<|im_end|>", "<|endoftext|>"]
 
 CHAT_TEMPLATE = (
@@ -45,6 +49,32 @@ MODEL_CONFIG = {
 BENCH_CONFIG = {**MODEL_CONFIG, "hidden_size": 512, "num_hidden_layers": 6, "intermediate_size": 2048,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
 SIZES = {"demo": MODEL_CONFIG, "bench": BENCH_CONFIG}
+
+# Qwen2-VL's chat template, cut down: a message's content is a string or a list of
+# {"type": "image"} / {"type": "text", "text": ...} parts.
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# The language model is the demo model's shape with multimodal rotary positions
+# (mrope sections sum to head_dim / 2); the vision tower is one block of width 32.
+VISION_TEXT_CONFIG = {**MODEL_CONFIG, "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
+                      "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
+VISION_TOWER_CONFIG = {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                       "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
+                       "temporal_patch_size": 2, "in_channels": 3}
+# Images are resized to between 56x56 and 224x224 pixels: 4 to 64 image tokens.
+IMAGE_PROCESSOR_CONFIG = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
+                          "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
+                          "min_pixels": 56 * 56, "max_pixels": 224 * 224,
+                          "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                          "image_std": [0.26862954, 0.26130258, 0.27577711]}
 
 VOCAB_SIZE = 1024
 
@@ -75,14 +105,18 @@ def ensure(path: Path) -> Path:
 
 
 def build(path: Path, seed: int = 0, size: str = "demo") -> Path:
-    """Build the demo model (or the `bench` size) into `path`, written atomically: a crash
-    leaves nothing half-built."""
+    """Build the demo model (`demo`), the `bench` size or the `vision` model into `path`,
+    written atomically: a crash leaves nothing half-built."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
     try:
-        _write_tokenizer(staging)
-        _write_model(staging, seed, SIZES[size])
+        if size == "vision":
+            _write_tokenizer(staging, SPECIAL_TOKENS + VISION_TOKENS, VISION_CHAT_TEMPLATE)
+            _write_vision_model(staging, seed)
+        else:
+            _write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
+            _write_model(staging, seed, SIZES[size])
         if path.exists():
             shutil.rmtree(path)
         staging.rename(path)
@@ -100,7 +134,7 @@ def _corpus() -> list[str]:
     return texts
 
 
-def _write_tokenizer(out: Path) -> None:
+def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -108,7 +142,7 @@ def _write_tokenizer(out: Path) -> None:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -119,34 +153,58 @@ def _write_tokenizer(out: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS_TOKENS[0],
         "pad_token": "<|endoftext|>",
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "model_max_length": MODEL_CONFIG["max_position_embeddings"],
     }, indent=2))
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
 
 
-def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_map
-    from mlx_lm.models import qwen3
+def _special_ids(out: Path, tokens: list[str]) -> list[int]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    vocab_size = tokenizer.get_vocab_size()
-    eos_ids = [tokenizer.token_to_id(t) for t in EOS_TOKENS]
-    config = {**shape, "vocab_size": vocab_size, "eos_token_id": eos_ids}
+    return [tokenizer.token_to_id(t) for t in tokens]
 
+
+def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
+    import mlx.core as mx
+    from mlx_lm.models import qwen3
+
+    config = {**shape, "vocab_size": VOCAB_SIZE, "eos_token_id": _special_ids(out, EOS_TOKENS)}
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    _save(out, model, model.model.embed_tokens, _special_ids(out, SPECIAL_TOKENS), config)
+
+
+def _write_vision_model(out: Path, seed: int) -> None:
+    import mlx.core as mx
+    from mlx_vlm.models import qwen2_vl
+
+    start, end, image, video = _special_ids(out, VISION_TOKENS)
+    config = {**VISION_TEXT_CONFIG, "vocab_size": VOCAB_SIZE, "eos_token_id": _special_ids(out, EOS_TOKENS),
+              "image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
+              "vision_end_token_id": end, "vision_config": VISION_TOWER_CONFIG}
+    mx.random.seed(seed)
+    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
+    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
+    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(VISION_TOWER_CONFIG)
+    model = qwen2_vl.Model(model_config)
+    special = _special_ids(out, SPECIAL_TOKENS + VISION_TOKENS)
+    _save(out, model, model.language_model.model.embed_tokens, special, config)
+    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR_CONFIG, indent=2))
+
+
+def _save(out: Path, model: Any, embed: Any, special: list[int], config: dict[str, Any]) -> None:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_map
+
     # Default init gives a near-identity residual stream, and greedy decoding then
     # repeats one token forever. Larger matrices make varied text, which the tests
     # need to tell requests apart.
     model.update(tree_map(lambda p: p * 6.0 if p.ndim == 2 else p, model.parameters()))
     # With tied embeddings a zero row gives its token a logit of exactly 0, so random
     # weights never pick a special token greedily and generations do not end at once.
-    special = mx.array([tokenizer.token_to_id(t) for t in SPECIAL_TOKENS])
-    embed = model.model.embed_tokens
-    embed.weight = embed.weight.at[special].multiply(0.0)
+    embed.weight = embed.weight.at[mx.array(special)].multiply(0.0)
     mx.eval(model.parameters())
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -24,6 +24,7 @@ from .output import RequestStream, deadline_exceeded, failed, not_started, proce
 from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
+from .vision_cache import VisionCache
 
 log = structlog.get_logger("mlxq.engine")
 
@@ -38,6 +39,7 @@ class ModelInfo:
     tokenizer: Any
     context_length: int
     vocab_size: int
+    vision: Any = None  # on a vision model, what builds image prompts (`images.VisionPrompts`)
 
 
 @dataclass
@@ -48,6 +50,7 @@ class Loaded:
     make_backend: Callable[[], BatchBackend]
     new_detokenizer: Callable[[], Any]
     prefix_cache: PrefixCache | None = None
+    vision_cache: VisionCache | None = None
     memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
 
@@ -160,6 +163,7 @@ class Engine:
             "prefix_cache": None if cache is None else {
                 "entries": len(cache), "bytes": cache.nbytes, "hits": cache.hits, "misses": cache.misses,
                 "hit_rate": cache.hit_rate, "refused": cache.refused},
+            "vision_cache": None if self._loaded.vision_cache is None else self._loaded.vision_cache.stats(),
         }
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
@@ -263,7 +267,8 @@ class Engine:
         hit = cache.fetch(prompt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
-                                   build_sampler(request.sampling), build_logits_processors(request.sampling), cached)
+                                   build_sampler(request.sampling), build_logits_processors(request.sampling), cached,
+                                   request.images)
         if cache is not None:
             cache.count(hit)
         stream.cached_tokens = 0 if hit is None else hit.reused

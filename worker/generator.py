@@ -37,8 +37,10 @@ class BatchBackend(Protocol):
     """What the engine needs from a continuous-batching generator."""
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
-               logits_processors: list[LogitsProcessor], cached: Coverage | None = None) -> int:
-        """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers."""
+               logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
+               images: list[Any] | None = None) -> int:
+        """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
+        `images` (on a vision model) are those whose image tokens are in `prompt`."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
@@ -62,7 +64,9 @@ class MlxBatchBackend:
         self._eos = StopSequences([[i] for i in sorted(eos_ids)])
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
-               logits_processors: list[LogitsProcessor], cached: Coverage | None = None) -> int:
+               logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
+               images: list[Any] | None = None) -> int:
+        assert not images, "a text model takes no images"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._eos],
                                         caches=None if cached is None else [cached.cache],

@@ -10,6 +10,7 @@ from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, en
 
 from . import faults
 from .engine import ModelInfo
+from .images import PreparedImage, VisionPrompts
 from .messages import EngineRequest, Resume, Route, SamplingParams
 from .settings import WorkerSettings
 
@@ -36,10 +37,8 @@ class Intake:
         self._check_stop(body.stop)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
-        if body.images:
-            raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
         max_tokens = self._max_tokens(body)
-        tokens = self._tokenize(body)
+        tokens, images = self._tokenize_with_images(body) if body.images else (self._tokenize(body), None)
         room = self._check_prompt_length(tokens)
         return EngineRequest(
             route=route,
@@ -54,6 +53,7 @@ class Intake:
             deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
             metadata=body.metadata,
             resume=resume,
+            images=images,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
@@ -95,6 +95,12 @@ class Intake:
             raise InvalidRequest(f"max_tokens: {body.max_tokens} is above this worker's max_tokens_limit ({limit})",
                                  code="too_large")
         return body.max_tokens
+
+    def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
+        if self.info.vision is None:
+            raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
+        prompts: VisionPrompts = self.info.vision
+        return prompts.prepare(body)
 
     def _tokenize(self, body: RequestBody) -> list[int]:
         tokenizer = self.info.tokenizer

@@ -55,6 +55,7 @@ class EngineRequest:
     deadline_at: float | None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
+    images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
 
     @property
     def id(self) -> str:

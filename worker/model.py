@@ -1,4 +1,5 @@
-"""Loading a text model with mlx-lm; runs on the engine thread."""
+"""Loading the model: a text model with mlx-lm or a vision model with mlx-vlm, chosen by
+its config. Runs on the engine thread."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ def model_path(settings: WorkerSettings) -> str:
     if settings.model:
         return settings.model
     return str(demo_model.ensure(demo_model.default_path()))
+
+
+def load_model(settings: WorkerSettings) -> Loaded:
+    """The configured model, loaded by mlx-vlm if its config has a vision tower, else by mlx-lm."""
+    from .vision import is_vision_model, load_vision_model
+
+    path = model_path(settings)
+    if is_vision_model(path):
+        return load_vision_model(settings, path, settings.model or f"demo:{Path(path)}")
+    return load_text_model(settings)
 
 
 def load_text_model(settings: WorkerSettings) -> Loaded:

@@ -50,11 +50,16 @@ class WorkerSettings(BaseSettings):
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
-    max_body_bytes: int = Field(1_048_576, ge=1, description="largest request body (json or msgpack field)")
+    max_body_bytes: int = Field(8_388_608, ge=1, description="largest request body (json or msgpack field), "
+                                "images included")
     max_prompt_tokens: int | None = Field(None, ge=1, description="longest prompt in tokens; unset: the context")
     max_stop_strings: int = Field(16, ge=0, description="most stop strings a request may give")
     max_stop_length: int = Field(256, ge=1, description="longest stop string, in characters")
     max_metadata_bytes: int = Field(16_384, ge=0, description="largest metadata, encoded")
+    max_images: int = Field(4, ge=0, description="most images in one request (vision models)")
+    max_image_pixels: int = Field(16_777_216, ge=1, description="largest image, width x height as sent "
+                                  "(the model's processor resizes it after)")
+    vision_cache_mb: int = Field(256, ge=0, description="vision-embedding cache budget in MB (0: off)")
     result_ttl_s: int = Field(3600, ge=1, description="output streams expire this long after their last write")
     dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")
     prefetch: int = Field(2, ge=0, description="entries read beyond free room, to hide Redis latency")

@@ -1,0 +1,267 @@
+"""Images: a worker serving the tiny Qwen2-VL through mlx-vlm, end to end, plus its batch backend in process."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+from support import WorkerProcess, check_stream, start_worker, xadd_json
+
+from client import Client, Delta, Done, Error, decode_event
+
+
+def png(width: int, height: int, seed: int = 0) -> bytes:
+    """A noise image: every size and seed looks different to the vision tower."""
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker import demo_model as builder
+
+    return builder.build(tmp_path_factory.mktemp("model") / "vision", size="vision")
+
+
+@pytest.fixture(scope="module")
+def worker(valkey: str, vision_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
+    process = start_worker(valkey, vision_model, f"v{uuid.uuid4().hex[:8]}", logs_dir,
+                           max_images=2, max_image_pixels=200_000)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+
+def ask(r: redis.Redis, queue: str, request_id: str, prompt: str, images: list[bytes], **extra: object) -> None:
+    xadd_json(r, queue, request_id, {"prompt": prompt, "images": [b64(i) for i in images], **extra})
+
+
+def stats(r: redis.Redis, worker: WorkerProcess) -> dict:
+    return json.loads(r.get(f"mlxq:workers:{worker.consumer}"))
+
+
+def settled_stats(r: redis.Redis, worker: WorkerProcess) -> dict:
+    """The heartbeat's stats once they stop changing (it is written every 0.5 s)."""
+    last = stats(r, worker)
+    while True:
+        time.sleep(1.1)
+        now = stats(r, worker)
+        if now["vision_cache"] == last["vision_cache"] and now["running"] == 0:
+            return now
+        last = now
+
+
+# The demo processor keeps images between 56x56 and 224x224 pixels, in multiples of 28
+# (patch 14, merge 2): a 168x112 image stays as it is, (168 / 14) x (112 / 14) = 96
+# patches, merged 2x2 into 24 image tokens.
+IMAGE_168x112_TOKENS = 24
+
+
+def test_image_request_in_json_and_in_msgpack(worker, r, outputs, new_id):
+    """Base64 in JSON and raw bytes in msgpack give the same greedy text; the deltas join to
+    it; the prompt's usage counts the image's tokens (and its two vision markers)."""
+    image = png(168, 112)
+    text_only, in_json, in_msgpack = new_id(), new_id(), new_id()
+    # With images a plain prompt is sent as one user message: compare with that message alone.
+    xadd_json(r, worker.queue, text_only, {"messages": [{"role": "user", "content": "What is in the picture?"}],
+                                           "max_tokens": 24})
+    ask(r, worker.queue, in_json, "What is in the picture?", [image], max_tokens=24)
+    body = msgpack.packb({"prompt": "What is in the picture?", "images": [image], "max_tokens": 24})
+    r.xadd(f"mlxq:q:{worker.queue}", {"id": in_msgpack, "msgpack": body})
+    plain = check_stream(outputs.of(text_only))
+    from_json = check_stream(outputs.of(in_json))
+    from_msgpack = check_stream(outputs.of(in_msgpack))
+    assert all(b"msgpack" in fields for _, fields in r.xrange(f"mlxq:out:{{{in_msgpack}}}"))
+    assert isinstance(from_json, Done) and isinstance(from_msgpack, Done)
+    assert from_json.text == from_msgpack.text and from_json.usage == from_msgpack.usage
+    assert from_json.text != plain.text, "the image changed what the model saw"
+    assert from_json.usage["prompt_tokens"] == plain.usage["prompt_tokens"] + IMAGE_168x112_TOKENS + 2
+    assert from_json.usage["completion_tokens"] == 24
+
+
+def alone(r, outputs, queue: str, new_id, prompt: str, images: list[bytes], max_tokens: int) -> str:
+    rid = new_id("alone")
+    ask(r, queue, rid, prompt, images, max_tokens=max_tokens)
+    return check_stream(outputs.of(rid)).text
+
+
+def test_image_and_text_requests_batch_together_and_match_running_alone(worker, r, outputs, new_id):
+    """Three images of different sizes and one text-only request: two join while two decode;
+    every greedy output equals the same request run alone."""
+    requests = [("Describe it", [png(168, 112, 1)], 150), ("Read the sign", [png(56, 56, 2)], 150),
+                ("Caption this", [png(224, 196, 3)], 20), ("Just text, no picture", [], 20)]
+    expected = [alone(r, outputs, worker.queue, new_id, p, i, n) for p, i, n in requests]
+    shared = f"shared-{new_id()}"
+    ids = [new_id(f"r{k}") for k in range(4)]
+    for rid, (prompt, images, n) in list(zip(ids, requests))[:2]:
+        ask(r, worker.queue, rid, prompt, images, max_tokens=n, reply_to=shared)
+    wait_for_deltas(r, shared, ids[:2])
+    for rid, (prompt, images, n) in list(zip(ids, requests))[2:]:
+        ask(r, worker.queue, rid, prompt, images, max_tokens=n, reply_to=shared)
+    texts = [check_stream(outputs.events(shared, rid)).text for rid in ids]
+    assert texts == expected
+    order = [(type(e).__name__, e.id) for e in outputs.all_on(shared)]
+    first_done = min(order.index(("Done", rid)) for rid in ids[:2])
+    assert all(order.index(("Delta", rid)) < first_done for rid in ids[2:]), "the late two joined mid-decode"
+
+
+def wait_for_deltas(r: redis.Redis, stream: str, ids: list[str], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while {decode_event(f).id for _, f in r.xrange(stream) if f[b"type"] == b"delta"} < set(ids):
+        assert time.monotonic() < deadline, f"no deltas from {ids}"
+        time.sleep(0.01)
+
+
+def test_sampling_is_per_request_on_the_vision_path(worker, r, outputs, new_id):
+    """A greedy image request reads the same beside a temperature-1.5 one; a seed repeats
+    its draws whatever runs beside it."""
+    image = png(112, 112, 4)
+    greedy_alone = alone(r, outputs, worker.queue, new_id, "Look", [image], 30)
+    hot = {"max_tokens": 30, "temperature": 1.5, "seed": 11}
+    greedy, hot_first, hot_second, other = new_id("greedy"), new_id("hot"), new_id("hot"), new_id("other")
+    ask(r, worker.queue, hot_first, "Look", [image], **hot)
+    ask(r, worker.queue, greedy, "Look", [image], max_tokens=30)
+    first = check_stream(outputs.of(hot_first)).text
+    assert check_stream(outputs.of(greedy)).text == greedy_alone
+    assert first != greedy_alone, "the hot request really sampled"
+    ask(r, worker.queue, other, "Look", [image], **{**hot, "seed": 12})
+    ask(r, worker.queue, hot_second, "Look", [image], **hot)
+    assert check_stream(outputs.of(hot_second)).text == first
+    assert check_stream(outputs.of(other)).text != first
+
+
+def test_a_repeated_image_skips_the_vision_tower(worker, r, outputs, new_id):
+    """The second request with the same image bytes is a vision-cache hit and reads the same."""
+    image = png(140, 84, 5)
+    before = settled_stats(r, worker)["vision_cache"]
+    first = alone(r, outputs, worker.queue, new_id, "Again", [image], 16)
+    second = alone(r, outputs, worker.queue, new_id, "Again", [image], 16)
+    assert second == first
+    deadline = time.monotonic() + 10
+    while (after := stats(r, worker)["vision_cache"])["misses"] < before["misses"] + 1 or \
+            after["hits"] < before["hits"] + 1:
+        assert time.monotonic() < deadline, (before, after)
+        time.sleep(0.1)
+    assert after["hits"] == before["hits"] + 1 and after["misses"] == before["misses"] + 1
+    assert after["entries"] >= 1 and after["bytes"] > 0
+
+
+def truncated_png() -> bytes:
+    data = png(112, 112, 6)
+    return data[: len(data) // 2]
+
+
+def solid_png(width: int, height: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(out, format="PNG")
+    return out.getvalue()
+
+
+BAD_IMAGES = [
+    ("not an image", {"images": [b64(b"this is plain text, not a picture")]}, "invalid_request",
+     "images.0: not an image"),
+    ("truncated", {"images": [b64(png(112, 112)), b64(truncated_png())]}, "invalid_request",
+     "images.1: a PNG image that cannot be decoded, truncated or corrupt"),
+    ("too many pixels", {"images": [b64(solid_png(600, 400))]}, "too_large",
+     "images.0: 600x400 is 240000 pixels; this worker's max_image_pixels is 200000"),
+    ("too many images", {"images": [b64(png(56, 56))] * 3}, "too_large",
+     "images: 3 images; this worker's max_images is 2"),
+    ("not base64", {"images": ["@@@"]}, "invalid_request", "images.0: not valid base64"),
+    ("with prompt_tokens", {"prompt": None, "prompt_tokens": [5, 6], "images": [b64(png(56, 56))]}, "invalid_request",
+     "images: send them with prompt or messages"),
+]
+
+
+@pytest.mark.parametrize(("case", "body", "code", "message"), BAD_IMAGES, ids=[c[0] for c in BAD_IMAGES])
+def test_bad_images_get_a_precise_error_and_the_worker_serves_on(worker, r, outputs, new_id, case, body, code,
+                                                                  message):
+    rid = new_id("bad")
+    request = {k: v for k, v in {"prompt": "Look", "max_tokens": 5, **body}.items() if v is not None}
+    xadd_json(r, worker.queue, rid, request)
+    (error,) = outputs.of(rid)
+    assert isinstance(error, Error), error
+    assert error.code == code and error.message.startswith(message), error.message
+    ok = new_id("ok")
+    ask(r, worker.queue, ok, "Look", [png(56, 56)], max_tokens=3)
+    assert check_stream(outputs.of(ok)).finish_reason == "length"
+
+
+def test_chat_messages_with_images_and_the_python_client(worker, new_id):
+    """`client.submit(messages=..., images=[bytes])`, in JSON (base64 on the wire) and msgpack."""
+    image = png(84, 84, 7)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is this?"}]
+    with Client(worker.redis_url, queue=worker.queue) as client:
+        as_json = client.submit(messages=messages, images=[image], max_tokens=12).result(timeout=60)
+        as_msgpack = client.submit(messages=messages, images=[image], max_tokens=12,
+                                   encoding="msgpack").result(timeout=60)
+        text_only = client.submit(messages=messages, max_tokens=12).result(timeout=60)
+    assert as_json.text == as_msgpack.text
+    assert as_json.usage["prompt_tokens"] == text_only.usage["prompt_tokens"] + 9 + 2  # 84x84: 6x6 patches -> 9
+
+
+def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
+    rid = new_id("cancel")
+    ask(r, worker.queue, rid, "A long look", [png(168, 168, 8)], max_tokens=2000)
+    wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
+    with Client(worker.redis_url) as client:
+        client.cancel(rid)
+    done = check_stream(outputs.of(rid))
+    assert done.finish_reason == "cancelled" and 0 < done.usage["completion_tokens"] < 2000
+    after = new_id()
+    ask(r, worker.queue, after, "Next", [png(56, 56)], max_tokens=3)
+    assert check_stream(outputs.of(after)).finish_reason == "length"
+
+
+# ---- the batch backend in process -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def backend_parts(vision_model: Path):
+    from worker.settings import WorkerSettings
+    from worker.vision import load_vision_model
+
+    settings = WorkerSettings(model=str(vision_model), prefill_step_size=8)
+    return load_vision_model(settings, str(vision_model), "tiny-vl"), settings
+
+
+def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend_parts):
+    """Removed while its prompt is still being prefilled (8 tokens a step), a request never
+    yields a token; the request decoding beside it goes on to its end."""
+    from client._protocol import RequestBody
+    from worker.messages import SamplingParams
+    from worker.sampling import build_logits_processors, build_sampler
+
+    loaded, _ = backend_parts
+    ids, images = loaded.info.vision.prepare(RequestBody(prompt="Picture " * 40, images=[png(224, 224, 9)]))
+    greedy = SamplingParams()
+    backend = loaded.make_backend()
+    decoding = backend.insert([5, 6, 7], 30, build_sampler(greedy), build_logits_processors(greedy))
+    produced: list[int] = []
+    while not produced:
+        produced += [out.uid for out in backend.step()]
+    prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy), images=images)
+    for _ in range(3):  # a decode step and one prefill chunk each
+        produced += [out.uid for out in backend.step()]
+    assert prefilling not in produced, "still prefilling"
+    backend.remove([prefilling])
+    for _ in range(100):
+        produced += [out.uid for out in backend.step()]
+    assert prefilling not in produced
+    assert produced.count(decoding) == 30, "the neighbour ran to its max_tokens"
+    backend.close()

@@ -1,0 +1,103 @@
+"""A request's images and text turned into prompt tokens and image patches, off the engine thread.
+
+Image bytes are decoded with Pillow under this worker's limits, resized and cut into
+patches by the model's own image processor (numpy, no MLX), and keyed by a hash of
+their bytes for the vision-embedding cache. The prompt gets the model's image
+placeholders through mlx-vlm's chat formatting, each expanded to as many image tokens
+as its image has patches after merging. The engine thread only runs the vision tower.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from client._protocol import InvalidRequest, RequestBody, decode_images
+
+# The families whose processor and vision tower this module drives: numpy patches
+# with a (t, h, w) grid per image, and a tower that takes them one image at a time.
+SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """One image as the vision tower takes it."""
+
+    key: str  # the vision-embedding cache's key: the model and a hash of the image bytes
+    pixels: np.ndarray  # the processor's patches, (t * h * w, channels * patch volume)
+    grid: tuple[int, int, int]  # (t, h, w) in patches
+
+
+class VisionPrompts:
+    """Builds the token ids and image inputs of requests for one vision model."""
+
+    def __init__(self, processor: Any, model_config: Any, model_name: str, *, max_images: int,
+                 max_image_pixels: int) -> None:
+        self.processor = processor
+        self.model_config = model_config
+        self.model_name = model_name
+        self.max_images = max_images
+        self.max_image_pixels = max_image_pixels
+        self.image_token: str = processor.image_token
+        self.merge = processor.image_processor.merge_size ** 2
+
+    def prepare(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
+        """The prompt's token ids, image tokens expanded, and its images; raises `InvalidRequest`."""
+        assert body.images
+        if len(body.images) > self.max_images:
+            raise InvalidRequest(f"images: {len(body.images)} images; this worker's max_images is {self.max_images}",
+                                 code="too_large")
+        if body.prompt_tokens is not None:
+            raise InvalidRequest("images: send them with prompt or messages, not prompt_tokens "
+                                 "(the worker places the image tokens)")
+        images = [self._prepare_image(i, data) for i, data in enumerate(decode_images(body.images))]
+        return self._tokens(body, images), images
+
+    def _prepare_image(self, index: int, data: bytes) -> PreparedImage:
+        image = decode_image(data, index, self.max_image_pixels)
+        out = self.processor.image_processor([image])
+        t, h, w = (int(n) for n in out["image_grid_thw"][0])
+        key = f"{self.model_name}:{hashlib.sha256(data).hexdigest()}"
+        return PreparedImage(key=key, pixels=out["pixel_values"], grid=(t, h, w))
+
+    def _tokens(self, body: RequestBody, images: list[PreparedImage]) -> list[int]:
+        from mlx_vlm.prompt_utils import apply_chat_template
+
+        # A plain prompt with images becomes one user message: image placeholders only
+        # exist in the model's chat format.
+        conversation = body.prompt if body.messages is None else [m.model_dump() for m in body.messages]
+        text = apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images))
+        pieces = text.split(self.image_token)
+        if len(pieces) != len(images) + 1:
+            raise InvalidRequest(f"images: the prompt has {len(pieces) - 1} image placeholders for "
+                                 f"{len(images)} images")
+        expanded = pieces[0]
+        for image, piece in zip(images, pieces[1:]):
+            expanded += self.image_token * (int(np.prod(image.grid)) // self.merge) + piece
+        return list(self.processor.tokenizer.encode(expanded, add_special_tokens=False))
+
+
+def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
+    """An RGB image from bytes; raises `InvalidRequest` naming the image and what is wrong."""
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise InvalidRequest(f"images.{index}: not an image (Pillow cannot identify {len(data)} bytes "
+                             f"starting {data[:8]!r})") from None
+    except Image.DecompressionBombError as e:
+        raise InvalidRequest(f"images.{index}: {e}", code="too_large") from None
+    width, height = image.size
+    if width * height > max_pixels:
+        raise InvalidRequest(f"images.{index}: {width}x{height} is {width * height} pixels; this worker's "
+                             f"max_image_pixels is {max_pixels}", code="too_large")
+    try:
+        image.load()
+    except (OSError, SyntaxError, ValueError) as e:  # Pillow's ways of saying truncated or corrupt
+        raise InvalidRequest(f"images.{index}: a {image.format} image that cannot be decoded, "
+                             f"truncated or corrupt ({e})") from None
+    return image.convert("RGB")

@@ -1,0 +1,152 @@
+"""Vision models through mlx-vlm: loading, and its BatchGenerator behind `BatchBackend`.
+
+Text-only and image requests share one mlx-vlm BatchGenerator, so they batch together.
+Each request enters with its prompt embeddings, made here on the engine thread: the
+vision tower runs once per image not in the vision-embedding cache, and the model
+merges the image features into the token embeddings (with Qwen2-VL's multimodal
+rotary positions). Like `generator.py`, only this module touches mlx-vlm's batching API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
+
+from .engine import Loaded, ModelInfo
+from .generator import Coverage, TokenOut
+from .images import SUPPORTED_MODEL_TYPES, PreparedImage, VisionPrompts
+from .settings import WorkerSettings
+from .vision_cache import VisionCache
+
+
+def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
+    """Load a Qwen2-VL-family model and its processor through mlx-vlm's `load()`."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+    from mlx_vlm import load
+    from mlx_vlm.utils import get_model_path
+
+    local = get_model_path(path)
+    model, processor = load(str(local))
+    model_type = model.config.model_type
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{name}: mlxq serves the vision models {', '.join(SUPPORTED_MODEL_TYPES)}; "
+                         f"this one is {model_type}")
+    # The text side exactly as on a text model: mlx-lm's tokenizer wrapper (chat template,
+    # streaming detokenizer) with the eos ids mlx-vlm stops on.
+    tokenizer = load_tokenizer(local, eos_token_ids=sorted(processor.tokenizer.stopping_criteria.eos_token_ids))
+    text_config = model.config.text_config
+    prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
+                            max_image_pixels=settings.max_image_pixels)
+    info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
+                     vocab_size=int(text_config.vocab_size), vision=prompts)
+    cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
+
+    def make_backend() -> VisionBatchBackend:
+        return VisionBatchBackend(model, processor, cache, max_num_seqs=settings.max_num_seqs,
+                                  prefill_batch_size=settings.prefill_batch_size,
+                                  prefill_step_size=settings.prefill_step_size)
+
+    # Text-only requests on a vision model get no prefix cache: see docs/protocol.md.
+    return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
+                  vision_cache=cache, memory=_memory, release_memory=mx.clear_cache)
+
+
+def _memory() -> dict[str, int]:
+    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model's config describes a vision-language model (it has a vision tower)."""
+    import json
+
+    local = Path(path)
+    if local.is_dir():
+        config_file = local / "config.json"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        config_file = Path(hf_hub_download(path, "config.json"))
+    return "vision_config" in json.loads(config_file.read_text())
+
+
+class VisionBatchBackend:
+    """`BatchBackend` over mlx-vlm 0.7's BatchGenerator."""
+
+    def __init__(self, model: Any, processor: Any, cache: VisionCache, *, max_num_seqs: int,
+                 prefill_batch_size: int, prefill_step_size: int) -> None:
+        from mlx_vlm.generate.ar import BatchGenerator
+
+        self._model = model
+        self._cache = cache
+        prefill_batch_size = min(prefill_batch_size, max_num_seqs)
+        # mlx-vlm prefills only when `completion_batch_size - running >= prefill_batch_size`
+        # (and never when completion < prefill). The engine admits at most max_num_seqs,
+        # so this size never holds back a request the engine has admitted.
+        self._generator = BatchGenerator(model.language_model, processor, compute_logprobs=False,
+                                         completion_batch_size=max_num_seqs + prefill_batch_size,
+                                         prefill_batch_size=prefill_batch_size,
+                                         prefill_step_size=prefill_step_size)
+
+    def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
+               logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
+               images: list[PreparedImage] | None = None) -> int:
+        processors = list(logits_processors)
+        if sampler is not greedy_sampler:
+            processors.append(_OwnSampler(sampler))
+        (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, images or [])],
+                                        logits_processors=[processors or None])
+        return uid
+
+    def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
+        for uid in uids:
+            self._generator.remove(uid)
+        return {}
+
+    def step(self) -> list[TokenOut]:
+        _, generated = self._generator.next()
+        return [TokenOut(r.uid, r.token, r.finish_reason) for r in generated]
+
+    def close(self) -> None:
+        self._generator.close()
+
+    def _embed(self, prompt: list[int], images: list[PreparedImage]) -> dict[str, mx.array]:
+        """The prompt's embeddings (image features merged in) and rotary positions."""
+        ids = mx.array([prompt])
+        if not images:
+            out = self._model.get_input_embeddings(ids)
+            extra = {}
+        else:
+            grid = mx.array([image.grid for image in images])
+            features = mx.concatenate([self._features(image) for image in images])
+            out = self._model.get_input_embeddings(ids, mx.array(np.concatenate([i.pixels for i in images])),
+                                                   image_grid_thw=grid, cached_image_features=features)
+            extra = {"image_grid_thw": grid}
+        return {**extra, **{k: v for k, v in out.to_dict().items() if v is not None}}
+
+    def _features(self, image: PreparedImage) -> mx.array:
+        """The vision tower's output for one image, from the cache when it was seen before."""
+        features = self._cache.get(image.key)
+        if features is None:
+            features = self._model.vision_tower(mx.array(image.pixels), mx.array([image.grid]),
+                                                output_hidden_states=False)
+            self._cache.put(image.key, features)
+        return features
+
+
+class _OwnSampler:
+    """A request's own sampler as a logits processor. mlx-vlm's generator has one sampler
+    for the whole batch (argmax here), so a sampled request draws its token itself and
+    leaves only that token possible: its draws never depend on its neighbours."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        token = self.sampler(logprobs)
+        return mx.where(mx.arange(logits.shape[-1]) == token[:, None], 0.0, -mx.inf)
