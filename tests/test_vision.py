@@ -17,7 +17,7 @@ import redis
 from PIL import Image
 from support import WorkerProcess, check_stream, start_worker, xadd_json
 
-from client import Client, Delta, Done, Error, decode_event
+from client import Client, Done, Error, decode_event
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -109,10 +109,11 @@ def test_image_and_text_requests_batch_together_and_match_running_alone(worker, 
     expected = [alone(r, outputs, worker.queue, new_id, p, i, n) for p, i, n in requests]
     shared = f"shared-{new_id()}"
     ids = [new_id(f"r{k}") for k in range(4)]
-    for rid, (prompt, images, n) in list(zip(ids, requests))[:2]:
+    submissions = list(zip(ids, requests, strict=True))
+    for rid, (prompt, images, n) in submissions[:2]:
         ask(r, worker.queue, rid, prompt, images, max_tokens=n, reply_to=shared)
     wait_for_deltas(r, shared, ids[:2])
-    for rid, (prompt, images, n) in list(zip(ids, requests))[2:]:
+    for rid, (prompt, images, n) in submissions[2:]:
         ask(r, worker.queue, rid, prompt, images, max_tokens=n, reply_to=shared)
     texts = [check_stream(outputs.events(shared, rid)).text for rid in ids]
     assert texts == expected

@@ -163,7 +163,9 @@ def _special_ids(out: Path, tokens: list[str]) -> list[int]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    return [tokenizer.token_to_id(t) for t in tokens]
+    ids = [tokenizer.token_to_id(t) for t in tokens]
+    assert None not in ids, f"the tokenizer lacks one of {tokens}"
+    return ids  # type: ignore[return-value]
 
 
 def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:

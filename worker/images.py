@@ -70,14 +70,15 @@ class VisionPrompts:
 
         # A plain prompt with images becomes one user message: image placeholders only
         # exist in the model's chat format.
-        conversation = body.prompt if body.messages is None else [m.model_dump() for m in body.messages]
-        text = apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images))
+        conversation: str | list[Any] = (body.prompt or "") if body.messages is None else \
+            [m.model_dump() for m in body.messages]
+        text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:
             raise InvalidRequest(f"images: the prompt has {len(pieces) - 1} image placeholders for "
                                  f"{len(images)} images")
         expanded = pieces[0]
-        for image, piece in zip(images, pieces[1:]):
+        for image, piece in zip(images, pieces[1:], strict=True):
             expanded += self.image_token * (int(np.prod(image.grid)) // self.merge) + piece
         return list(self.processor.tokenizer.encode(expanded, add_special_tokens=False))
 
