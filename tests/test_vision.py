@@ -163,6 +163,20 @@ def test_a_repeated_image_skips_the_vision_tower(worker, r, outputs, new_id):
     assert after["entries"] >= 1 and after["bytes"] > 0
 
 
+def test_text_only_requests_on_a_vision_model_reuse_cached_prefixes(worker, r, outputs, new_id):
+    """mlx-vlm's prefix cache (16-token blocks) serves a repeated text prompt: usage says how
+    many prompt tokens came from it, and the greedy text is the same."""
+    body = {"prompt_tokens": list(range(300, 380)), "max_tokens": 12}
+    first, second = new_id(), new_id()
+    xadd_json(r, worker.queue, first, body)
+    cold = check_stream(outputs.of(first))
+    xadd_json(r, worker.queue, second, body)
+    warm = check_stream(outputs.of(second))
+    assert cold.usage["cached_tokens"] == 0 and warm.text == cold.text
+    assert warm.usage["cached_tokens"] >= 48 and warm.usage["cached_tokens"] % 16 == 0, warm.usage
+    assert settled_stats(r, worker)["prefix_cache"]["hits"] >= 1
+
+
 def truncated_png() -> bytes:
     data = png(112, 112, 6)
     return data[: len(data) // 2]

@@ -24,7 +24,6 @@ from .output import RequestStream, deadline_exceeded, failed, not_started, proce
 from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
-from .vision_cache import VisionCache
 
 log = structlog.get_logger("mlxq.engine")
 
@@ -49,8 +48,8 @@ class Loaded:
     info: ModelInfo
     make_backend: Callable[[], BatchBackend]
     new_detokenizer: Callable[[], Any]
-    prefix_cache: PrefixCache | None = None
-    vision_cache: VisionCache | None = None
+    prefix_cache: PrefixCache | None = None  # the engine's own; a backend may keep caches of its own
+    cache_stats: Callable[[], dict[str, Any]] = dict  # stats of the backend's own caches, for the heartbeat
     memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
 
@@ -163,7 +162,7 @@ class Engine:
             "prefix_cache": None if cache is None else {
                 "entries": len(cache), "bytes": cache.nbytes, "hits": cache.hits, "misses": cache.misses,
                 "hit_rate": cache.hit_rate, "refused": cache.refused},
-            "vision_cache": None if self._loaded.vision_cache is None else self._loaded.vision_cache.stats(),
+            **self._loaded.cache_stats(),
         }
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 

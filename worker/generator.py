@@ -31,6 +31,7 @@ class TokenOut:
     token: int
     finish_reason: str | None  # "stop" (an eos id) | "length" | None
     coverage: Coverage | None = None
+    cached_tokens: int | None = None  # on a sequence's first token, from a backend that finds cached prefixes itself
 
 
 class BatchBackend(Protocol):

@@ -55,6 +55,8 @@ class RequestStream:
         """Take one generated token; returns the events it completes."""
         if self.first_token_at is None:
             self.first_token_at = now
+        if out.cached_tokens is not None:
+            self.cached_tokens = out.cached_tokens
         self.last_token_at = now
         # BatchGenerator's only stop sequences are the eos ids: that token is not output.
         if out.finish_reason != "stop":

@@ -29,7 +29,11 @@ def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
+    from transformers.utils import logging as transformers_logging
 
+    # mlx-vlm's chat formatting passes options a template may not use, and transformers
+    # warns about that on every request; our own log says what happened to each request.
+    transformers_logging.set_verbosity_error()
     local = get_model_path(path)
     model, processor = load(str(local))
     model_type = model.config.model_type
@@ -44,16 +48,45 @@ def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
                             max_image_pixels=settings.max_image_pixels)
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
-    cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
+    vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
+    prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
 
     def make_backend() -> VisionBatchBackend:
-        return VisionBatchBackend(model, processor, cache, max_num_seqs=settings.max_num_seqs,
+        return VisionBatchBackend(model, processor, vision_cache, prefix_cache, max_num_seqs=settings.max_num_seqs,
                                   prefill_batch_size=settings.prefill_batch_size,
                                   prefill_step_size=settings.prefill_step_size)
 
-    # Text-only requests on a vision model get no prefix cache: see docs/protocol.md.
+    def cache_stats() -> dict[str, Any]:
+        return {"prefix_cache": None if prefix_cache is None else _prefix_stats(prefix_cache),
+                "vision_cache": vision_cache.stats()}
+
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
-                  vision_cache=cache, memory=_memory, release_memory=mx.clear_cache)
+                  cache_stats=cache_stats, memory=_memory, release_memory=mx.clear_cache)
+
+
+def _prefix_cache(model: Any, budget_bytes: int) -> Any:
+    """mlx-vlm's automatic prefix cache (blocks of 16 tokens, hashed with the images they
+    hold), sized to the prefix-cache budget; None when the budget is 0. Our own PrefixCache
+    cannot be used here: mlx-vlm's generator takes no per-request KV cache at insert."""
+    from mlx_vlm.apc import DEFAULT_BLOCK_SIZE, APCManager
+
+    config = model.config.text_config
+    heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    itemsize = model.language_model.model.embed_tokens.weight.dtype.size
+    block_bytes = 2 * config.num_hidden_layers * heads * head_dim * itemsize * DEFAULT_BLOCK_SIZE  # K and V
+    blocks = min(budget_bytes // block_bytes, MAX_PREFIX_BLOCKS)
+    return APCManager(num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE) if blocks > 0 else None
+
+
+MAX_PREFIX_BLOCKS = 65_536  # 1M tokens: mlx-vlm keeps a Python object per block
+
+
+def _prefix_stats(cache: Any) -> dict[str, Any]:
+    stats = cache.stats
+    looked_up = stats.hits + stats.misses
+    return {"blocks": cache.num_blocks, "blocks_used": stats.pool_used, "hits": stats.hits, "misses": stats.misses,
+            "hit_rate": round(stats.hits / looked_up, 3) if looked_up else None, "matched_tokens": stats.matched_tokens}
 
 
 def _memory() -> dict[str, int]:
@@ -77,12 +110,13 @@ def is_vision_model(path: str) -> bool:
 class VisionBatchBackend:
     """`BatchBackend` over mlx-vlm 0.7's BatchGenerator."""
 
-    def __init__(self, model: Any, processor: Any, cache: VisionCache, *, max_num_seqs: int,
+    def __init__(self, model: Any, processor: Any, cache: VisionCache, prefix_cache: Any, *, max_num_seqs: int,
                  prefill_batch_size: int, prefill_step_size: int) -> None:
         from mlx_vlm.generate.ar import BatchGenerator
 
         self._model = model
         self._cache = cache
+        self._cached_tokens: dict[int, int] = {}  # prefilled, first token not yet out
         prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         # mlx-vlm prefills only when `completion_batch_size - running >= prefill_batch_size`
         # (and never when completion < prefill). The engine admits at most max_num_seqs,
@@ -90,7 +124,7 @@ class VisionBatchBackend:
         self._generator = BatchGenerator(model.language_model, processor, compute_logprobs=False,
                                          completion_batch_size=max_num_seqs + prefill_batch_size,
                                          prefill_batch_size=prefill_batch_size,
-                                         prefill_step_size=prefill_step_size)
+                                         prefill_step_size=prefill_step_size, apc_manager=prefix_cache)
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
@@ -105,11 +139,14 @@ class VisionBatchBackend:
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         for uid in uids:
             self._generator.remove(uid)
+            self._cached_tokens.pop(uid, None)
         return {}
 
     def step(self) -> list[TokenOut]:
-        _, generated = self._generator.next()
-        return [TokenOut(r.uid, r.token, r.finish_reason) for r in generated]
+        prefilled, generated = self._generator.next()
+        self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
+        return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None))
+                for r in generated]
 
     def close(self) -> None:
         self._generator.close()
