@@ -117,19 +117,21 @@ def test_worker_exits_non_zero_when_the_model_cannot_load(valkey, tmp_path):
     assert "the model could not be loaded" in result.stderr
 
 
-def test_ctrl_c_on_submit_cancels_the_request(worker):
+def test_ctrl_c_on_submit_cancels_the_request(worker, tmp_path):
     """Interrupting `mlxq submit` cancels its request instead of leaving it to run."""
     rid = f"cli-interrupt-{time.monotonic_ns()}"
-    process = subprocess.Popen([*MLXQ, "submit", "--redis-url", worker.redis_url, "--queue", worker.queue,
-                                "--stream", "--max-tokens", "1500", "--id", rid, "Go on and on"],
-                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = tmp_path / "submit.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([*MLXQ, "submit", "--redis-url", worker.redis_url, "--queue", worker.queue,
+                                    "--stream", "--max-tokens", "1500", "--id", rid, "Go on and on"],
+                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     r = redis.Redis.from_url(worker.redis_url)
     deadline = time.monotonic() + 30
     while not r.exists(f"mlxq:out:{{{rid}}}"):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     process.send_signal(signal.SIGINT)
-    assert process.wait(30) == 130
+    assert process.wait(30) == 130, f"SIGINT handler: {signal.getsignal(signal.SIGINT)}; " + log.read_text()[-2000:]
     last = None
     while not isinstance(last, Done):
         reply = r.xread({f"mlxq:out:{{{rid}}}": "0-0"}, count=10000, block=1000)

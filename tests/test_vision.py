@@ -5,6 +5,8 @@ from __future__ import annotations
 import base64
 import io
 import json
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 from PIL import Image
-from support import WorkerProcess, check_stream, start_worker, xadd_json
+from support import ROOT, WorkerProcess, check_stream, start_worker, xadd_json
 
 from client import Client, Done, Error, decode_event
 
@@ -34,9 +36,13 @@ def b64(data: bytes) -> str:
 
 @pytest.fixture(scope="session")
 def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker import demo_model as builder
-
-    return builder.build(tmp_path_factory.mktemp("model") / "vision", size="vision")
+    """The tiny Qwen2-VL, built the way a user builds it: `mlxq demo-model --vision PATH`."""
+    path = tmp_path_factory.mktemp("model") / "vision"
+    built = subprocess.run([sys.executable, "-m", "worker", "demo-model", "--vision", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2_vl"
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +234,24 @@ def test_chat_messages_with_images_and_the_python_client(worker, new_id):
         text_only = client.submit(messages=messages, max_tokens=12).result(timeout=60)
     assert as_json.text == as_msgpack.text
     assert as_json.usage["prompt_tokens"] == text_only.usage["prompt_tokens"] + 9 + 2  # 84x84: 6x6 patches -> 9
+
+
+def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
+    """`mlxq submit --image FILE` prints the text of the image request (sent as msgpack bytes)."""
+    photo = tmp_path / "photo.png"
+    photo.write_bytes(png(168, 112, 10))
+    rid = f"cli-image-{uuid.uuid4().hex[:8]}"
+    result = subprocess.run([sys.executable, "-m", "worker", "submit", "--redis-url", worker.redis_url,
+                             "--queue", worker.queue, "--image", str(photo), "--max-tokens", "8", "--id", rid,
+                             "What is in the picture?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    done = decode_event(r.xrange(f"mlxq:out:{{{rid}}}")[-1][1])
+    assert isinstance(done, Done) and result.stdout == done.text + "\n"
+    assert done.usage["prompt_tokens"] > IMAGE_168x112_TOKENS
+    assert f"{done.usage['prompt_tokens']} prompt + 8 completion tokens" in result.stderr
+    missing = subprocess.run([sys.executable, "-m", "worker", "submit", "--redis-url", worker.redis_url,
+                              "--image", str(tmp_path / "nope.png"), "x"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 1 and "cannot read the image" in missing.stderr
 
 
 def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
