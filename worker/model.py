@@ -53,8 +53,9 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
-                  memory=_memory, release_memory=mx.clear_cache)
+                  memory=mlx_memory, release_memory=mx.clear_cache)
 
 
-def _memory() -> dict[str, int]:
+def mlx_memory() -> dict[str, int]:
+    """MLX's memory figures, in bytes, for the heartbeat."""
     return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}

@@ -31,6 +31,8 @@ def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
     from mlx_vlm.utils import get_model_path
     from transformers.utils import logging as transformers_logging
 
+    from .model import mlx_memory
+
     # mlx-vlm's chat formatting passes options a template may not use, and transformers
     # warns about that on every request; our own log says what happened to each request.
     transformers_logging.set_verbosity_error()
@@ -61,7 +63,7 @@ def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
                 "vision_cache": vision_cache.stats()}
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
-                  cache_stats=cache_stats, memory=_memory, release_memory=mx.clear_cache)
+                  cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
 
 
 def _prefix_cache(model: Any, budget_bytes: int) -> Any:
@@ -89,10 +91,6 @@ def _prefix_stats(cache: Any) -> dict[str, Any]:
     looked_up = stats.hits + stats.misses
     return {"blocks": cache.num_blocks, "blocks_used": stats.pool_used, "hits": stats.hits, "misses": stats.misses,
             "hit_rate": round(stats.hits / looked_up, 3) if looked_up else None, "matched_tokens": stats.matched_tokens}
-
-
-def _memory() -> dict[str, int]:
-    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}
 
 
 def is_vision_model(path: str) -> bool:
