@@ -10,7 +10,7 @@ from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, en
 
 from . import faults
 from .engine import ModelInfo
-from .images import PreparedImage, VisionPrompts
+from .images import PreparedImage
 from .messages import EngineRequest, Resume, Route, SamplingParams
 from .settings import WorkerSettings
 
@@ -99,8 +99,7 @@ class Intake:
     def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
         if self.info.vision is None:
             raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
-        prompts: VisionPrompts = self.info.vision
-        return prompts.prepare(body)
+        return self.info.vision.prepare(body)  # type: ignore[no-any-return]
 
     def _tokenize(self, body: RequestBody) -> list[int]:
         tokenizer = self.info.tokenizer

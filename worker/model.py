@@ -23,13 +23,18 @@ def model_path(settings: WorkerSettings) -> str:
     return str(demo_model.ensure(demo_model.default_path()))
 
 
+def model_name(settings: WorkerSettings, path: str) -> str:
+    """How logs, errors and the heartbeat name the model."""
+    return settings.model or f"demo:{Path(path)}"
+
+
 def load_model(settings: WorkerSettings) -> Loaded:
     """The configured model, loaded by mlx-vlm if its config has a vision tower, else by mlx-lm."""
     from .vision import is_vision_model, load_vision_model
 
     path = model_path(settings)
     if is_vision_model(path):
-        return load_vision_model(settings, path, settings.model or f"demo:{Path(path)}")
+        return load_vision_model(settings, path, model_name(settings, path))
     return load_text_model(settings)
 
 
@@ -41,7 +46,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
     text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
     context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
-    info = ModelInfo(name=settings.model or f"demo:{Path(path)}", tokenizer=tokenizer,
+    info = ModelInfo(name=model_name(settings, path), tokenizer=tokenizer,
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
     warm_up(info.vocab_size)
 
