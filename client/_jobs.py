@@ -9,7 +9,18 @@ from typing import Any
 
 from ._errors import JobCancelled, JobFailed, JobTimeout, RequestRejected
 from ._keys import Keys
-from ._protocol import Delta, Done, Encoding, Event, InvalidRequest, decode_event, encode_request, validate_body
+from ._protocol import (
+    MAX_NESTING_DEPTH,
+    Delta,
+    Done,
+    Encoding,
+    Event,
+    InvalidRequest,
+    check_values,
+    decode_event,
+    encode_request,
+    validate_body,
+)
 from ._replies import StreamEntry
 
 BLOCK_MS = 1000  # each blocking read stays well below redis-py's 5 s socket timeout
@@ -32,10 +43,13 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
     body = {k: v for k, v in body.items() if v is not None}
     request_id = request_id or uuid.uuid4().hex
     try:
+        check_values(body, MAX_NESTING_DEPTH)
         validate_body(body)
         fields = encode_request(request_id, body, encoding)
     except InvalidRequest as e:
         raise RequestRejected(str(e)) from e
+    except (TypeError, ValueError) as e:  # a value the encoding cannot carry
+        raise RequestRejected(f"the request cannot be encoded as {encoding}: {e}") from e
     reply_to = body.get("reply_to")
     problem = None if reply_to is None else keys.reply_to_problem(reply_to)
     if problem:

@@ -6,11 +6,13 @@ of one request live in one slot.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 GROUP = "workers"
 DEFAULT_PREFIX = "mlxq"
 DEFAULT_QUEUE = "default"
+REPLY_NAME = re.compile(r"[A-Za-z0-9_.:{}\-]{1,128}")  # braces allowed: a Redis Cluster hash tag
 
 
 @dataclass(frozen=True)
@@ -53,12 +55,23 @@ class Keys:
         events (deltas and terminal) are already written."""
         return f"{self.prefix}:progress:{{{request_id}}}"
 
+    def crashes(self, request_id: str) -> str:
+        """How many workers died while preparing this request: its poison count."""
+        return f"{self.prefix}:crashes:{{{request_id}}}"
+
+    def reply(self, name: str) -> str:
+        """A shared output stream that many requests may name as `reply_to`."""
+        return f"{self.prefix}:reply:{name}"
+
     def reply_to_problem(self, key: str) -> str | None:
-        """Why a request may not send its output to `key`, or None if it may: anywhere but
-        mlxq's own keys, except output streams (no request writes into a queue or a flag)."""
-        if key.startswith(f"{self.prefix}:") and not key.startswith(f"{self.prefix}:out:"):
-            return f"reply_to: {key!r} is one of mlxq's own keys; use a key outside '{self.prefix}:' " \
-                   f"or under '{self.prefix}:out:'"
+        """Why a request may not send its output to `key`, or None if it may. Only
+        `<prefix>:reply:<name>` is allowed: the worker writes nothing outside its prefix (one
+        ACL pattern confines it), and never into another request's output stream."""
+        name = key.removeprefix(self.reply(""))
+        if name == key or not REPLY_NAME.fullmatch(name):
+            shown = ascii(key[:80]) + ("..." if len(key) > 80 else "")
+            return (f"reply_to: {shown} is not a shared reply stream; use '{self.reply('<name>')}' with a name of "
+                    "1-128 of A-Za-z0-9_.:-{}")
         return None
 
     def worker(self, consumer: str) -> str:

@@ -11,6 +11,7 @@ import base64
 import binascii
 import json
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -22,6 +23,7 @@ from ._replies import as_text
 Encoding = Literal["json", "msgpack"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
+MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
 
 FinishReason = Literal["stop", "length", "cancelled"]
 
@@ -29,7 +31,7 @@ FinishReason = Literal["stop", "length", "cancelled"]
 class Message(BaseModel):
     """One chat message."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     role: str = Field(min_length=1)
     content: str
@@ -38,7 +40,7 @@ class Message(BaseModel):
 class RequestBody(BaseModel):
     """The body of a request entry. Unknown fields are an error, not ignored."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     prompt: str | None = Field(None, min_length=1)
     messages: list[Message] | None = Field(None, min_length=1)
@@ -110,22 +112,17 @@ class Envelope:
     size: int = 0  # bytes of the encoded body
 
 
-def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> Envelope:
+def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None,
+                  max_depth: int = MAX_NESTING_DEPTH) -> Envelope:
     """Read the id and body of a request entry; raise `Undeliverable` without an id.
-    A body over `max_body_bytes` is not decoded at all."""
-    fields = {as_text(k): v for k, v in fields.items()}
-    raw_id = fields.get("id")
-    try:
-        request_id = as_text(raw_id) if raw_id is not None else None
-    except UnicodeDecodeError:
-        request_id = None
-    if request_id is None or not ID_PATTERN.fullmatch(request_id):
-        reason = "missing field 'id'" if raw_id is None else f"invalid id {raw_id!r}: use 1-128 of A-Za-z0-9_.:-"
-        raise Undeliverable(reason)
+    A body over `max_body_bytes` is not decoded at all; one nested deeper than
+    `max_depth`, or holding text that is not valid Unicode, is refused."""
+    request_id = read_id(fields)
+    fields = {_field_name(k): v for k, v in fields.items()}
     bodies = [name for name in ENCODINGS if name in fields]
     extra = sorted(set(fields) - {"id", *ENCODINGS})
     if len(bodies) != 1 or extra:
-        problem = f"unknown entry fields {extra}" if extra else f"found {bodies or 'neither'}"
+        problem = f"unknown entry fields {', '.join(map(repr, extra))}" if extra else f"found {bodies or 'neither'}"
         return Envelope(request_id, None, "json", None,
                         InvalidRequest(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
     encoding: Encoding = bodies[0]  # type: ignore[assignment]
@@ -135,8 +132,9 @@ def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> 
             f"body: {size} bytes is above this worker's max_body_bytes ({max_body_bytes})", code="too_large"))
     try:
         raw = _decode_body(fields[encoding], encoding)
+        check_values(raw, max_depth)
     except InvalidRequest as e:
-        return Envelope(request_id, None, encoding, None, e)
+        return Envelope(request_id, None, encoding, None, e, size=size)
     reply_to = raw.get("reply_to")
     reply_to = reply_to if isinstance(reply_to, str) and reply_to else None
     wanted = raw.get("encoding")
@@ -144,18 +142,88 @@ def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None) -> 
     return Envelope(request_id, raw, out_encoding, reply_to, size=size)
 
 
+def read_id(fields: dict[Any, Any]) -> str:
+    """The id of a request entry; raises `Undeliverable` if it has none that is valid."""
+    raw_id = next((v for k, v in fields.items() if k in (b"id", "id")), None)
+    try:
+        request_id = as_text(raw_id) if isinstance(raw_id, (bytes, str)) else None
+    except UnicodeDecodeError:
+        request_id = None
+    if request_id is None or not ID_PATTERN.fullmatch(request_id):
+        shown = ascii(raw_id[:140]) if isinstance(raw_id, (bytes, str)) else "missing"
+        raise Undeliverable("missing field 'id'" if raw_id is None else
+                            f"invalid id {shown}: use 1-128 of A-Za-z0-9_.:-")
+    return request_id
+
+
+def _field_name(name: bytes | str) -> str:
+    """An entry field's name as text; bytes that are not UTF-8 are escaped, not fatal."""
+    return name.decode("utf-8", "backslashreplace") if isinstance(name, bytes) else name
+
+
+class _DuplicateKey(ValueError):
+    """A JSON object or msgpack map that names one key twice."""
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict[Any, Any]:
+    """A map from its pairs, refusing a key given twice (decoders would keep the last silently)."""
+    body = dict(pairs)
+    if len(body) != len(pairs):
+        twice = next(key for key, n in Counter(key for key, _ in pairs).items() if n > 1)
+        raise _DuplicateKey(f"body: the key {ascii(twice)} is given twice")
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _decode_body(data: bytes | str, encoding: Encoding) -> dict[str, Any]:
     try:
         if encoding == "json":
-            body = json.loads(data)
+            body = json.loads(data, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
         else:
-            body = msgpack.unpackb(data if isinstance(data, bytes) else data.encode(), raw=False)
+            packed = data if isinstance(data, bytes) else data.encode()
+            body = msgpack.unpackb(packed, raw=False, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as e:
+        raise InvalidRequest(str(e)) from e
+    except (RecursionError, msgpack.StackError) as e:
+        raise InvalidRequest("body: nested too deeply to decode", code="too_large") from e
     except (ValueError, msgpack.UnpackException, TypeError) as e:
-        raise InvalidRequest(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {e}") from e
+        message = str(e).encode("ascii", "backslashreplace").decode()
+        raise InvalidRequest(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {message}") from e
     if not isinstance(body, dict):
         kind = "a JSON object" if encoding == "json" else "a msgpack map"
         raise InvalidRequest(f"body must be {kind}, not {type(body).__name__}")
     return body
+
+
+def check_values(body: dict[str, Any], max_depth: int) -> None:
+    """Refuse a decoded body nested deeper than `max_depth`, or holding a string that
+    cannot be written back as UTF-8 (a lone surrogate, which JSON's `\\ud800` makes).
+    Walks without recursion, so no body can exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > max_depth:
+            raise InvalidRequest(f"{where or 'body'}: nested deeper than {max_depth} levels", code="too_large")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            path = f"{where}.{key}" if where else str(key)
+            if isinstance(key, str):
+                _check_text(key, where or "body")
+            if isinstance(item, str):
+                _check_text(item, path)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, path, depth + 1))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(f"{ascii(where)[1:-1]}: text holding {ascii(text[e.start:e.end])}, a lone surrogate "
+                             "that is not valid Unicode") from e
 
 
 def validate_body(raw: dict[str, Any]) -> RequestBody:
@@ -176,8 +244,8 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(parts)
 
 
-def encode_metadata(metadata: dict[str, Any], encoding: Encoding) -> bytes | str:
-    """Metadata as it will travel in `done`; raises TypeError if it cannot."""
+def encode_metadata(metadata: dict[str, Any], encoding: Encoding) -> bytes:
+    """Metadata as it will travel in `done`; raises TypeError or ValueError if it cannot."""
     return _encode(metadata, encoding)
 
 
@@ -254,14 +322,16 @@ Event = Delta | Done | Error
 _EVENT_TYPES: dict[str, type[Delta] | type[Done] | type[Error]] = {"delta": Delta, "done": Done, "error": Error}
 
 
-def _encode(body: dict[str, Any], encoding: Encoding) -> bytes | str:
+def _encode(body: dict[str, Any], encoding: Encoding) -> bytes:
+    """UTF-8 JSON (strict: no NaN) or msgpack; raises ValueError (or TypeError) on what
+    cannot travel, here rather than in the Redis client's send."""
     if encoding == "json":
-        return json.dumps(body, ensure_ascii=False, separators=(",", ":"))
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
     return msgpack.packb(body, use_bin_type=True)
 
 
 def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
-    """The stream entry fields of an output event."""
+    """The stream entry fields of an output event; raises ValueError or TypeError if it cannot be encoded."""
     body = asdict(event)
     kind = body.pop("type")
     return {"type": kind, encoding: _encode(body, encoding)}

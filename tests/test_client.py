@@ -54,7 +54,7 @@ def test_chat_messages_and_msgpack(sync_client):
 
 def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
     """Jobs sharing a reply_to stream each see only their own events; `events` sees all."""
-    reply_to = f"replies-{uuid.uuid4().hex}"
+    reply_to = f"mlxq:reply:{uuid.uuid4().hex}"
     jobs = [sync_client.submit(f"Prompt {i}", max_tokens=4 + i, reply_to=reply_to) for i in range(3)]
     results = [job.result(timeout=30) for job in jobs]
     assert [r.usage["completion_tokens"] for r in results] == [4, 5, 6]
@@ -145,7 +145,9 @@ async def test_async_client_errors(worker):
             await job.result(timeout=0.3)
 
 
-def test_reply_to_into_mlxq_keys_is_rejected_before_sending(sync_client):
-    """The client refuses a reply_to that would write into a queue, with the worker's own message."""
-    with pytest.raises(RequestRejected, match="is one of mlxq's own keys"):
-        sync_client.submit("hi", reply_to=f"mlxq:q:{sync_client.queue}")
+@pytest.mark.parametrize("reply_to", ["mlxq:q:default", "mlxq:out:{someone-else}", "orders:events", "mlxq:reply:",
+                                      "mlxq:reply:a b"])
+def test_a_reply_to_outside_mlxq_reply_is_rejected_before_sending(sync_client, reply_to):
+    """The client refuses any reply_to but `mlxq:reply:<name>`, with the worker's own message."""
+    with pytest.raises(RequestRejected, match="is not a shared reply stream; use 'mlxq:reply:<name>'"):
+        sync_client.submit("hi", reply_to=reply_to)

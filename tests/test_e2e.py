@@ -96,7 +96,7 @@ def most_at_once(outputs: Outputs, queue: str, n: int, r: redis.Redis, new_id) -
     """Submit `n` requests at once; the most that were streaming at the same time.
 
     They share one reply_to stream, which holds the exact order the worker published in."""
-    shared = f"shared-{new_id()}"
+    shared = f"mlxq:reply:{new_id()}"
     ids = [new_id() for _ in range(n)]
     for i, rid in enumerate(ids):
         xadd_json(r, queue, rid, {"prompt": f"Request number {i}", "max_tokens": 12, "reply_to": shared})
@@ -124,7 +124,7 @@ def test_more_requests_than_the_completion_batch_all_finish(narrow_worker, r, ou
 
 def test_a_request_joins_while_others_decode(worker, r, outputs, new_id):
     """A request submitted while two long ones decode starts and finishes before they do."""
-    shared = f"shared-{new_id()}"
+    shared = f"mlxq:reply:{new_id()}"
     long_ids = start_long_requests(r, worker.queue, 2, shared, new_id)
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
@@ -221,7 +221,7 @@ def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
 
 def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
     """Cancelling one of four running requests ends it `cancelled`, and a new request takes its slot."""
-    shared = f"shared-{new_id()}"
+    shared = f"mlxq:reply:{new_id()}"
     long_ids = start_long_requests(r, worker.queue, 4, shared, new_id)
     client = Client(worker.redis_url)
     client.cancel(long_ids[0])

@@ -72,7 +72,7 @@ def test_strict_types_do_not_coerce():
 
 def test_encode_request_checks_the_id():
     """The producer helper refuses ids the worker could not answer."""
-    assert encode_request("ok-1", {"prompt": "x"}) == {"id": "ok-1", "json": '{"prompt":"x"}'}
+    assert encode_request("ok-1", {"prompt": "x"}) == {"id": "ok-1", "json": b'{"prompt":"x"}'}
     with pytest.raises(InvalidRequest):
         encode_request("not ok", {"prompt": "x"})
 

@@ -121,14 +121,14 @@ def test_a_worker_restarted_under_its_name_resumes_its_own_pending(valkey, demo_
 
 
 def test_an_entry_that_kills_every_worker_is_dead_lettered(valkey, demo_model, logs_dir, r, outputs, queue):
-    """A request that makes the process exit (the test hook, like an OOM kill) is delivered
-    `max_deliveries` times, then goes to the dead-letter stream with its history; its
-    reader gets `poisoned`; the next request is served."""
+    """A request that makes the process exit while it is prepared (the test hook, like an
+    OOM kill) kills `max_crashes` workers, then goes to the dead-letter stream with its
+    history; its reader gets `poisoned`; the next request is served."""
     poison = f"poison-{uuid.uuid4().hex[:8]}"
     xadd_json(r, queue, poison, {"prompt": "CRASH-ME now", "max_tokens": 5})
     exits = []
     for _ in range(4):
-        worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="crashy", max_deliveries=2,
+        worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="crashy", max_crashes=2,
                               env={"MLXQ_TEST_EXIT_ON": "CRASH-ME"})
         try:
             exits.append(worker.wait(timeout=5))
@@ -139,7 +139,7 @@ def test_an_entry_that_kills_every_worker_is_dead_lettered(valkey, demo_model, l
         (error,) = outputs.of(poison)
         assert isinstance(error, Error)
         assert error.code == "poisoned"
-        assert "delivered 3 times" in error.message
+        assert "2 worker(s) died while preparing it (max_crashes is 2)" in error.message
         ((_, dead),) = r.xrange(f"mlxq:q:{queue}:dead")
         assert dead[b"deliveries"] == b"3"
         assert dead[b"field:id"] == poison.encode()

@@ -45,7 +45,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
                 job.result(timeout=30)
             assert client.redis.xlen(f"mlxq:out:{{{before}}}") == 6, "the output written before survived"
         assert worker.process.poll() is None
-        assert "redis unreachable; retrying" in worker.log()
+        assert "redis unavailable; retrying until it answers" in worker.log()
         r.close()
     finally:
         worker.stop()

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from worker.streams import retrying
+from worker.retrying import retrying
 
 
 async def test_transient_errors_are_retried_until_the_call_succeeds():

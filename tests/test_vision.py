@@ -113,7 +113,7 @@ def test_image_and_text_requests_batch_together_and_match_running_alone(worker, 
     requests = [("Describe it", [png(168, 112, 1)], 150), ("Read the sign", [png(56, 56, 2)], 150),
                 ("Caption this", [png(224, 196, 3)], 20), ("Just text, no picture", [], 20)]
     expected = [alone(r, outputs, worker.queue, new_id, p, i, n) for p, i, n in requests]
-    shared = f"shared-{new_id()}"
+    shared = f"mlxq:reply:{new_id()}"
     ids = [new_id(f"r{k}") for k in range(4)]
     submissions = list(zip(ids, requests, strict=True))
     for rid, (prompt, images, n) in submissions[:2]:

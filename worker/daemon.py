@@ -14,7 +14,9 @@ import os
 import signal
 import socket
 import time
+import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from functools import partial
 from typing import Literal
 
@@ -23,17 +25,19 @@ import structlog
 from redis.exceptions import RedisError, ResponseError
 
 from client._keys import Keys
-from client._protocol import Envelope, Error, InvalidRequest, Undeliverable, read_envelope
+from client._protocol import Envelope, Error, InvalidRequest, Undeliverable, read_envelope, read_id
 
 from . import blas
 from .engine import Engine, EngineFailed, Loaded, ModelInfo
 from .intake import Intake
 from .messages import Outgoing, Resume, Route, StepOutput
+from .naming import NameTaken, claim_consumer_name
 from .output import deadline_exceeded, not_started
 from .publisher import InFlight, Publisher
 from .recovery import Delivery, Reclaimer
+from .retrying import describe, is_permission_error, retrying, stop_if_cancelled
 from .settings import WorkerSettings
-from .streams import QueueStreams, retrying, stop_if_cancelled
+from .streams import Arrival, QueueStreams
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -53,7 +57,8 @@ class Worker:
         self.settings = settings
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
-        self.consumer = settings.consumer or socket.gethostname()
+        self.consumer = ""  # claimed once the model is loaded (see `naming`)
+        self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
         self.in_flight: dict[str, InFlight] = {}  # read and not settled; what is left at exit is handed back
         self._cancel_requested: set[str] = set()  # in flight, cancel seen (maybe before the engine had it)
         self._room = asyncio.Event()
@@ -73,7 +78,14 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(loop)
-        await retrying(partial(self._keep_alive, info), "writing the first heartbeat")  # before the first read
+        try:
+            await self._claim_name(info)
+        except NameTaken as e:
+            log.critical("worker exiting: its consumer name is taken", error=str(e))
+            self.engine.shutdown(0)
+            await self.redis.aclose()
+            return 2
+        await retrying(self.reclaimer.list_own, "listing this consumer's pending requests")  # before the first read
         self._announce(info)
         intake = asyncio.create_task(self._intake_loop(), name="intake")
         publisher = asyncio.create_task(self.publisher.run(), name="publisher")
@@ -107,11 +119,21 @@ class Worker:
         self.redis = aioredis.Redis.from_url(self.redis_url, socket_timeout=10, health_check_interval=30)
         self.streams = QueueStreams(self.redis, self.keys, self.settings.queue, self.consumer,
                                     result_ttl_s=self.settings.result_ttl_s, dedupe_ttl_s=self.settings.dedupe_ttl_s,
-                                    lanes=self.settings.lanes)
+                                    lanes=self.settings.lanes, dead_letter_maxlen=self.settings.dead_letter_maxlen)
         self.reclaimer = Reclaimer(self.streams, self.settings.reclaim_interval_s,
                                    min_idle_ms=int(2000 * self.settings.heartbeat_s))
         await retrying(self.streams.ensure_group, f"connecting to {self.redis_url}")
         self.clock_offset_s = await retrying(self.streams.clock_offset_s, "reading the server clock")
+
+    async def _claim_name(self, info: ModelInfo) -> None:
+        """Take a consumer name no live worker holds; its heartbeat is written with it."""
+        def heartbeat(name: str) -> str:
+            self.consumer = name
+            return self._heartbeat(info)
+
+        ttl_s = 3 * self.settings.heartbeat_s
+        self.consumer = await claim_consumer_name(self.streams, self.settings, heartbeat, ttl_s)
+        self.streams.consumer = self.consumer
 
     async def _start_engine(self, loop: asyncio.AbstractEventLoop) -> ModelInfo:
         """Start the engine thread; it loads the model. Its output comes back through the loop."""
@@ -148,9 +170,10 @@ class Worker:
         worker takes it over (and resumes it) at its next scan, not after a timeout."""
         left = _by_stream(self.in_flight.values())
         try:
-            await self.streams.keep_mine(left, heartbeat="", ttl_s=0, idle_ms=HAND_BACK_IDLE_MS)
+            await self.streams.keep_mine(left, heartbeat="", ttl_s=0, instance=self.instance,
+                                         idle_ms=HAND_BACK_IDLE_MS)
         except (RedisError, OSError) as e:
-            log.warning("could not hand back; others take over when the heartbeat expires", error=repr(e))
+            log.warning("could not hand back; others take over when the heartbeat expires", reason=describe(e))
         log.info("worker stopped", handed_back=len(self.in_flight))
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:
@@ -158,7 +181,15 @@ class Worker:
         if task.cancelled() or (self._stop.is_set() and task.exception() is None):
             return
         error = task.exception() or RuntimeError(f"task {task.get_name()} ended")
-        log.critical("worker task died", task=task.get_name(), error=repr(error), exc_info=error)
+        if is_permission_error(error):
+            log.critical("redis refuses the worker one of its own keys or commands; stopping", task=task.get_name(),
+                         reason=describe(error), needs=f"an ACL user with ~{self.keys.prefix}:* "
+                         f"&{self.keys.prefix}:* and the commands listed in docs/protocol.md")
+        elif isinstance(error, RedisError):
+            log.critical("redis refused the worker's own keys; stopping", task=task.get_name(),
+                         reason=describe(error))
+        else:
+            log.critical("worker task died", task=task.get_name(), error=repr(error), exc_info=error)
         self._die(error)
 
     def _die(self, error: BaseException) -> None:
@@ -189,61 +220,90 @@ class Worker:
             if not deliveries:
                 entries = await retrying(partial(self.streams.read, room, self.settings.block_ms), "reading requests")
                 deliveries = [Delivery(stream, entry_id, fields) for stream, entry_id, fields in entries]
-            try:
-                await self._accept(deliveries)
-            except Exception:  # noqa: BLE001 - the intake keeps going; what it held stays pending in Redis
-                log.exception("accepting requests failed")
-                await asyncio.sleep(1.0)
+            for delivery in deliveries:
+                await self._accept(delivery)
 
     async def _reclaimed(self, room: int) -> list[Delivery]:
         try:
             return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
         except ResponseError as e:  # no group (Redis restarted empty): the next read recreates it
-            log.warning("could not look for abandoned requests", error=str(e))
+            if is_permission_error(e):
+                raise
+            log.warning("could not look for abandoned requests", error=describe(e))
             return []
 
-    async def _accept(self, deliveries: list[Delivery]) -> None:
-        """Register new entries, drop repeats, and start the rest."""
-        accepted = [a for a in [await self._register(d) for d in deliveries] if a is not None]
-        ids = [flight.route.id for _, _, flight in accepted]
-        done, cancelled = await retrying(partial(self.streams.flags, ids), "checking done and cancel flags")
-        for delivery, envelope, flight in accepted:
-            route = flight.route
-            if route.id in done:
-                log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
-                self._forget(route.id)
-                await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a repeat")
-                continue
-            try:
-                await self._start(delivery, envelope, flight, cancelled=route.id in cancelled)
-            except Exception as e:  # noqa: BLE001 - one request's failure must not stop the others
-                log.exception("could not start a request", request_id=route.id)
-                self._emit(Outgoing(route, Error(id=route.id, code="internal",
-                                                 message=f"the worker could not start this request: {e!r}")))
+    async def _accept(self, delivery: Delivery) -> None:
+        """Take one entry in; whatever goes wrong with it stays with it."""
+        try:
+            await self._take_in(delivery)
+        except Exception as e:  # noqa: BLE001 - one entry's failure must not stop the others
+            if is_permission_error(e):
+                raise  # Redis refuses the worker's own keys: that is the worker's failure, not the entry's
+            await self._fail_entry(delivery, e)
 
-    async def _register(self, delivery: Delivery) -> tuple[Delivery, Envelope, InFlight] | None:
-        """The envelope of a new entry, now in flight; None if there is nothing to run."""
+    async def _take_in(self, delivery: Delivery) -> None:
+        """Register a new entry and start it, unless it is a repeat, poisoned or cancelled.
+        Its preparation (decoding, validating, tokenizing) runs inside an attempt counted
+        in Redis, so a worker that dies there leaves a mark that poisons the request."""
         stream, entry_id, fields = delivery.stream, delivery.entry_id, delivery.fields
         if fields is None:  # deleted from the stream before we read it
             await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a deleted entry")
-            return None
+            return
         try:
-            envelope = read_envelope(fields, max_body_bytes=self.settings.max_body_bytes)
+            request_id = read_id(fields)
         except Undeliverable as e:
             log.warning("dead letter", entry_id=entry_id, reason=str(e))
             await retrying(partial(self.streams.dead_letter, stream, entry_id, fields, str(e),
                                    deliveries=delivery.deliveries), "dead-lettering")
-            return None
-        if envelope.id in self.in_flight:
-            log.info("repeat of a running request ignored", request_id=envelope.id, entry_id=entry_id)
-            await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
-            return None
-        reply_to = envelope.reply_to
-        if reply_to is None or self.keys.reply_to_problem(reply_to):  # the error goes to the default stream
-            reply_to = self.keys.output(envelope.id)
-        flight = InFlight(Route(envelope.id, entry_id, reply_to, envelope.encoding, stream))
-        self.in_flight[envelope.id] = flight  # before the flag check, so no cancel slips between
-        return delivery, envelope, flight
+            return
+        held = self.in_flight.get(request_id)
+        if held is not None:
+            if held.route.entry_id != entry_id:  # the same id in another entry: a repeat
+                log.info("repeat of a running request ignored", request_id=request_id, entry_id=entry_id)
+                await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
+            return
+        flight = InFlight(Route(request_id, entry_id, self.keys.output(request_id), "json", stream))
+        self.in_flight[request_id] = flight  # before the flag check, so no cancel slips between
+        arrival = await retrying(partial(self.streams.arrive, request_id, self.settings.result_ttl_s),
+                                 "checking an arriving request")
+        try:
+            await self._admit(delivery, flight, arrival)
+        finally:
+            await retrying(partial(self.streams.close_attempt, request_id), "closing an attempt")
+
+    async def _admit(self, delivery: Delivery, flight: InFlight, arrival: Arrival) -> None:
+        route = flight.route
+        if arrival.done:
+            log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
+            self._forget(route.id)
+            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a repeat")
+            return
+        if arrival.crashes >= self.settings.max_crashes:
+            await self._poisoned(delivery, route, f"{arrival.crashes} worker(s) died while preparing it "
+                                 f"(max_crashes is {self.settings.max_crashes})")
+            return
+        assert delivery.fields is not None
+        envelope = read_envelope(delivery.fields, max_body_bytes=self.settings.max_body_bytes,
+                                 max_depth=self.settings.max_nesting_depth)
+        if envelope.reply_to is not None and not self.keys.reply_to_problem(envelope.reply_to):
+            route = flight.route = replace(route, reply_to=envelope.reply_to)
+        route = flight.route = replace(route, encoding=envelope.encoding)
+        await self._start(delivery, envelope, flight, cancelled=arrival.cancelled)
+
+    async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
+        """An entry whose intake failed in a way nobody foresaw: its reader gets an
+        `internal` error, or, if not even its id was read, it is dead-lettered."""
+        reason = ascii(f"{type(error).__name__}: {error}"[:300])
+        log.error("could not take in a request", entry_id=delivery.entry_id, error=reason, exc_info=error)
+        flight = next((f for f in self.in_flight.values() if f.route.entry_id == delivery.entry_id), None)
+        if flight is not None:
+            self._emit(Outgoing(flight.route, Error(id=flight.route.id, code="internal",
+                                                    message=f"the worker could not start this request: {reason}")))
+            return
+        if delivery.fields is not None:
+            await retrying(partial(self.streams.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
+                                   f"the worker could not read this entry: {reason}",
+                                   deliveries=delivery.deliveries), "dead-lettering")
 
     async def _start(self, delivery: Delivery, envelope: Envelope, flight: InFlight, cancelled: bool) -> None:
         route = flight.route
@@ -254,7 +314,9 @@ class Worker:
                 return
             resume = point
         if delivery.deliveries > self.settings.max_deliveries:
-            await self._poisoned(delivery, route)
+            await self._poisoned(delivery, route, f"delivered {delivery.deliveries} times (max_deliveries is "
+                                 f"{self.settings.max_deliveries}); the workers that took it stopped without "
+                                 "finishing it")
             return
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
         prepare = partial(self.intake.prepare, envelope, route, arrived_at, self.clock_offset_s, resume)
@@ -287,11 +349,9 @@ class Worker:
         return Resume(tokens=[t for d in progress.deltas for t in d.tokens],
                       text="".join(d.text for d in progress.deltas), deltas=progress.written)
 
-    async def _poisoned(self, delivery: Delivery, route: Route) -> None:
-        """An entry delivered too often (each worker holding it died): dead letter, and say so."""
-        reason = (f"delivered {delivery.deliveries} times (max_deliveries is {self.settings.max_deliveries}); "
-                  "the workers that took it stopped without finishing it")
-        log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, deliveries=delivery.deliveries)
+    async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
+        """An entry that keeps killing or outliving workers: dead letter, and say so."""
+        log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, reason=reason)
         assert delivery.fields is not None
         await retrying(partial(self.streams.record_dead, route.stream, route.entry_id, delivery.fields, reason,
                                deliveries=delivery.deliveries), "dead-lettering")
@@ -315,9 +375,10 @@ class Worker:
                         if request_id in self.in_flight:
                             self._cancel_requested.add(request_id)
                             self.engine.cancel(request_id)
+                            await self.streams.limit_cancel_flag(request_id, self.settings.result_ttl_s)
             except (RedisError, OSError) as e:
                 stop_if_cancelled(e)
-                log.warning("cancel subscription lost; resubscribing", error=repr(e))
+                log.warning("cancel subscription lost; resubscribing", reason=describe(e))
                 await asyncio.sleep(1.0)
             finally:
                 await pubsub.aclose()
@@ -332,20 +393,20 @@ class Worker:
     async def _heartbeat_loop(self, info: ModelInfo) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
-            try:
-                await self._keep_alive(info)
-            except (RedisError, OSError) as e:
-                stop_if_cancelled(e)
-                log.warning("heartbeat failed", error=repr(e))
+            await retrying(partial(self._keep_alive, info), "renewing the heartbeat and leases")
+
+    def _heartbeat(self, info: ModelInfo) -> str:
+        """What this worker tells the fleet about itself (`mlxq:workers:<consumer>`)."""
+        return json.dumps({
+            "consumer": self.consumer, "instance": self.instance, "queue": self.settings.queue, "model": info.name,
+            "host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
+            "in_flight": len(self.in_flight), "max_num_seqs": self.settings.max_num_seqs, **self.engine.stats})
 
     async def _keep_alive(self, info: ModelInfo) -> None:
         """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
         held = {flight.route.entry_id: request_id for request_id, flight in self.in_flight.items()}
-        state = {"consumer": self.consumer, "queue": self.settings.queue, "model": info.name,
-                 "host": socket.gethostname(), "pid": os.getpid(), "started_at": self._started_at,
-                 "in_flight": len(held), "max_num_seqs": self.settings.max_num_seqs, **self.engine.stats}
-        lost = await self.streams.keep_mine(_by_stream(self.in_flight.values()), json.dumps(state),
-                                            ttl_s=3 * self.settings.heartbeat_s)
+        lost = await self.streams.keep_mine(_by_stream(self.in_flight.values()), self._heartbeat(info),
+                                            ttl_s=3 * self.settings.heartbeat_s, instance=self.instance)
         for entry_id in lost:
             request_id = held[entry_id]
             flight = self.in_flight.get(request_id)

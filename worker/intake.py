@@ -5,6 +5,8 @@ Runs off the engine thread: it only encodes with the tokenizer and checks limits
 
 from __future__ import annotations
 
+from typing import Any
+
 from client._keys import Keys
 from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, encode_metadata, validate_body
 
@@ -22,6 +24,8 @@ class Intake:
         self.info = info
         self.settings = settings
         self.keys = Keys(settings.prefix)
+        self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
+        self.longest_token = longest_token(info.tokenizer)
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
                 clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
@@ -38,6 +42,7 @@ class Intake:
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
+        self._check_prompt_size(body)
         tokens, images = self._tokenize_with_images(body) if body.images else (self._tokenize(body), None)
         room = self._check_prompt_length(tokens)
         return EngineRequest(
@@ -68,6 +73,18 @@ class Intake:
                                  f"{self.info.context_length} tokens", code="too_large")
         return room
 
+    def _check_prompt_size(self, body: RequestBody) -> None:
+        """Refuse a prompt that cannot fit from its length alone, before tokenizing it (a
+        token never spans more characters than the longest in the vocabulary)."""
+        if self.longest_token is None:
+            return
+        chars = len(body.prompt or "") + sum(len(m.content) for m in body.messages or [])
+        most = self.prompt_token_limit * self.longest_token
+        if chars > most:
+            raise InvalidRequest(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
+                                 f"(this worker's limit: max_prompt_tokens or the model's context) can hold",
+                                 code="too_large")
+
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
             raise InvalidRequest(f"stop: {len(stop)} strings is above this worker's max_stop_strings "
@@ -81,8 +98,8 @@ class Intake:
         """Metadata is echoed in `done`: refuse now what could not be written then."""
         try:
             size = len(encode_metadata(metadata, encoding))
-        except (TypeError, ValueError) as e:
-            raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({e})") from e
+        except (TypeError, ValueError, RecursionError) as e:
+            raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
         if size > self.settings.max_metadata_bytes:
             raise InvalidRequest(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code="too_large")
@@ -119,3 +136,16 @@ class Intake:
         if not tokens:
             raise InvalidRequest("prompt: encodes to no tokens")
         return tokens
+
+
+def longest_token(tokenizer: Any) -> int | None:
+    """Characters in the longest token of the vocabulary (None if it cannot be listed).
+    A byte-level BPE token's string has one character per byte it stands for, so a text
+    of n characters has at least n / longest tokens."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    try:
+        return max(map(len, get_vocab()), default=1)
+    except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no early check
+        return None

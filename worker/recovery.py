@@ -32,20 +32,35 @@ class Delivery:
 
 
 class Reclaimer:
-    """Takes over work left pending: first our own (once, at start), then, every
+    """Takes over work left pending: first our own (listed once, at start, before the
+    first read, so that nothing read afterwards is mistaken for it), then, every
     `interval_s`, what silent consumers held for at least `min_idle_ms`."""
 
     def __init__(self, streams: QueueStreams, interval_s: float, min_idle_ms: int) -> None:
         self.streams = streams
         self.interval_s = interval_s
         self.min_idle_ms = min_idle_ms
-        self._own_after = dict.fromkeys(streams.streams, "-")  # XPENDING cursors over our own entries
+        self._own: list[tuple[str, str, int]] = []  # (stream, entry id, deliveries) left by an earlier run
         self._next_scan = 0.0
+
+    async def list_own(self) -> None:
+        """List the entries an earlier run under our consumer name left pending."""
+        self._own = []
+        for stream in self.streams.streams:
+            after = "-"
+            while True:
+                rows = await self.streams.pending(stream, self.streams.consumer, 100, 0, after=after)
+                self._own += [(stream, entry_id, deliveries) for entry_id, deliveries in rows]
+                if len(rows) < 100:
+                    break
+                after = rows[-1][0]
+        if self._own:
+            log.info("resuming this consumer's own pending requests", entries=len(self._own))
 
     async def take(self, room: int) -> list[Delivery]:
         """Up to `room` entries to serve now; usually none."""
-        if self._own_after:
-            return await self._own(room)
+        if self._own:
+            return await self._take_own(room)
         if time.monotonic() < self._next_scan:
             return []
         self._next_scan = time.monotonic() + self.interval_s
@@ -61,18 +76,13 @@ class Reclaimer:
                     log.info("removed a consumer that left", consumer=consumer, stream=stream)
         return []
 
-    async def _own(self, room: int) -> list[Delivery]:
-        """Our own pending entries, left by an earlier run under this consumer name."""
-        stream, after = next(iter(self._own_after.items()))
-        rows = await self.streams.pending(stream, self.streams.consumer, room, 0, after=after)
-        if len(rows) == room:
-            self._own_after[stream] = rows[-1][0]
-        else:
-            del self._own_after[stream]
-        taken = await self._claim(stream, rows, min_idle_ms=0)
-        if taken:
-            log.info("resuming this consumer's own pending requests", entries=len(taken))
-        return taken
+    async def _take_own(self, room: int) -> list[Delivery]:
+        """The next of our own pending entries, from the first stream listed."""
+        stream = self._own[0][0]
+        rows = [(entry_id, n) for s, entry_id, n in self._own if s == stream][:room]
+        taken = {entry_id for entry_id, _ in rows}
+        self._own = [row for row in self._own if row[1] not in taken or row[0] != stream]
+        return await self._claim(stream, rows, min_idle_ms=0)
 
     async def _claim(self, stream: str, rows: list[tuple[str, int]], min_idle_ms: int) -> list[Delivery]:
         counts = dict(rows)

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -33,8 +32,10 @@ class WorkerSettings(BaseSettings):
     lanes: list[str] = Field(default_factory=list, description="priority lanes, read before the queue itself "
                              "and in this order: mlxq:q:<queue>:<lane>")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix")
-    consumer: str | None = Field(None, description="consumer name in the group; default <host>-<worker_index>")
-    worker_index: int = Field(0, ge=0, description="tells apart several workers on one host")
+    consumer: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$", description="consumer name in the "
+                                 "group, refused while a live worker holds it; unset: <host>-<worker_index>")
+    worker_index: int | None = Field(None, ge=0, description="names the worker <host>-<index>; unset: the lowest "
+                                     "index no live worker on this host holds")
     model: str | None = Field(None, description="local path or Hugging Face id; unset uses the demo model")
     max_num_seqs: int = Field(16, ge=1, description="requests running at once")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
@@ -56,6 +57,8 @@ class WorkerSettings(BaseSettings):
     max_stop_strings: int = Field(16, ge=0, description="most stop strings a request may give")
     max_stop_length: int = Field(256, ge=1, description="longest stop string, in characters")
     max_metadata_bytes: int = Field(16_384, ge=0, description="largest metadata, encoded")
+    max_nesting_depth: int = Field(32, ge=2, le=1000, description="deepest nesting of maps and lists in a body "
+                                   "(metadata included)")
     max_images: int = Field(4, ge=0, description="most images in one request (vision models)")
     max_image_pixels: int = Field(16_777_216, ge=1, description="largest image, width x height as sent "
                                   "(the model's processor resizes it after)")
@@ -69,6 +72,10 @@ class WorkerSettings(BaseSettings):
                                "requests are renewed; silent for 3x this, a worker's requests are taken over")
     reclaim_interval_s: float = Field(2.0, gt=0, description="how often to look for requests of workers that died")
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
+    max_crashes: int = Field(1, ge=1, description="workers that may die while preparing one request (decoding, "
+                             "validating, tokenizing) before it is dead-lettered (poisoned)")
+    dead_letter_maxlen: int = Field(10_000, ge=1, description="the dead-letter stream is trimmed to about this many "
+                                    "entries")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 
@@ -79,12 +86,6 @@ class WorkerSettings(BaseSettings):
             if not re.fullmatch(r"[A-Za-z0-9_.\-]+", lane) or lane == "dead":
                 raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream)")
         return lanes
-
-    @model_validator(mode="after")
-    def _default_consumer(self) -> WorkerSettings:
-        if self.consumer is None:
-            self.consumer = f"{socket.gethostname()}-{self.worker_index}"
-        return self
 
     def cache_budget_bytes(self) -> int:
         """The prefix cache's byte budget."""

@@ -2,24 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
+import enum
 import functools
 import hashlib
-import itertools
-import random
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import NoScriptError, ResponseError
 
 from client._keys import GROUP, Keys
-from client._protocol import Delta, Error, Event, decode_event, encode_event
+from client._protocol import Delta, Encoding, Error, Event, decode_event, encode_event
 from client._replies import StreamEntry, as_text, keyed_stream_entries
 
 from . import scripts
@@ -27,30 +23,8 @@ from .messages import Route
 
 log = structlog.get_logger("mlxq.redis")
 
-T = TypeVar("T")
-TRANSIENT = (RedisConnectionError, RedisTimeoutError, BusyLoadingError, OSError)
-
-
-async def retrying(operation: Callable[[], Awaitable[T]], what: str) -> T:
-    """Run a Redis operation until it succeeds, backing off (with jitter) while Redis is unreachable."""
-    for attempt in itertools.count(1):
-        try:
-            return await operation()
-        except TRANSIENT as e:
-            stop_if_cancelled(e)
-            pause = min(5.0, 0.05 * 2**attempt) * random.uniform(0.5, 1.0)
-            log.warning("redis unreachable; retrying", operation=what, error=repr(e), attempt=attempt,
-                        retry_in_s=round(pause, 2))
-            await asyncio.sleep(pause)
-    raise AssertionError("unreachable")
-
-
-def stop_if_cancelled(error: BaseException) -> None:
-    """Re-raise a cancellation that a Redis client turned into a timeout or connection
-    error on its way out: a loop that retries it would never stop."""
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():  # type: ignore[attr-defined]  # 3.11+, as is the worker
-        raise asyncio.CancelledError from error
+DEAD_FIELDS = 16  # a dead letter keeps at most this many of the original's fields,
+DEAD_FIELD_BYTES = 4096  # each cut to this size (its full size noted beside it)
 
 
 class QueueStreams:
@@ -58,7 +32,8 @@ class QueueStreams:
     output streams it writes."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, queue: str, consumer: str, *,
-                 result_ttl_s: int, dedupe_ttl_s: int, lanes: list[str] | None = None) -> None:
+                 result_ttl_s: int, dedupe_ttl_s: int, lanes: list[str] | None = None,
+                 dead_letter_maxlen: int = 10_000) -> None:
         self.redis = redis
         self.keys = keys
         self.stream = keys.queue(queue)
@@ -67,6 +42,7 @@ class QueueStreams:
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         self.dedupe_ttl_s = dedupe_ttl_s
+        self.dead_letter_maxlen = dead_letter_maxlen
         self._scripts = _Scripts(redis)
 
     async def ensure_group(self) -> None:
@@ -108,18 +84,27 @@ class QueueStreams:
             return []
         return sorted(keyed_stream_entries(reply), key=lambda e: self.streams.index(e[0]))
 
-    async def flags(self, ids: list[str]) -> tuple[set[str], set[str]]:
-        """Which ids already finished, and which were cancelled, in one round trip."""
-        if not ids:
-            return set(), set()
+    async def arrive(self, request_id: str, cancel_ttl_s: int) -> Arrival:
+        """Open an attempt at an arriving request (see `Arrival`) and read whether it
+        already finished or was cancelled, in one round trip. A cancel flag set without
+        a TTL gets `cancel_ttl_s`, so flags never pile up."""
+        crashes, cancel = self.keys.crashes(request_id), self.keys.cancel_flag(request_id)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for request_id in ids:
-                pipe.exists(self.keys.done(request_id))
-                pipe.exists(self.keys.cancel_flag(request_id))
-            replies = await pipe.execute()
-        done = {i for i, flag in zip(ids, replies[0::2], strict=True) if flag}
-        cancelled = {i for i, flag in zip(ids, replies[1::2], strict=True) if flag}
-        return done, cancelled
+            pipe.incr(crashes)
+            pipe.expire(crashes, self.dedupe_ttl_s)
+            pipe.exists(self.keys.done(request_id))
+            pipe.exists(cancel)
+            pipe.expire(cancel, cancel_ttl_s, nx=True)
+            opened, _, done, cancelled, _ = await pipe.execute()
+        return Arrival(crashes=int(opened) - 1, done=bool(done), cancelled=bool(cancelled))
+
+    async def close_attempt(self, request_id: str) -> None:
+        """The preparation of a request ended, one way or another, and we are alive."""
+        await self.redis.decr(self.keys.crashes(request_id))
+
+    async def limit_cancel_flag(self, request_id: str, ttl_s: int) -> None:
+        """Give a cancel flag a TTL if whoever set it gave none."""
+        await self.redis.expire(self.keys.cancel_flag(request_id), ttl_s, nx=True)
 
     async def settle(self, stream: str, entry_ids: Iterable[str]) -> None:
         """Acknowledge and delete entries that need no output (repeats, deleted entries)."""
@@ -130,11 +115,21 @@ class QueueStreams:
                 pipe.xdel(stream, *entry_ids)
                 await pipe.execute()
 
+    async def settle_unanswered(self, route: Route) -> None:
+        """Mark a request done and settle its entry although no terminal event could be
+        written (Redis refused even its own output stream)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.done(route.id), route.entry_id, ex=self.dedupe_ttl_s)
+            pipe.xack(route.stream, GROUP, route.entry_id)
+            pipe.xdel(route.stream, route.entry_id)
+            await pipe.execute()
+
     async def dead_letter(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
                           **history: Any) -> None:
         """Move an entry nobody can answer to the dead-letter stream, with the reason."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history))
+            pipe.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history),
+                      maxlen=self.dead_letter_maxlen, approximate=True)
             pipe.xack(stream, GROUP, entry_id)
             pipe.xdel(stream, entry_id)
             await pipe.execute()
@@ -142,17 +137,30 @@ class QueueStreams:
     async def record_dead(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
                           **history: Any) -> None:
         """Copy an entry to the dead-letter stream; it is settled when its error is published."""
-        await self.redis.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history))
+        await self.redis.xadd(self.dead, self._dead_record(stream, entry_id, fields, reason, history),
+                              maxlen=self.dead_letter_maxlen, approximate=True)
 
     def _dead_record(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
                      history: dict[str, Any]) -> dict[Any, Any]:
+        """The reason and history, and a bounded copy of the original fields: at most
+        `DEAD_FIELDS` of them, each cut to `DEAD_FIELD_BYTES` (`field:<name>:bytes` says
+        how long it was)."""
         record: dict[Any, Any] = {b"stream": stream, b"entry_id": entry_id, b"reason": reason,
                                   b"consumer": self.consumer}
         record.update({k.encode(): str(v) for k, v in history.items()})
-        record.update({b"field:" + (k if isinstance(k, bytes) else k.encode()): v for k, v in fields.items()})
+        for i, (name, value) in enumerate(fields.items()):
+            if i == DEAD_FIELDS:
+                record[b"fields_dropped"] = len(fields) - DEAD_FIELDS
+                break
+            key = b"field:" + (name if isinstance(name, bytes) else str(name).encode())[:64]
+            value = value if isinstance(value, bytes) else str(value).encode("utf-8", "backslashreplace")
+            if len(value) > DEAD_FIELD_BYTES:
+                record[key + b":bytes"] = len(value)
+                value = value[:DEAD_FIELD_BYTES]
+            record[key] = value
         return record
 
-    async def publish(self, batches: list[Batch]) -> list[str]:
+    async def publish(self, batches: list[Batch]) -> list[Published]:
         """Write one step's events in one call, fenced (see `scripts.PUBLISH`); a terminal
         event also marks the id done, acknowledges its entry and deletes it from the queue.
         Returns one status per batch."""
@@ -161,12 +169,11 @@ class QueueStreams:
         for batch in batches:
             route = batch.route
             keys += [route.stream, route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
-            args += [route.entry_id, batch.first, int(not isinstance(batch.events[-1], Delta)), len(batch.events)]
-            for event in batch.events:
-                fields = _encoded(route, event)
-                args += [fields["type"], route.encoding, fields[route.encoding]]
+            args += [route.entry_id, batch.first, int(batch.terminal), len(batch.entries)]
+            for kind, body in batch.entries:
+                args += [kind, route.encoding, body]
         statuses = await self._scripts.run(scripts.PUBLISH, keys, args)
-        return [as_text(s) for s in statuses]
+        return [Published.parse(as_text(s)) for s in statuses]
 
     async def progress(self, route: Route) -> Progress:
         """What earlier deliveries of this entry already published: the count and the deltas."""
@@ -181,14 +188,24 @@ class QueueStreams:
                 deltas.append(event)
         return Progress(int(written), deltas)
 
-    async def keep_mine(self, entries: dict[str, list[str]], heartbeat: str, ttl_s: float,
+    async def claim_name(self, name: str, heartbeat: str, ttl_s: float, replacing: bytes | None = None) -> bytes | None:
+        """Take the consumer name `name` by writing its heartbeat, unless a worker holds it
+        (or, with `replacing`, unless it holds anything else). Returns None when taken,
+        else the holder's heartbeat."""
+        held = await self._scripts.run(scripts.CLAIM_NAME, [self.keys.worker(name)],
+                                       [heartbeat, max(1, int(ttl_s * 1000)), replacing or ""])
+        return None if held == 1 else held  # type: ignore[no-any-return]
+
+    async def keep_mine(self, entries: dict[str, list[str]], heartbeat: str, ttl_s: float, instance: str,
                         idle_ms: int = 0) -> list[str]:
         """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set the
-        idle time of its entries (ids by stream); returns the ids another worker took over."""
+        idle time of its entries (ids by stream); returns the ids another worker took over.
+        Raises `ResponseError` (NAMETAKEN) if another worker holds our consumer name now."""
         lost = []
         for stream in self.streams:
             keys = [stream, self.keys.worker(self.consumer)]
-            args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, *entries.get(stream, [])]
+            args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, instance,
+                    *entries.get(stream, [])]
             lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
         return lost
 
@@ -231,11 +248,52 @@ class QueueStreams:
 
 @dataclass(frozen=True)
 class Batch:
-    """One request's events from one publish, and the position of the first."""
+    """One request's encoded events from one publish, and the position of the first."""
 
     route: Route
     first: int
     events: list[Event]
+    entries: list[tuple[str, bytes]]  # each event's type and body, in the route's encoding
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the last event ends the request."""
+        return not isinstance(self.events[-1], Delta)
+
+
+class PublishStatus(enum.Enum):
+    """What the publish script found for one request (see `scripts.PUBLISH`)."""
+
+    APPLIED = "applied"
+    LOST = "lost"
+    DUPLICATE = "duplicate"
+    GAP = "gap"
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True)
+class Published:
+    """One request's status from the publish script; `detail` is the count of events
+    found (a gap) or Redis's reason (refused)."""
+
+    status: PublishStatus
+    detail: str = ""
+
+    @classmethod
+    def parse(cls, reply: str) -> Published:
+        status, _, detail = reply.partition(":")
+        return cls(PublishStatus(status), detail)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """What Redis knows of a request as a worker takes it in. `crashes` counts the
+    workers that died while preparing it: each attempt adds one before the work and
+    takes it back after, so only an attempt that killed its worker is left counted."""
+
+    crashes: int
+    done: bool
+    cancelled: bool
 
 
 @dataclass(frozen=True)
@@ -267,11 +325,23 @@ class _Scripts:
             return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
 
 
-def _encoded(route: Route, event: Event) -> dict[str, bytes | str]:
-    """The entry fields of an event; an event that cannot be encoded becomes an `internal` error."""
-    try:
-        return encode_event(event, route.encoding)
-    except (TypeError, ValueError) as e:
-        log.error("event could not be encoded", request_id=route.id, error=repr(e))
-        error = Error(id=route.id, code="internal", message=f"the output could not be encoded: {e}")
-        return encode_event(error, route.encoding)
+def encode_batch(route: Route, first: int, events: list[Event]) -> tuple[Batch, bool]:
+    """A request's events, encoded. An event that cannot be encoded ends the request
+    there with an `internal` error whose message is plain ASCII, so that it always can
+    be; the flag says so (what the engine still makes for it must then be dropped)."""
+    entries: list[tuple[str, bytes]] = []
+    for i, event in enumerate(events):
+        try:
+            entries.append(_entry(event, route.encoding))
+        except (TypeError, ValueError, RecursionError) as e:
+            reason = ascii(str(e)[:300])
+            log.error("event could not be encoded", request_id=route.id, error=reason)
+            error = Error(id=route.id, code="internal", message=f"the output could not be encoded: {reason}")
+            entries.append(_entry(error, route.encoding))
+            return Batch(route, first, [*events[:i], error], entries), True
+    return Batch(route, first, events, entries), False
+
+
+def _entry(event: Event, encoding: Encoding) -> tuple[str, bytes]:
+    fields = encode_event(event, encoding)
+    return as_text(fields["type"]), fields[encoding]  # type: ignore[return-value]

@@ -1,0 +1,78 @@
+"""Consumer names: never two live workers under one name.
+
+A worker's name is its consumer in the group and the key of its heartbeat; its pending
+entries are filed under it. Two live workers sharing one would keep each other's
+heartbeat alive, so a dead one's entries would never be taken over. A name is taken by
+writing its heartbeat only where no live worker's heartbeat is (`scripts.CLAIM_NAME`).
+A heartbeat left by a process of this host that no longer runs is a dead worker's, so
+its name is free at once: a restarted worker gets its old name back and resumes its own
+pending entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+from .retrying import retrying
+from .settings import WorkerSettings
+from .streams import QueueStreams
+
+MAX_INDEX = 1024  # workers on one host, when names are picked
+
+
+class NameTaken(RuntimeError):
+    """The consumer name asked for is held by a live worker."""
+
+
+async def claim_consumer_name(streams: QueueStreams, settings: WorkerSettings,
+                              heartbeat: Callable[[str], str], ttl_s: float) -> str:
+    """Take `settings.consumer`, or `<host>-<worker_index>`, or, with neither given, the
+    lowest free `<host>-<n>`; `heartbeat(name)` is the value written under the name.
+    Raises `NameTaken` if a name asked for is held by a live worker."""
+    host = socket.gethostname()
+    explicit = settings.consumer or (None if settings.worker_index is None else f"{host}-{settings.worker_index}")
+    names: Iterable[str] = [explicit] if explicit else (f"{host}-{i}" for i in range(MAX_INDEX))
+    for name in names:
+        claim = partial(streams.claim_name, name, heartbeat(name), ttl_s)
+        held = await retrying(claim, "claiming a consumer name")
+        if held is not None and _left_by_dead_process(held, host):
+            held = await retrying(partial(claim, replacing=held), "claiming a consumer name")
+        if held is None:
+            return name
+        if explicit:
+            raise NameTaken(f"the consumer name {name!r} is held by a live worker ({_describe(held)}); "
+                            f"give this one another --consumer or --worker-index, or none to pick a free one")
+    raise NameTaken(f"no free consumer name on {host}: {MAX_INDEX} workers are alive here")
+
+
+def _heartbeat_of(held: bytes) -> dict[str, Any]:
+    try:
+        state = json.loads(held)
+    except ValueError:
+        return {}
+    return state if isinstance(state, dict) else {}
+
+
+def _left_by_dead_process(held: bytes, host: str) -> bool:
+    """Whether the heartbeat is of a process on this host that is gone."""
+    state = _heartbeat_of(held)
+    pid = state.get("pid")
+    if state.get("host") != host or not isinstance(pid, int) or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _describe(held: bytes) -> str:
+    state = _heartbeat_of(held)
+    return f"host {state.get('host', '?')}, pid {state.get('pid', '?')}, queue {state.get('queue', '?')}"
