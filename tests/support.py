@@ -62,29 +62,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n>
+
+
 def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,
                  consumer: str | None = None, env: dict[str, str] | None = None, **settings: Any) -> WorkerProcess:
     """Start `python -m worker worker` and wait until its heartbeat says it is ready."""
     consumer = consumer or f"test-{queue}"
     args = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--model", str(model),
-            "--queue", queue, "--consumer", consumer, "--heartbeat-s", "0.5", "--log-format", "json"]
+            "--queue", queue, "--heartbeat-s", "0.5", "--log-format", "json"]
+    if consumer != AUTO:
+        args += ["--consumer", consumer]
     for name, value in settings.items():
         args += ["--" + name.replace("_", "-"), str(value)]
-    log_path = log_dir / f"worker-{queue}-{consumer}.log"
+    log_path = log_dir / f"worker-{queue}-{consumer}-{uuid.uuid4().hex[:6]}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
     r = redis.Redis.from_url(redis_url)
-    r.delete(f"mlxq:workers:{consumer}")  # a heartbeat left by an earlier process of this name
+    if consumer != AUTO:
+        r.delete(f"mlxq:workers:{consumer}")  # a heartbeat left by an earlier process of this name
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     worker = WorkerProcess(queue, consumer, process, log_path, redis_url)
     deadline = time.monotonic() + ready_timeout
-    while not r.exists(f"mlxq:workers:{consumer}"):
+    while (name := heartbeat_of(r, process.pid)) is None:
         if process.poll() is not None or time.monotonic() > deadline:
             worker.stop()
             raise RuntimeError(f"worker did not start:\n{worker.log()}")
         time.sleep(0.05)
+    worker.consumer = name
     r.close()
     return worker
+
+
+def heartbeat_of(r: redis.Redis, pid: int) -> str | None:
+    """The consumer name whose heartbeat the process `pid` writes, if any."""
+    for key in r.scan_iter("mlxq:workers:*", count=1000):
+        value = r.get(key)
+        if value is not None and json.loads(value).get("pid") == pid:
+            return key.decode().removeprefix("mlxq:workers:")
+    return None
 
 
 @dataclass

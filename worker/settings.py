@@ -72,7 +72,7 @@ class WorkerSettings(BaseSettings):
                                "requests are renewed; silent for 3x this, a worker's requests are taken over")
     reclaim_interval_s: float = Field(2.0, gt=0, description="how often to look for requests of workers that died")
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
-    max_crashes: int = Field(1, ge=1, description="workers that may die while preparing one request (decoding, "
+    max_crashes: int = Field(2, ge=1, description="workers that may die while preparing one request (decoding, "
                              "validating, tokenizing) before it is dead-lettered (poisoned)")
     dead_letter_maxlen: int = Field(10_000, ge=1, description="the dead-letter stream is trimmed to about this many "
                                     "entries")
