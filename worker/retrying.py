@@ -35,11 +35,11 @@ TRANSIENT_REPLIES = frozenset({"BUSY", "OOM", "LOADING", "READONLY", "MASTERDOWN
 
 def reply_code(error: BaseException) -> str | None:
     """The code of a Redis error reply (`NOPERM`, `BUSY`, ...), or None for other errors."""
-    if not isinstance(error, ResponseError):
-        return None
     code = getattr(error, "status_code", None)  # redis-py strips the codes it knows from the message
     if code:
         return str(code)
+    if not isinstance(error, ResponseError):
+        return None
     first = str(error).split(" ", 1)[0]
     return first if first.isupper() else "ERR"
 

@@ -87,10 +87,12 @@ return statuses
 # ARGV: group, consumer, heartbeat value ('' deletes it), its TTL in ms, the idle time to
 #   give our entries in ms (0 keeps them fresh; a large value hands them back), this
 #   worker's instance token (in its heartbeat), entry ids.
+# Allowed when Redis is out of memory: it writes a few bytes, and leases that lapsed would
+# make the fleet take over each other's requests, which writes far more.
 # Fails with NAMETAKEN if the heartbeat is another worker's. Claims (JUSTID: the delivery
 # count stays) only the entries this consumer still owns, and returns the ids it no
 # longer owns: another worker took them over.
-KEEP_MINE = """
+KEEP_MINE = """#!lua flags=allow-oom
 local group, consumer = ARGV[1], ARGV[2]
 local current = redis.call('GET', KEYS[2])
 if current and not string.find(current, ARGV[6], 1, true) then
