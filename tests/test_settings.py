@@ -13,7 +13,7 @@ def test_defaults():
     """With nothing configured: embedded Redis, demo model, queue `default`."""
     settings = load_settings()
     assert settings.redis_url is None and settings.model is None and settings.queue == "default"
-    assert settings.consumer  # derived from the host name and worker index
+    assert settings.consumer is None and settings.worker_index is None  # the worker picks a free <host>-<n>
 
 
 def test_precedence(tmp_path, monkeypatch):
