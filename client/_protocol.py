@@ -53,9 +53,9 @@ class RequestBody(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: list[str] = Field(default_factory=list)
-    stream_interval: int | None = Field(None, ge=1)
-    priority: int = 0
-    deadline_ms: int | None = Field(None, ge=0)
+    stream_interval: int | None = Field(None, ge=1, lt=2**31)
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
+    deadline_ms: int | None = Field(None, ge=0, lt=2**53)
     reply_to: str | None = Field(None, min_length=1, max_length=512)
     encoding: Encoding | None = None
     images: list[bytes | str] | None = None

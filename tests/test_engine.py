@@ -275,3 +275,17 @@ def test_aging_lets_a_starved_request_in_eventually():
     s.add(starved)
     s.add(dataclasses.replace(request("fresh", priority=0), arrived_at=now))
     assert [r.id for r in s.take(3)] == ["starved", "fresh", "patient"]
+
+
+def test_a_request_the_scheduler_cannot_rank_fails_alone():
+    """A priority too large to rank (past what the wire allows) fails that request with
+    `internal`; the scheduler keeps nothing of it and the engine serves the next one."""
+    harness = Harness()
+    harness.engine.submit(request("huge", priority=10**400))
+    harness.engine.submit(request("next"))
+    events = harness.events_until_terminal({"huge", "next"})
+    (error,) = events["huge"]
+    assert isinstance(error, Error) and error.code == "internal" and "could not queue" in error.message
+    assert isinstance(events["next"][-1], Done)
+    assert not harness.fatal
+    harness.shut_down(1)

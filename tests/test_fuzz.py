@@ -113,8 +113,9 @@ def _bad_utf8(draw: st.DrawFn, rid: str, encoding: str) -> Entry:
 def _number(draw: st.DrawFn, rid: str, encoding: str) -> Entry:
     field = draw(st.sampled_from(["max_tokens", "temperature", "top_p", "top_k", "seed", "priority",
                                   "deadline_ms", "stream_interval", "prompt_tokens"]))
-    number = draw(st.sampled_from(["1e999", "-1e999", "NaN", "Infinity", "1" * 5000, "-0.0", "1e-400",
-                                   "18446744073709551616", "-9223372036854775809", "1" * 300]))
+    number = draw(st.sampled_from(["1e999", "-1e999", "NaN", "Infinity", "1" * 5000, "-0.0", "1e-400", "1e-300",
+                                   "18446744073709551616", "-9223372036854775809", "1" * 300, "1" * 400,
+                                   "-" + "9" * 400, "1000000"]))
     value = f"[{number}]" if field == "prompt_tokens" else number
     head = '{"prompt_tokens":[1,2]' if field != "prompt_tokens" else '{"max_tokens":2'
     return Entry(f"number {field}", {"id": rid, "json": f'{head},"{field}":{value}}}'.encode()}, rid)
@@ -189,6 +190,7 @@ def _random_body(draw: st.DrawFn, rid: str, encoding: str) -> Entry:
 
 SHAPE_BUILDERS = [_nesting, _surrogate, _bad_utf8, _number, _huge, _empty, _wrong_type, _unknown_field,
                   _duplicate_key, _entry_fields, _reply_to, _no_id, _random_body]
+SHAPE_BUILDERS += [_number] * 2  # its field x value pairs are many; one that passes validation can reach the engine
 
 
 @st.composite

@@ -182,8 +182,11 @@ class Engine:
         if isinstance(command, Submit):
             if self._drain_until is not None:
                 out.abandoned.append(command.request.route)
-            else:
+                return
+            try:
                 self._scheduler.add(command.request)
+            except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone
+                out.outgoing.append(failed(command.request, "internal", f"could not queue the request: {e!r}"))
         elif isinstance(command, Cancel):
             self._cancel(command.request_id, out)
         elif isinstance(command, Abandon):
@@ -243,21 +246,23 @@ class Engine:
         now = time.time()
         for request in self._scheduler.take(self._max_num_seqs - len(self._streams)):
             faults.fail_if_marked(request.prompt_tokens)
-            if request.deadline_at is not None and now > request.deadline_at:
-                out.outgoing.append(deadline_exceeded(request))
-                continue
-            stream = RequestStream(request, self._loaded.new_detokenizer(), now)
-            if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
-                out.outgoing.extend(Outgoing(request.route, e) for e in stream.finish("length", now))
-                continue
             try:
-                uid = self._insert(request, stream)
+                self._admit_one(request, now, out)
             except Exception as e:  # noqa: BLE001 - this request alone fails
-                log.error("insert failed", request_id=request.id, error=repr(e))
-                out.outgoing.append(failed(request, "internal", f"could not start the request: {e}"))
-                continue
-            self._streams[uid] = stream
-            self._uids[request.id] = uid
+                log.error("could not start a request", request_id=request.id, error=repr(e))
+                out.outgoing.append(failed(request, "internal", f"could not start the request: {e!r}"))
+
+    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
+        if request.deadline_at is not None and now > request.deadline_at:
+            out.outgoing.append(deadline_exceeded(request))
+            return
+        stream = RequestStream(request, self._loaded.new_detokenizer(), now)
+        if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
+            out.outgoing.extend(Outgoing(request.route, e) for e in stream.finish("length", now))
+            return
+        uid = self._insert(request, stream)
+        self._streams[uid] = stream
+        self._uids[request.id] = uid
 
     def _insert(self, request: EngineRequest, stream: RequestStream) -> int:
         """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""

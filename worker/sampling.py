@@ -21,11 +21,13 @@ from mlx_lm.sample_utils import (
 
 from .messages import SamplingParams
 
+GREEDY_BELOW = 1e-5  # a temperature this small is greedy (as in vLLM): 1/T would overflow float32
+
 
 def build_sampler(params: SamplingParams) -> Sampler:
     """The request's own sampler. Greedy requests share mlx-lm's greedy sampler, which
     lets BatchGenerator sample them in one batched call."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return greedy_sampler
     return _RandomSampler(params)
 

@@ -31,9 +31,10 @@ class Scheduler:
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request."""
+        rank = request.priority + request.arrived_at / self.aging_s  # first: it is what can fail
         order = next(self._order)
+        heapq.heappush(self._heap, (rank, order, request.id))
         self._waiting[request.id] = (order, request)
-        heapq.heappush(self._heap, (request.priority + request.arrived_at / self.aging_s, order, request.id))
 
     def remove(self, request_id: str) -> EngineRequest | None:
         """Take a waiting request out (cancelled); None if it is not waiting."""
