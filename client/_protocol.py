@@ -122,7 +122,9 @@ def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None,
     bodies = [name for name in ENCODINGS if name in fields]
     extra = sorted(set(fields) - {"id", *ENCODINGS})
     if len(bodies) != 1 or extra:
-        problem = f"unknown entry fields {', '.join(map(repr, extra))}" if extra else f"found {bodies or 'neither'}"
+        named = ", ".join(repr(name[:40]) for name in extra[:5])
+        named += f" and {len(extra) - 5} more" if len(extra) > 5 else ""
+        problem = f"unknown entry fields {named}" if extra else f"found {bodies or 'neither'}"
         return Envelope(request_id, None, "json", None,
                         InvalidRequest(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
     encoding: Encoding = bodies[0]  # type: ignore[assignment]

@@ -22,7 +22,7 @@ from typing import Literal
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 
 from client._keys import Keys
 from client._protocol import Envelope, Error, InvalidRequest, Undeliverable, read_envelope, read_id
@@ -224,9 +224,11 @@ class Worker:
                 await self._accept(delivery)
 
     async def _reclaimed(self, room: int) -> list[Delivery]:
+        """Entries to take over, if any; a scan that fails (no group after Redis restarted
+        empty, a consumer name that is not text) is tried again at the next interval."""
         try:
             return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
-        except ResponseError as e:  # no group (Redis restarted empty): the next read recreates it
+        except Exception as e:  # noqa: BLE001 - finding abandoned work is upkeep: it must not stop the worker
             if is_permission_error(e):
                 raise
             log.warning("could not look for abandoned requests", error=describe(e))
