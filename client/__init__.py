@@ -1,13 +1,15 @@
 """mlxq's thin client: submit generation requests to a Redis stream and follow their output.
 
-Needs only redis and msgpack (and pydantic for validation); it never imports MLX.
+Needs only redis and msgpack (and pydantic for validation); it never imports MLX. The
+wire format is `client.protocol` and the key names `client.keys`, public because the
+worker (and any other implementation in Python) speaks through them too.
 """
 
 from ._async import DEFAULT_URL, AsyncClient, AsyncJob
-from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, RequestRejected
-from ._keys import GROUP, Keys
-from ._protocol import Delta, Done, Error, Event, decode_event, encode_event, encode_request
+from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, RequestRejected, Undeliverable
 from ._sync import Client, Job
+from .keys import GROUP, Keys
+from .protocol import Delta, Done, Error, ErrorCode, Event, Timing, Usage, decode_event, encode_event, encode_request
 
 __all__ = [
     "DEFAULT_URL",
@@ -18,6 +20,7 @@ __all__ = [
     "Delta",
     "Done",
     "Error",
+    "ErrorCode",
     "Event",
     "Job",
     "JobCancelled",
@@ -26,6 +29,9 @@ __all__ = [
     "Keys",
     "MlxqError",
     "RequestRejected",
+    "Timing",
+    "Undeliverable",
+    "Usage",
     "decode_event",
     "encode_event",
     "encode_request",

@@ -8,9 +8,9 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
-from ._keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from ._protocol import Delta, Done, Encoding, Event, decode_event
-from ._replies import stream_entries
+from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from .protocol import Delta, Done, Encoding, Event, decode_event
+from .replies import stream_entries
 
 DEFAULT_URL = "redis://127.0.0.1:6390"
 CANCEL_TTL_S = 86400

@@ -1,13 +1,22 @@
-"""Exceptions raised by the client SDK.
+"""Exceptions raised by the client SDK (and, for a request, by the worker's validation).
 
     MlxqError
-    ├── RequestRejected      the request was invalid before it was sent
+    ├── RequestRejected      the request is invalid (.code, e.g. invalid_request, too_large);
+    │   │                    the client raises it before sending anything
+    │   └── Undeliverable    an entry without a readable id: the worker dead-letters it
     ├── JobFailed            the worker answered with an `error` event (.code, .message)
-    ├── JobCancelled         the request ended with finish_reason `cancelled`
+    ├── JobCancelled         the request ended with finish_reason `cancelled` (.done)
     └── JobTimeout           no terminal event within the timeout (also a TimeoutError)
+
+Every one carries `request_id` where there is one.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .protocol import Done
 
 
 class MlxqError(Exception):
@@ -15,7 +24,15 @@ class MlxqError(Exception):
 
 
 class RequestRejected(MlxqError, ValueError):
-    """The request was invalid and was not sent."""
+    """The request is invalid; `code` says how (`invalid_request`, `too_large`)."""
+
+    def __init__(self, message: str, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Undeliverable(RequestRejected):
+    """A request entry without a readable id: nobody can be answered, so it is dead-lettered."""
 
 
 class JobFailed(MlxqError):
@@ -31,7 +48,7 @@ class JobFailed(MlxqError):
 class JobCancelled(MlxqError):
     """The request was cancelled before it finished; `done` holds what was produced."""
 
-    def __init__(self, request_id: str, done: object) -> None:
+    def __init__(self, request_id: str, done: Done) -> None:
         super().__init__(f"request {request_id} was cancelled")
         self.request_id = request_id
         self.done = done
@@ -39,3 +56,8 @@ class JobCancelled(MlxqError):
 
 class JobTimeout(MlxqError, TimeoutError):
     """No terminal event arrived within the timeout; the request may still run."""
+
+    def __init__(self, request_id: str, timeout: float | None) -> None:
+        super().__init__(f"request {request_id}: no result within {timeout} s")
+        self.request_id = request_id
+        self.timeout = timeout

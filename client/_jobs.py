@@ -8,20 +8,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._errors import JobCancelled, JobFailed, JobTimeout, RequestRejected
-from ._keys import Keys
-from ._protocol import (
+from .keys import Keys
+from .protocol import (
     MAX_NESTING_DEPTH,
     Delta,
     Done,
     Encoding,
     Event,
-    InvalidRequest,
     check_values,
     decode_event,
     encode_request,
     validate_body,
 )
-from ._replies import StreamEntry
+from .replies import StreamEntry
 
 BLOCK_MS = 1000  # each blocking read stays well below redis-py's 5 s socket timeout
 
@@ -46,8 +45,8 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
         check_values(body, MAX_NESTING_DEPTH)
         validate_body(body)
         fields = encode_request(request_id, body, encoding)
-    except InvalidRequest as e:
-        raise RequestRejected(str(e)) from e
+    except RequestRejected:
+        raise
     except (TypeError, ValueError) as e:  # a value the encoding cannot carry
         raise RequestRejected(f"the request cannot be encoded as {encoding}: {e}") from e
     reply_to = body.get("reply_to")
@@ -108,5 +107,5 @@ class Deadline:
             return BLOCK_MS
         left = self.at - time.monotonic()
         if left <= 0:
-            raise JobTimeout(f"request {self.request_id}: no result within {self.timeout} s")
+            raise JobTimeout(self.request_id, self.timeout)
         return max(1, min(BLOCK_MS, int(left * 1000)))

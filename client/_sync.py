@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import redis
+import redis as redis_py
 
 from ._async import CANCEL_TTL_S, DEFAULT_URL
 from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
-from ._keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from ._protocol import Delta, Done, Encoding, Event, decode_event
-from ._replies import stream_entries
+from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
+from .protocol import Delta, Done, Encoding, Event, decode_event
+from .replies import stream_entries
 
 
 class Client:
@@ -23,8 +23,8 @@ class Client:
     """
 
     def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
-                 redis_client: redis.Redis | None = None) -> None:
-        self.redis = redis_client or redis.Redis.from_url(url, socket_timeout=10)
+                 redis: redis_py.Redis | None = None) -> None:
+        self.redis = redis or redis_py.Redis.from_url(url, socket_timeout=10)
         self.queue = queue
         self.keys = Keys(prefix)
 

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from client import Delta, Done, Error, Event, decode_event
-from client._replies import stream_entries
+from client.replies import stream_entries
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,7 +143,7 @@ def check_stream(events: list[Event]) -> Done | Error:
     assert [d.seq for d in deltas] == list(range(len(deltas))), "seq must run 0, 1, 2, ... without gaps"
     if isinstance(terminal, Done):
         assert "".join(d.text for d in deltas) == terminal.text
-        assert terminal.usage["completion_tokens"] == sum(len(d.tokens) for d in deltas)
+        assert terminal.usage.completion_tokens == sum(len(d.tokens) for d in deltas)
     return terminal
 
 

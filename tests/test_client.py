@@ -23,9 +23,19 @@ def sync_client(worker):
 def test_public_names():
     """The package exports exactly its documented API."""
     assert set(client.__all__) == {
-        "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "Event", "Job",
-        "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "RequestRejected", "decode_event",
-        "encode_event", "encode_request"}
+        "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "ErrorCode", "Event",
+        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "RequestRejected", "Timing",
+        "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
+
+
+def test_every_error_the_client_raises_is_an_mlxq_error():
+    """The helpers and the clients raise only `MlxqError`s, with the request id where there is one."""
+    with pytest.raises(client.MlxqError):
+        client.encode_request("bad id!", {"prompt": "x"})
+    assert issubclass(client.JobTimeout, client.MlxqError) and issubclass(client.JobTimeout, TimeoutError)
+    assert client.JobTimeout("r-1", 2.0).request_id == "r-1"
+    assert all(issubclass(getattr(client, name), client.MlxqError) for name in client.__all__
+               if isinstance(getattr(client, name), type) and issubclass(getattr(client, name), Exception))
     assert all(hasattr(client, name) for name in client.__all__)
 
 
@@ -33,7 +43,7 @@ def test_generate_returns_the_result(sync_client):
     """`generate` submits and waits in one call."""
     done = sync_client.generate("Hello", max_tokens=6, metadata={"k": "v"}, timeout=30)
     assert isinstance(done, Done)
-    assert done.usage["completion_tokens"] == 6 and done.metadata == {"k": "v"}
+    assert done.usage.completion_tokens == 6 and done.metadata == {"k": "v"}
 
 
 def test_stream_yields_deltas_then_result_returns_the_same_text(sync_client):
@@ -49,7 +59,7 @@ def test_chat_messages_and_msgpack(sync_client):
     """`messages` and the msgpack encoding go through the same API."""
     done = sync_client.generate(messages=[{"role": "user", "content": "Hi"}], max_tokens=3, encoding="msgpack",
                                 timeout=30)
-    assert done.usage["completion_tokens"] == 3
+    assert done.usage.completion_tokens == 3
 
 
 def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
@@ -57,7 +67,7 @@ def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
     reply_to = f"mlxq:reply:{uuid.uuid4().hex}"
     jobs = [sync_client.submit(f"Prompt {i}", max_tokens=4 + i, reply_to=reply_to) for i in range(3)]
     results = [job.result(timeout=30) for job in jobs]
-    assert [r.usage["completion_tokens"] for r in results] == [4, 5, 6]
+    assert [r.usage.completion_tokens for r in results] == [4, 5, 6]
     assert [r.id for r in results] == [job.id for job in jobs]
     terminal_ids = []
     for _, event in sync_client.events(reply_to):
@@ -114,7 +124,7 @@ async def test_async_client_generate_stream_and_cancel(worker):
     """The async client streams, waits and cancels like the sync one."""
     async with AsyncClient(worker.redis_url, queue=worker.queue) as c:
         done = await c.generate("Async hello", max_tokens=5, timeout=30)
-        assert done.usage["completion_tokens"] == 5
+        assert done.usage.completion_tokens == 5
 
         job = await c.submit("Async stream", max_tokens=10)
         texts = [d.text async for d in job.stream(timeout=30)]
@@ -122,7 +132,7 @@ async def test_async_client_generate_stream_and_cancel(worker):
 
         jobs = await asyncio.gather(*(c.submit(f"Together {i}", max_tokens=4) for i in range(3)))
         results = await asyncio.gather(*(j.result(timeout=30) for j in jobs))
-        assert all(r.usage["completion_tokens"] == 4 for r in results)
+        assert all(r.usage.completion_tokens == 4 for r in results)
 
         long_job = await c.submit("Async long", max_tokens=3000)
         async for _ in long_job.stream(timeout=30):

@@ -9,7 +9,7 @@ import msgpack
 import redis
 from support import Outputs, check_stream, worker_fixture, xadd_json
 
-from client import Client, Delta, Done, Error
+from client import Client, Delta, Done, Error, Usage
 
 worker = worker_fixture(max_num_seqs=4, prefill_batch_size=2, prefetch=2, max_tokens_limit=2000, default_max_tokens=16)
 # Four slots, but only two sequences decoded (and prefilled) together inside BatchGenerator.
@@ -37,11 +37,11 @@ def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs,
     done = check_stream(events)
     assert isinstance(done, Done)
     assert done.finish_reason == "length"
-    assert done.usage["completion_tokens"] == 20
-    assert done.usage["prompt_tokens"] > 0
+    assert done.usage.completion_tokens == 20
+    assert done.usage.prompt_tokens > 0
     assert done.metadata == {"user": 7}
     assert done.text
-    assert 0 <= done.timing["queued_ms"] <= done.timing["ttft_ms"] <= done.timing["total_ms"]
+    assert 0 <= done.timing.queued_ms <= done.timing.ttft_ms <= done.timing.total_ms
     assert r.ttl(f"mlxq:out:{{{rid}}}") > 0, "output streams expire"
     assert pending_count(r, worker.queue) == 0
 
@@ -53,7 +53,7 @@ def test_msgpack_request_gets_msgpack_output(worker, r, outputs, new_id):
     r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
     done = check_stream(outputs.of(rid))
     assert isinstance(done, Done)
-    assert done.usage == {"prompt_tokens": 4, "completion_tokens": 9, "cached_tokens": 0}
+    assert done.usage == Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=0)
     assert done.metadata == {"blob": b"\x00\x01"}
     raw = r.xrange(f"mlxq:out:{{{rid}}}")
     assert all(b"msgpack" in fields and b"json" not in fields for _, fields in raw)
@@ -75,7 +75,7 @@ def test_max_tokens_one_gives_exactly_one_token(worker, r, outputs, new_id):
     done = check_stream(events)
     assert isinstance(done, Done) and done.finish_reason == "length"
     assert sum(len(e.tokens) for e in events if isinstance(e, Delta)) == 1
-    assert done.usage["completion_tokens"] == 1
+    assert done.usage.completion_tokens == 1
 
 
 def test_chat_messages_use_the_chat_template(worker, r, outputs, new_id):
@@ -89,7 +89,7 @@ def test_chat_messages_use_the_chat_template(worker, r, outputs, new_id):
     plain_id = new_id()
     xadd_json(r, worker.queue, plain_id, {"prompt": "Hi", "max_tokens": 4})
     plain = check_stream(outputs.of(plain_id))
-    assert done.usage["prompt_tokens"] > plain.usage["prompt_tokens"] + 6
+    assert done.usage.prompt_tokens > plain.usage.prompt_tokens + 6
 
 
 def most_at_once(outputs: Outputs, queue: str, n: int, r: redis.Redis, new_id) -> int:
@@ -227,7 +227,7 @@ def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
     client.cancel(long_ids[0])
     cancelled = check_stream(outputs.events(shared, long_ids[0]))
     assert cancelled.finish_reason == "cancelled"
-    assert 0 < cancelled.usage["completion_tokens"] < LONG
+    assert 0 < cancelled.usage.completion_tokens < LONG
     newcomer = new_id("new")
     xadd_json(r, worker.queue, newcomer, {"prompt": "Me too", "max_tokens": 5, "reply_to": shared})
     assert check_stream(outputs.events(shared, newcomer)).finish_reason == "length"
@@ -245,7 +245,7 @@ def test_cancel_before_start_is_never_computed(worker, r, outputs, new_id):
     xadd_json(r, worker.queue, flagged, {"prompt": "Never", "max_tokens": 5})
     events = outputs.of(flagged)
     assert len(events) == 1 and events[0].finish_reason == "cancelled"
-    assert events[0].usage["completion_tokens"] == 0
+    assert events[0].usage.completion_tokens == 0
 
     long_ids = [new_id("long") for _ in range(4)]
     for rid in long_ids:

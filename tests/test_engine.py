@@ -236,7 +236,7 @@ def test_a_resumed_request_continues_after_what_was_streamed():
     assert h.backends[0].prompts == [[1, 0, 1]]
     assert [e.seq for e in events[:-1]] == [2, 3, 4]
     assert events[-1].text == "ab" + "".join(e.text for e in events[:-1])
-    assert events[-1].usage["completion_tokens"] == 5
+    assert events[-1].usage.completion_tokens == 5
 
 
 def test_a_request_resumed_with_nothing_left_to_generate_just_ends():
@@ -244,7 +244,7 @@ def test_a_request_resumed_with_nothing_left_to_generate_just_ends():
     h = Harness()
     h.engine.submit(request("spent", max_tokens=2, resume=Resume(tokens=[0, 1], text="ab", deltas=2)))
     (done,) = h.events_until_terminal({"spent"})["spent"]
-    assert (done.finish_reason, done.text, done.usage["completion_tokens"]) == ("length", "ab", 2)
+    assert (done.finish_reason, done.text, done.usage.completion_tokens) == ("length", "ab", 2)
     assert h.backends[0].prompts == []
 
 

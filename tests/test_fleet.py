@@ -61,7 +61,7 @@ def test_two_unnamed_workers_on_one_host_get_two_names_and_survive_kill_9(valkey
         first.wait(10)
         for rid in ids:
             done = check_stream(outputs.of(rid, timeout=90))
-            assert isinstance(done, Done) and done.usage["completion_tokens"] == 300
+            assert isinstance(done, Done) and done.usage.completion_tokens == 300
         assert r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0
     finally:
         first.stop()

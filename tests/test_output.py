@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Delta, Done
+from client import Delta, Done, Timing
 from worker.generator import TokenOut
 from worker.messages import EngineRequest, Route, SamplingParams
 from worker.output import RequestStream, process_step
@@ -75,7 +75,7 @@ def test_eos_ends_the_request_and_is_not_output(tokenizer):
     done = events[-1]
     assert done.finish_reason == "stop" and done.text == "hello world"
     assert eos not in [t for e in events if isinstance(e, Delta) for t in e.tokens]
-    assert done.usage["completion_tokens"] == len(tokens)
+    assert done.usage.completion_tokens == len(tokens)
 
 
 def test_stream_interval_coalesces_tokens(tokenizer):
@@ -92,8 +92,8 @@ def test_timing_counts_from_arrival(tokenizer):
     tokens = tokenizer.encode("x y z")
     events = feed(tokenizer, make_request(), tokens)
     # arrived at 100.0, admitted at 100.5, token i at 101.0 + i
-    assert events[-1].timing == {"queued_ms": 500.0, "ttft_ms": 1000.0, "total_ms": 1000.0 * len(tokens),
-                                 "itl_ms": 1000.0, "tok_s": 1.0}
+    assert events[-1].timing == Timing(queued_ms=500.0, ttft_ms=1000.0, total_ms=1000.0 * len(tokens),
+                                       itl_ms=1000.0, tok_s=1.0)
 
 
 def test_process_step_drops_tokens_of_removed_sequences(tokenizer):

@@ -152,7 +152,7 @@ def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
         xadd_json(r, worker.queue, rid, body)
         done = check_stream(outputs.of(rid))
         assert isinstance(done, Done)
-        seen.append(done.usage["cached_tokens"])
+        seen.append(done.usage.cached_tokens)
     assert seen == [0, 59, 0, 59]
     deadline = time.monotonic() + 10
     while (stats := json.loads(r.get(f"mlxq:workers:{worker.consumer}")))["prefix_cache"]["hits"] < 2:
@@ -172,5 +172,5 @@ def test_different_users_share_a_system_prompt(worker, r, outputs, new_id):
         xadd_json(r, worker.queue, rid, {"messages": [system, {"role": "user", "content": question}],
                                          "max_tokens": 4})
         done = check_stream(outputs.of(rid))
-        cached.append(done.usage["cached_tokens"])
+        cached.append(done.usage.cached_tokens)
     assert cached[0] == 0 and cached[1] >= 40

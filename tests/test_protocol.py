@@ -12,14 +12,14 @@ import pytest
 from support import ROOT
 
 from client import Delta, Done, Error, decode_event, encode_event, encode_request
-from client._protocol import InvalidRequest, Undeliverable, read_envelope, validate_body
-from client._replies import stream_entries
+from client.protocol import RequestRejected, Timing, Undeliverable, Usage, read_envelope, validate_body
+from client.replies import stream_entries
 
 
 @pytest.mark.parametrize("event", [
     Delta(id="a", seq=0, text="héllo", tokens=[1, 2]),
-    Done(id="a", finish_reason="stop", text="x", usage={"prompt_tokens": 1, "completion_tokens": 1, "cached_tokens": 0},
-         timing={"queued_ms": 1.0, "ttft_ms": None, "total_ms": 2.0}, metadata={"k": [1]}),
+    Done(id="a", finish_reason="stop", text="x", usage=Usage(prompt_tokens=1, completion_tokens=1, cached_tokens=0),
+         timing=Timing(queued_ms=1.0, ttft_ms=None, total_ms=2.0, itl_ms=None, tok_s=None), metadata={"k": [1]}),
     Error(id="a", code="invalid_request", message="bad"),
 ])
 @pytest.mark.parametrize("encoding", ["json", "msgpack"])
@@ -54,7 +54,7 @@ def test_entry_without_a_valid_id_is_undeliverable(fields):
 
 def test_validation_errors_name_every_bad_field():
     """One message lists each bad field with its reason."""
-    with pytest.raises(InvalidRequest) as error:
+    with pytest.raises(RequestRejected) as error:
         validate_body({"prompt": "x", "max_tokens": 0, "top_p": 2, "colour": "red"})
     message = str(error.value)
     assert "max_tokens: Input should be greater than or equal to 1" in message
@@ -65,7 +65,7 @@ def test_validation_errors_name_every_bad_field():
 def test_strict_types_do_not_coerce():
     """Strings are not silently turned into numbers, nor numbers into strings."""
     for body in ({"prompt": "x", "max_tokens": "5"}, {"prompt": 5}, {"prompt": "x", "seed": True}):
-        with pytest.raises(InvalidRequest):
+        with pytest.raises(RequestRejected):
             validate_body(body)
     assert validate_body({"prompt": "x", "temperature": 1}).temperature == 1.0
 
@@ -73,7 +73,7 @@ def test_strict_types_do_not_coerce():
 def test_encode_request_checks_the_id():
     """The producer helper refuses ids the worker could not answer."""
     assert encode_request("ok-1", {"prompt": "x"}) == {"id": "ok-1", "json": b'{"prompt":"x"}'}
-    with pytest.raises(InvalidRequest):
+    with pytest.raises(RequestRejected):
         encode_request("not ok", {"prompt": "x"})
 
 

@@ -70,7 +70,7 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, l
         victim.process.kill()
         victim.wait()
         done = finished(outputs, ids)
-        assert all(d.usage["completion_tokens"] == LONG for d in done.values())
+        assert all(d.usage.completion_tokens == LONG for d in done.values())
         assert all(written_before[i] < LONG for i in ids), "the kill came after a request had finished"
         assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
         assert "took over the requests of a silent worker" in survivor.log()

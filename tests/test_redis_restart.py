@@ -33,7 +33,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
 
         with Client(server.connection_url, queue=worker.queue) as client:
             done = client.generate("After", max_tokens=5, timeout=60)
-            assert done.usage["completion_tokens"] == 5
+            assert done.usage.completion_tokens == 5
             deadline = time.monotonic() + 30
             while client.redis.pubsub_numsub("mlxq:cancel")[0][1] < 1:  # the worker resubscribed
                 assert time.monotonic() < deadline
@@ -99,7 +99,7 @@ def test_a_redis_restarted_empty_gets_its_group_back(tmp_path, demo_model, logs_
         server.start()
         with Client(server.connection_url, queue=worker.queue) as client:
             done = client.generate("After the loss", max_tokens=4, timeout=60)
-            assert done.usage["completion_tokens"] == 4
+            assert done.usage.completion_tokens == 4
         assert worker.process.poll() is None
     finally:
         worker.stop()

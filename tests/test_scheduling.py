@@ -30,7 +30,7 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
     (*_, done) = outputs.of(long)
     assert isinstance(done, Done)
     arrived_ms = int(entry_id.split("-")[0])
-    window = (arrived_ms + done.timing["queued_ms"], arrived_ms + done.timing["ttft_ms"])
+    window = (arrived_ms + done.timing.queued_ms, arrived_ms + done.timing.ttft_ms)
     during = [e for e, f in r.xrange(f"mlxq:out:{{{running}}}")
               if f[b"type"] == b"delta" and window[0] <= int(e.decode().split("-")[0]) <= window[1]]
     assert len(during) >= 5, f"{len(during)} deltas of the running request during a {window[1] - window[0]} ms prefill"
@@ -89,7 +89,7 @@ def test_mlx_runs_on_the_engine_thread_only_and_an_idle_engine_starts_at_once(de
     submitted = time.monotonic()
     engine.submit(_request("b", list(range(50, 90))))
     first, done = _until_done(outputs, "b")
-    assert done.usage["cached_tokens"] == 39
+    assert done.usage.cached_tokens == 39
     assert first - submitted < 0.25, "an idle engine wakes up on submit, not on a timer"
     engine.shutdown(1)
     assert engine.join(10)

@@ -97,8 +97,8 @@ def test_image_request_in_json_and_in_msgpack(worker, r, outputs, new_id):
     assert isinstance(from_json, Done) and isinstance(from_msgpack, Done)
     assert from_json.text == from_msgpack.text and from_json.usage == from_msgpack.usage
     assert from_json.text != plain.text, "the image changed what the model saw"
-    assert from_json.usage["prompt_tokens"] == plain.usage["prompt_tokens"] + IMAGE_168x112_TOKENS + 2
-    assert from_json.usage["completion_tokens"] == 24
+    assert from_json.usage.prompt_tokens == plain.usage.prompt_tokens + IMAGE_168x112_TOKENS + 2
+    assert from_json.usage.completion_tokens == 24
 
 
 def alone(r, outputs, queue: str, new_id, prompt: str, images: list[bytes], max_tokens: int) -> str:
@@ -178,8 +178,8 @@ def test_text_only_requests_on_a_vision_model_reuse_cached_prefixes(worker, r, o
     cold = check_stream(outputs.of(first))
     xadd_json(r, worker.queue, second, body)
     warm = check_stream(outputs.of(second))
-    assert cold.usage["cached_tokens"] == 0 and warm.text == cold.text
-    assert warm.usage["cached_tokens"] >= 48 and warm.usage["cached_tokens"] % 16 == 0, warm.usage
+    assert cold.usage.cached_tokens == 0 and warm.text == cold.text
+    assert warm.usage.cached_tokens >= 48 and warm.usage.cached_tokens % 16 == 0, warm.usage
     assert settled_stats(r, worker)["prefix_cache"]["hits"] >= 1
 
 
@@ -233,7 +233,7 @@ def test_chat_messages_with_images_and_the_python_client(worker, new_id):
                                    encoding="msgpack").result(timeout=60)
         text_only = client.submit(messages=messages, max_tokens=12).result(timeout=60)
     assert as_json.text == as_msgpack.text
-    assert as_json.usage["prompt_tokens"] == text_only.usage["prompt_tokens"] + 9 + 2  # 84x84: 6x6 patches -> 9
+    assert as_json.usage.prompt_tokens == text_only.usage.prompt_tokens + 9 + 2  # 84x84: 6x6 patches -> 9
 
 
 def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
@@ -247,8 +247,8 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
     assert result.returncode == 0, result.stderr
     done = decode_event(r.xrange(f"mlxq:out:{{{rid}}}")[-1][1])
     assert isinstance(done, Done) and result.stdout == done.text + "\n"
-    assert done.usage["prompt_tokens"] > IMAGE_168x112_TOKENS
-    assert f"{done.usage['prompt_tokens']} prompt + 8 completion tokens" in result.stderr
+    assert done.usage.prompt_tokens > IMAGE_168x112_TOKENS
+    assert f"{done.usage.prompt_tokens} prompt + 8 completion tokens" in result.stderr
     missing = subprocess.run([sys.executable, "-m", "worker", "submit", "--redis-url", worker.redis_url,
                               "--image", str(tmp_path / "nope.png"), "x"], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read the image" in missing.stderr
@@ -261,7 +261,7 @@ def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
     with Client(worker.redis_url) as client:
         client.cancel(rid)
     done = check_stream(outputs.of(rid))
-    assert done.finish_reason == "cancelled" and 0 < done.usage["completion_tokens"] < 2000
+    assert done.finish_reason == "cancelled" and 0 < done.usage.completion_tokens < 2000
     after = new_id()
     ask(r, worker.queue, after, "Next", [png(56, 56)], max_tokens=3)
     assert check_stream(outputs.of(after)).finish_reason == "length"
@@ -282,7 +282,7 @@ def backend_parts(vision_model: Path):
 def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend_parts):
     """Removed while its prompt is still being prefilled (8 tokens a step), a request never
     yields a token; the request decoding beside it goes on to its end."""
-    from client._protocol import RequestBody
+    from client.protocol import RequestBody
     from worker.messages import SamplingParams
     from worker.sampling import build_logits_processors, build_sampler
 

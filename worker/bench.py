@@ -87,9 +87,9 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
                     timing.token_times.append((time.monotonic(), len(delta.tokens)))
                 done = await job.result(timeout=timeout)
                 timing.done = time.monotonic()
-                timing.tokens = done.usage["completion_tokens"]
-                timing.queued_ms = done.timing["queued_ms"]
-                timing.cached_tokens = done.usage["cached_tokens"]
+                timing.tokens = done.usage.completion_tokens
+                timing.queued_ms = done.timing.queued_ms
+                timing.cached_tokens = done.usage.cached_tokens
                 progress(1)
                 return timing
 

@@ -16,7 +16,7 @@ from typing import Any, Literal, get_args, get_origin
 from pydantic import ValidationError
 
 from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, RequestRejected
-from client._protocol import describe_validation_error
+from client.protocol import describe_validation_error
 
 from . import blas, demo_model, embedded
 from .settings import EMBEDDED_PORT, WorkerSettings, load_settings
@@ -205,9 +205,9 @@ def _run_submit(args: argparse.Namespace) -> int:
         except (JobFailed, JobTimeout, JobCancelled) as e:
             print(f"mlxq submit: {e}", file=sys.stderr)
             return 1
-    print(f"[{done.id}] {done.finish_reason}: {done.usage['prompt_tokens']} prompt + "
-          f"{done.usage['completion_tokens']} completion tokens, TTFT {done.timing['ttft_ms']} ms, "
-          f"{done.decode_tok_s} tok/s, total {done.timing['total_ms']} ms", file=sys.stderr)
+    print(f"[{done.id}] {done.finish_reason}: {done.usage.prompt_tokens} prompt + "
+          f"{done.usage.completion_tokens} completion tokens, TTFT {done.timing.ttft_ms} ms, "
+          f"{done.decode_tok_s} tok/s, total {done.timing.total_ms} ms", file=sys.stderr)
     return 0
 
 

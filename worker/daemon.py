@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from client._keys import Keys
-from client._protocol import Envelope, Error, InvalidRequest, Undeliverable, read_envelope, read_id
+from client.keys import Keys
+from client.protocol import Envelope, Error, RequestRejected, Undeliverable, read_envelope, read_id
 
 from . import blas
 from .engine import Engine, EngineFailed, Loaded, ModelInfo
@@ -325,7 +325,7 @@ class Worker:
         try:
             # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
             request = prepare() if envelope.size <= INLINE_BODY_BYTES else await asyncio.to_thread(prepare)
-        except InvalidRequest as e:
+        except RequestRejected as e:
             self._emit(Outgoing(route, Error(id=route.id, code=e.code, message=str(e))))
             return
         if cancelled or route.id in self._cancel_requested:

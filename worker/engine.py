@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from client.protocol import ErrorCode
+
 from . import faults
 from .generator import BatchBackend, Coverage
 from .messages import Abandon, Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
@@ -186,7 +188,8 @@ class Engine:
             try:
                 self._scheduler.add(command.request)
             except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone
-                out.outgoing.append(failed(command.request, "internal", f"could not queue the request: {e!r}"))
+                reason = f"could not queue the request: {e!r}"
+                out.outgoing.append(failed(command.request.route, ErrorCode.INTERNAL, reason))
         elif isinstance(command, Cancel):
             self._cancel(command.request_id, out)
         elif isinstance(command, Abandon):
@@ -250,7 +253,7 @@ class Engine:
                 self._admit_one(request, now, out)
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("could not start a request", request_id=request.id, error=repr(e))
-                out.outgoing.append(failed(request, "internal", f"could not start the request: {e!r}"))
+                out.outgoing.append(failed(request.route, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
 
     def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
         if request.deadline_at is not None and now > request.deadline_at:
@@ -287,7 +290,7 @@ class Engine:
     def _fail_batch(self, error: Exception, out: StepOutput) -> None:
         log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
         for stream in self._retire(list(self._streams)):
-            out.outgoing.append(failed(stream.request, "internal", f"generation failed: {error}"))
+            out.outgoing.append(failed(stream.request.route, ErrorCode.INTERNAL, f"generation failed: {error}"))
         self._backend.close()
         self._backend = self._loaded.make_backend()
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from client._protocol import InvalidRequest, RequestBody, decode_images
+from client.protocol import ErrorCode, RequestBody, RequestRejected, decode_images
 
 # The families whose processor and vision tower this module drives: numpy patches
 # with a (t, h, w) grid per image, and a tower that takes them one image at a time.
@@ -47,13 +47,13 @@ class VisionPrompts:
         self.merge = processor.image_processor.merge_size ** 2
 
     def prepare(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
-        """The prompt's token ids, image tokens expanded, and its images; raises `InvalidRequest`."""
+        """The prompt's token ids, image tokens expanded, and its images; raises `RequestRejected`."""
         assert body.images
         if len(body.images) > self.max_images:
-            raise InvalidRequest(f"images: {len(body.images)} images; this worker's max_images is {self.max_images}",
-                                 code="too_large")
+            raise RequestRejected(f"images: {len(body.images)} images; this worker's max_images is {self.max_images}",
+                                 code=ErrorCode.TOO_LARGE)
         if body.prompt_tokens is not None:
-            raise InvalidRequest("images: send them with prompt or messages, not prompt_tokens "
+            raise RequestRejected("images: send them with prompt or messages, not prompt_tokens "
                                  "(the worker places the image tokens)")
         images = [self._prepare_image(i, data) for i, data in enumerate(decode_images(body.images))]
         return self._tokens(body, images), images
@@ -75,7 +75,7 @@ class VisionPrompts:
         text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:
-            raise InvalidRequest(f"images: the prompt has {len(pieces) - 1} image placeholders for "
+            raise RequestRejected(f"images: the prompt has {len(pieces) - 1} image placeholders for "
                                  f"{len(images)} images")
         expanded = pieces[0]
         for image, piece in zip(images, pieces[1:], strict=True):
@@ -84,21 +84,21 @@ class VisionPrompts:
 
 
 def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
-    """An RGB image from bytes; raises `InvalidRequest` naming the image and what is wrong."""
+    """An RGB image from bytes; raises `RequestRejected` naming the image and what is wrong."""
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
-        raise InvalidRequest(f"images.{index}: not an image (Pillow cannot identify {len(data)} bytes "
+        raise RequestRejected(f"images.{index}: not an image (Pillow cannot identify {len(data)} bytes "
                              f"starting {data[:8]!r})") from None
     except Image.DecompressionBombError as e:
-        raise InvalidRequest(f"images.{index}: {e}", code="too_large") from None
+        raise RequestRejected(f"images.{index}: {e}", code=ErrorCode.TOO_LARGE) from None
     width, height = image.size
     if width * height > max_pixels:
-        raise InvalidRequest(f"images.{index}: {width}x{height} is {width * height} pixels; this worker's "
-                             f"max_image_pixels is {max_pixels}", code="too_large")
+        raise RequestRejected(f"images.{index}: {width}x{height} is {width * height} pixels; this worker's "
+                             f"max_image_pixels is {max_pixels}", code=ErrorCode.TOO_LARGE)
     try:
         image.load()
     except (OSError, SyntaxError, ValueError) as e:  # Pillow's ways of saying truncated or corrupt
-        raise InvalidRequest(f"images.{index}: a {image.format} image that cannot be decoded, "
+        raise RequestRejected(f"images.{index}: a {image.format} image that cannot be decoded, "
                              f"truncated or corrupt ({e})") from None
     return image.convert("RGB")

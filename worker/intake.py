@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from client._keys import Keys
-from client._protocol import Encoding, Envelope, InvalidRequest, RequestBody, encode_metadata, validate_body
+from client.keys import Keys
+from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
 from . import faults
 from .engine import ModelInfo
@@ -29,7 +29,7 @@ class Intake:
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
                 clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
-        """An engine request; raises `InvalidRequest` with the field and the reason."""
+        """An engine request; raises `RequestRejected` with the field and the reason."""
         if envelope.error is not None:
             raise envelope.error
         assert envelope.raw is not None
@@ -37,7 +37,7 @@ class Intake:
         faults.exit_if_marked(body.prompt)
         problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
         if problem:
-            raise InvalidRequest(problem)
+            raise RequestRejected(problem)
         self._check_stop(body.stop)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
@@ -65,12 +65,12 @@ class Intake:
         """The room left in the context after the prompt; the prompt must leave some."""
         limit = self.settings.max_prompt_tokens
         if limit is not None and len(tokens) > limit:
-            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this worker's max_prompt_tokens is {limit}",
-                                 code="too_large")
+            raise RequestRejected(f"the prompt has {len(tokens)} tokens; this worker's max_prompt_tokens is {limit}",
+                                 code=ErrorCode.TOO_LARGE)
         room = self.info.context_length - len(tokens)
         if room < 1:
-            raise InvalidRequest(f"the prompt has {len(tokens)} tokens; this model's context is "
-                                 f"{self.info.context_length} tokens", code="too_large")
+            raise RequestRejected(f"the prompt has {len(tokens)} tokens; this model's context is "
+                                 f"{self.info.context_length} tokens", code=ErrorCode.TOO_LARGE)
         return room
 
     def _check_prompt_size(self, body: RequestBody) -> None:
@@ -81,41 +81,41 @@ class Intake:
         chars = len(body.prompt or "") + sum(len(m.content) for m in body.messages or [])
         most = self.prompt_token_limit * self.longest_token
         if chars > most:
-            raise InvalidRequest(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
+            raise RequestRejected(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
                                  f"(this worker's limit: max_prompt_tokens or the model's context) can hold",
-                                 code="too_large")
+                                 code=ErrorCode.TOO_LARGE)
 
     def _check_stop(self, stop: list[str]) -> None:
         if len(stop) > self.settings.max_stop_strings:
-            raise InvalidRequest(f"stop: {len(stop)} strings is above this worker's max_stop_strings "
-                                 f"({self.settings.max_stop_strings})", code="too_large")
+            raise RequestRejected(f"stop: {len(stop)} strings is above this worker's max_stop_strings "
+                                 f"({self.settings.max_stop_strings})", code=ErrorCode.TOO_LARGE)
         longest = max((len(s) for s in stop), default=0)
         if longest > self.settings.max_stop_length:
-            raise InvalidRequest(f"stop: a string of {longest} characters is above this worker's max_stop_length "
-                                 f"({self.settings.max_stop_length})", code="too_large")
+            raise RequestRejected(f"stop: a string of {longest} characters is above this worker's max_stop_length "
+                                 f"({self.settings.max_stop_length})", code=ErrorCode.TOO_LARGE)
 
     def _check_metadata(self, metadata: dict[str, object], encoding: Encoding) -> None:
         """Metadata is echoed in `done`: refuse now what could not be written then."""
         try:
             size = len(encode_metadata(metadata, encoding))
         except (TypeError, ValueError, RecursionError) as e:
-            raise InvalidRequest(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
+            raise RequestRejected(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
         if size > self.settings.max_metadata_bytes:
-            raise InvalidRequest(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
-                                 f"({self.settings.max_metadata_bytes})", code="too_large")
+            raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
+                                 f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
 
     def _max_tokens(self, body: RequestBody) -> int:
         limit = self.settings.max_tokens_limit
         if body.max_tokens is None:
             return min(self.settings.default_max_tokens, limit)
         if body.max_tokens > limit:
-            raise InvalidRequest(f"max_tokens: {body.max_tokens} is above this worker's max_tokens_limit ({limit})",
-                                 code="too_large")
+            raise RequestRejected(f"max_tokens: {body.max_tokens} is above this worker's max_tokens_limit ({limit})",
+                                 code=ErrorCode.TOO_LARGE)
         return body.max_tokens
 
     def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
         if self.info.vision is None:
-            raise InvalidRequest(f"images: this queue serves a text-only model ({self.info.name})")
+            raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
         return self.info.vision.prepare(body)  # type: ignore[no-any-return]
 
     def _tokenize(self, body: RequestBody) -> list[int]:
@@ -123,18 +123,18 @@ class Intake:
         if body.prompt_tokens is not None:
             bad = [t for t in body.prompt_tokens if t >= self.info.vocab_size]
             if bad:
-                raise InvalidRequest(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary "
+                raise RequestRejected(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary "
                                      f"(size {self.info.vocab_size})")
             return list(body.prompt_tokens)
         if body.messages is not None:
             if not getattr(tokenizer, "has_chat_template", False):
-                raise InvalidRequest("messages: this model has no chat template; send prompt or prompt_tokens")
+                raise RequestRejected("messages: this model has no chat template; send prompt or prompt_tokens")
             messages = [m.model_dump() for m in body.messages]
             return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         assert body.prompt is not None
         tokens = list(tokenizer.encode(body.prompt))
         if not tokens:
-            raise InvalidRequest("prompt: encodes to no tokens")
+            raise RequestRejected("prompt: encodes to no tokens")
         return tokens
 
 

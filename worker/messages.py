@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from client._protocol import Encoding, Event
+from client.protocol import Encoding, Event
 
 
 @dataclass(frozen=True)

@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from client._protocol import Delta, Done, Error, Event, FinishReason
+from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, Usage
 
 from .generator import TokenOut
-from .messages import EngineRequest, Outgoing, Resume
+from .messages import EngineRequest, Outgoing, Resume, Route
 
 
 def _ms(seconds: float) -> float:
@@ -82,8 +82,7 @@ class RequestStream:
             id=self.request.id,
             finish_reason=reason,
             text=self.text,
-            usage={"prompt_tokens": len(self.request.prompt_tokens),
-                   "completion_tokens": self.completion_tokens, "cached_tokens": self.cached_tokens},
+            usage=Usage(len(self.request.prompt_tokens), self.completion_tokens, self.cached_tokens),
             timing=self._timing(now),
             metadata=self.request.metadata,
         )
@@ -112,20 +111,20 @@ class RequestStream:
         self.pending = []
         return delta
 
-    def _timing(self, now: float) -> dict[str, float | None]:
+    def _timing(self, now: float) -> Timing:
         """Queue time, time to first token and total from arrival; then, over this run's
         tokens after the first, mean inter-token latency and tokens per second."""
         arrived, first, last = self.request.arrived_at, self.first_token_at, self.last_token_at
         resumed = len(self.request.resume.tokens) if self.request.resume else 0
         after_first = self.completion_tokens - resumed - 1
         decoding = None if first is None or last is None or after_first < 1 else last - first
-        return {
-            "queued_ms": _ms(self.admitted_at - arrived),
-            "ttft_ms": None if first is None else _ms(first - arrived),
-            "total_ms": _ms(now - arrived),
-            "itl_ms": None if not decoding else _ms(decoding / after_first),
-            "tok_s": None if not decoding else round(after_first / decoding, 1),
-        }
+        return Timing(
+            queued_ms=_ms(self.admitted_at - arrived),
+            ttft_ms=None if first is None else _ms(first - arrived),
+            total_ms=_ms(now - arrived),
+            itl_ms=None if not decoding else _ms(decoding / after_first),
+            tok_s=None if not decoding else round(after_first / decoding, 1),
+        )
 
 
 def process_step(streams: dict[int, RequestStream], tokens: Iterable[TokenOut],
@@ -140,7 +139,7 @@ def process_step(streams: dict[int, RequestStream], tokens: Iterable[TokenOut],
         try:
             events = stream.add(out, now)
         except Exception as e:  # noqa: BLE001 - this request alone fails
-            outgoing.append(failed(stream.request, "internal", f"could not turn tokens into text: {e!r}"))
+            outgoing.append(failed(stream.request.route, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
             finished.append(out.uid)
             continue
         outgoing.extend(Outgoing(stream.request.route, event) for event in events)
@@ -153,16 +152,16 @@ def not_started(request: EngineRequest, now: float, reason: FinishReason = "canc
     """The `done` of a request that ends before it was computed: no deltas, no tokens."""
     waited = _ms(now - request.arrived_at)
     done = Done(id=request.id, finish_reason=reason, text="",
-                usage={"prompt_tokens": len(request.prompt_tokens), "completion_tokens": 0, "cached_tokens": 0},
-                timing={"queued_ms": waited, "ttft_ms": None, "total_ms": waited}, metadata=request.metadata)
+                usage=Usage(len(request.prompt_tokens), 0),
+                timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.metadata)
     return Outgoing(request.route, done)
 
 
 def deadline_exceeded(request: EngineRequest) -> Outgoing:
     """The error of a request whose `deadline_ms` passed before it started."""
-    return failed(request, "deadline_exceeded", "the deadline passed before the request started")
+    return failed(request.route, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
 
 
-def failed(request: EngineRequest, code: str, message: str) -> Outgoing:
-    """An `error` event for one request."""
-    return Outgoing(request.route, Error(id=request.id, code=code, message=message))
+def failed(route: Route, code: ErrorCode, message: str) -> Outgoing:
+    """The `error` event of one request: the one place an error event is made."""
+    return Outgoing(route, Error(id=route.id, code=code, message=message))

@@ -16,7 +16,7 @@ from functools import partial
 import structlog
 from redis.exceptions import RedisError
 
-from client._protocol import Done, Error, Event
+from client.protocol import Done, Error, Event
 
 from .engine import Engine
 from .messages import Outgoing, Route, StepOutput
@@ -158,5 +158,5 @@ def _log_finished(event: Event) -> None:
         return
     assert isinstance(event, Done)
     log.info("request finished", request_id=event.id, finish_reason=event.finish_reason,
-             prompt_tokens=event.usage["prompt_tokens"], completion_tokens=event.usage["completion_tokens"],
-             ttft_ms=event.timing["ttft_ms"], total_ms=event.timing["total_ms"], tok_s=event.decode_tok_s)
+             prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens,
+             ttft_ms=event.timing.ttft_ms, total_ms=event.timing.total_ms, tok_s=event.decode_tok_s)

@@ -15,7 +15,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from client._keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 EMBEDDED_PORT = 6390
 

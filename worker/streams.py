@@ -14,9 +14,9 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import NoScriptError, ResponseError
 
-from client._keys import GROUP, Keys
-from client._protocol import Delta, Encoding, Error, Event, decode_event, encode_event
-from client._replies import StreamEntry, as_text, keyed_stream_entries
+from client.keys import GROUP, Keys
+from client.protocol import Delta, Encoding, Error, Event, decode_event, encode_event
+from client.replies import StreamEntry, as_text, keyed_stream_entries
 
 from . import scripts
 from .messages import Route

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import base64
 import binascii
+import enum
 import json
 import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import fields as fields_of
+from typing import Any, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._replies import as_text
+from ._errors import RequestRejected, Undeliverable
+from .replies import as_text
 
 Encoding = Literal["json", "msgpack"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
@@ -26,6 +29,7 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
 
 FinishReason = Literal["stop", "length", "cancelled"]
+T = TypeVar("T")
 
 
 class Message(BaseModel):
@@ -84,18 +88,6 @@ class RequestBody(BaseModel):
         return self
 
 
-class InvalidRequest(ValueError):
-    """A request entry that can be answered with an `error` event."""
-
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class Undeliverable(ValueError):
-    """A request entry without a readable id: it goes to the dead-letter stream."""
-
-
 @dataclass(frozen=True)
 class Envelope:
     """What can be read of a request entry before its body is validated.
@@ -108,7 +100,7 @@ class Envelope:
     raw: dict[str, Any] | None
     encoding: Encoding
     reply_to: str | None
-    error: InvalidRequest | None = None
+    error: RequestRejected | None = None
     size: int = 0  # bytes of the encoded body
 
 
@@ -126,16 +118,16 @@ def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None,
         named += f" and {len(extra) - 5} more" if len(extra) > 5 else ""
         problem = f"unknown entry fields {named}" if extra else f"found {bodies or 'neither'}"
         return Envelope(request_id, None, "json", None,
-                        InvalidRequest(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
+                        RequestRejected(f"an entry needs 'id' and exactly one of 'json' or 'msgpack' ({problem})"))
     encoding: Encoding = bodies[0]  # type: ignore[assignment]
     size = len(fields[encoding])
     if max_body_bytes is not None and size > max_body_bytes:
-        return Envelope(request_id, None, encoding, None, InvalidRequest(
-            f"body: {size} bytes is above this worker's max_body_bytes ({max_body_bytes})", code="too_large"))
+        return Envelope(request_id, None, encoding, None, RequestRejected(
+            f"body: {size} bytes is above this worker's max_body_bytes ({max_body_bytes})", code=ErrorCode.TOO_LARGE))
     try:
         raw = _decode_body(fields[encoding], encoding)
         check_values(raw, max_depth)
-    except InvalidRequest as e:
+    except RequestRejected as e:
         return Envelope(request_id, None, encoding, None, e, size=size)
     reply_to = raw.get("reply_to")
     reply_to = reply_to if isinstance(reply_to, str) and reply_to else None
@@ -188,15 +180,15 @@ def _decode_body(data: bytes | str, encoding: Encoding) -> dict[str, Any]:
             packed = data if isinstance(data, bytes) else data.encode()
             body = msgpack.unpackb(packed, raw=False, object_pairs_hook=_unique_keys)
     except _DuplicateKey as e:
-        raise InvalidRequest(str(e)) from e
+        raise RequestRejected(str(e)) from e
     except (RecursionError, msgpack.StackError) as e:
-        raise InvalidRequest("body: nested too deeply to decode", code="too_large") from e
+        raise RequestRejected("body: nested too deeply to decode", code=ErrorCode.TOO_LARGE) from e
     except (ValueError, msgpack.UnpackException, TypeError) as e:
         message = str(e).encode("ascii", "backslashreplace").decode()
-        raise InvalidRequest(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {message}") from e
+        raise RequestRejected(f"body is not valid {'JSON' if encoding == 'json' else 'msgpack'}: {message}") from e
     if not isinstance(body, dict):
         kind = "a JSON object" if encoding == "json" else "a msgpack map"
-        raise InvalidRequest(f"body must be {kind}, not {type(body).__name__}")
+        raise RequestRejected(f"body must be {kind}, not {type(body).__name__}")
     return body
 
 
@@ -208,7 +200,7 @@ def check_values(body: dict[str, Any], max_depth: int) -> None:
     while stack:
         value, where, depth = stack.pop()
         if depth > max_depth:
-            raise InvalidRequest(f"{where or 'body'}: nested deeper than {max_depth} levels", code="too_large")
+            raise RequestRejected(f"{where or 'body'}: nested deeper than {max_depth} levels", code=ErrorCode.TOO_LARGE)
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             path = f"{where}.{key}" if where else str(key)
@@ -224,16 +216,16 @@ def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise InvalidRequest(f"{ascii(where)[1:-1]}: text holding {ascii(text[e.start:e.end])}, a lone surrogate "
+        raise RequestRejected(f"{ascii(where)[1:-1]}: text holding {ascii(text[e.start:e.end])}, a lone surrogate "
                              "that is not valid Unicode") from e
 
 
 def validate_body(raw: dict[str, Any]) -> RequestBody:
-    """Validate a decoded body; raise `InvalidRequest` naming each bad field and why."""
+    """Validate a decoded body; raise `RequestRejected` naming each bad field and why."""
     try:
         return RequestBody.model_validate(raw)
     except ValidationError as e:
-        raise InvalidRequest(describe_validation_error(e)) from e
+        raise RequestRejected(describe_validation_error(e)) from e
 
 
 def describe_validation_error(error: ValidationError) -> str:
@@ -261,14 +253,14 @@ def decode_images(images: list[bytes | str]) -> list[bytes]:
         try:
             out.append(base64.b64decode(image, validate=True))
         except binascii.Error as e:
-            raise InvalidRequest(f"images.{i}: not valid base64 ({e})") from e
+            raise RequestRejected(f"images.{i}: not valid base64 ({e})") from e
     return out
 
 
 def encode_request(request_id: str, body: dict[str, Any], encoding: Encoding = "json") -> dict[str, bytes | str]:
     """The stream entry fields of a request. Image bytes travel raw in msgpack, as base64 in JSON."""
     if not ID_PATTERN.fullmatch(request_id):
-        raise InvalidRequest(f"invalid id {request_id!r}: use 1-128 of A-Za-z0-9_.:-")
+        raise RequestRejected(f"invalid id {request_id!r}: use 1-128 of A-Za-z0-9_.:-")
     if encoding == "json" and body.get("images"):
         body = {**body, "images": [base64.b64encode(i).decode() if isinstance(i, bytes) else i
                                    for i in body["images"]]}
@@ -290,29 +282,66 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Usage:
+    """Tokens a request used: its prompt, what it generated, and the prompt tokens whose
+    KV came from a prefix cache."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Milliseconds from the request's arrival (its entry id's stamp, on Redis's clock);
+    then, over the tokens after the first, mean inter-token latency and tokens per second.
+    None where there was nothing to time."""
+
+    queued_ms: float
+    ttft_ms: float | None
+    total_ms: float
+    itl_ms: float | None = None
+    tok_s: float | None = None
+
+
+@dataclass(frozen=True)
 class Done:
     """The end of a request: the whole text, why it ended, usage and timing."""
 
     id: str
     finish_reason: FinishReason
     text: str
-    usage: dict[str, int]
-    timing: dict[str, float | None]
+    usage: Usage
+    timing: Timing
     metadata: dict[str, Any] | None = None
     type: Literal["done"] = field(default="done", repr=False)
 
     @property
     def decode_tok_s(self) -> float | None:
         """Tokens per second after the first one: (tokens - 1) / (total - TTFT)."""
-        tokens, ttft, total = self.usage["completion_tokens"], self.timing["ttft_ms"], self.timing["total_ms"]
-        if tokens < 2 or ttft is None or total is None or total <= ttft:
+        tokens, ttft, total = self.usage.completion_tokens, self.timing.ttft_ms, self.timing.total_ms
+        if tokens < 2 or ttft is None or total <= ttft:
             return None
         return round((tokens - 1) / ((total - ttft) / 1000.0), 1)
 
 
+class ErrorCode(str, enum.Enum):
+    """The `code` of an `error` event (a str, so it compares and encodes as its value)."""
+
+    INVALID_REQUEST = "invalid_request"
+    TOO_LARGE = "too_large"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    POISONED = "poisoned"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Error:
-    """The request failed: `code` is machine-readable, `message` says what to do."""
+    """The request failed: `code` is machine-readable (an `ErrorCode` value), `message`
+    says what to do."""
 
     id: str
     code: str
@@ -347,7 +376,16 @@ def decode_event(fields: dict[Any, Any]) -> Event:
         body = json.loads(fields["json"])
     else:
         body = msgpack.unpackb(fields["msgpack"], raw=False)
+    if kind == "done":
+        body["usage"] = _known(Usage, body["usage"])
+        body["timing"] = _known(Timing, body["timing"])
     return _EVENT_TYPES[kind](**body)
+
+
+def _known(kind: type[T], values: dict[str, Any]) -> T:
+    """A dataclass from the fields it knows (a newer worker may send more)."""
+    names = {f.name for f in fields_of(kind)}  # type: ignore[arg-type]
+    return kind(**{k: v for k, v in values.items() if k in names})
 
 
 def is_terminal(event: Event) -> bool:
