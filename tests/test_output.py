@@ -9,7 +9,7 @@ import pytest
 from client import Delta, Done, Timing
 from worker.generator import TokenOut
 from worker.messages import EngineRequest, Route, SamplingParams
-from worker.output import RequestStream, process_step
+from worker.output import RequestOutput, process_step
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def make_request(stop: list[str] | None = None, interval: int = 1, max_tokens: i
 
 
 def feed(tokenizer, request: EngineRequest, tokens: list[int], last_reason: str | None = "length"):
-    stream = RequestStream(request, tokenizer.detokenizer, admitted_at=100.5)
+    stream = RequestOutput(request, tokenizer.detokenizer, admitted_at=100.5)
     events = []
     for i, token in enumerate(tokens):
         reason = last_reason if i == len(tokens) - 1 else None
@@ -98,7 +98,7 @@ def test_timing_counts_from_arrival(tokenizer):
 
 def test_process_step_drops_tokens_of_removed_sequences(tokenizer):
     """A token for a uid no longer running (cancelled this step) is ignored."""
-    streams = {7: RequestStream(make_request(max_tokens=2), tokenizer.detokenizer, 100.0)}
+    streams = {7: RequestOutput(make_request(max_tokens=2), tokenizer.detokenizer, 100.0)}
     outgoing, finished = process_step(streams, [TokenOut(7, 50, None), TokenOut(8, 51, None)], now=101.0)
     assert [o.event.id for o in outgoing] == ["r1"] and finished == []
     outgoing, finished = process_step(streams, [TokenOut(7, 52, "length")], now=102.0)
@@ -113,8 +113,8 @@ def test_a_request_whose_output_fails_ends_alone_with_an_error(tokenizer):
         def add_token(self, token: int) -> None:
             raise UnicodeError("broken")
 
-    streams = {1: RequestStream(make_request(), Broken(), 100.0),
-               2: RequestStream(make_request(), tokenizer.detokenizer, 100.0)}
+    streams = {1: RequestOutput(make_request(), Broken(), 100.0),
+               2: RequestOutput(make_request(), tokenizer.detokenizer, 100.0)}
     outgoing, finished = process_step(streams, [TokenOut(1, 50, None), TokenOut(2, 50, None)], now=101.0)
     assert finished == [1]
     assert [type(o.event).__name__ for o in outgoing] == ["Error", "Delta"]

@@ -135,7 +135,7 @@ def test_hits_count_only_when_used(model):
     generate(model, PROMPT, cache=cache)
     cache.count(cache.fetch(PROMPT))
     cache.count(cache.fetch([9, 9, 9]))
-    assert (cache.hits, cache.misses, cache.hit_rate) == (1, 1, 0.5)
+    assert (cache.hits, cache.misses, cache.stats().hit_rate) == (1, 1, 0.5)
 
 
 worker = worker_fixture()

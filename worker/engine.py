@@ -19,10 +19,21 @@ import structlog
 
 from client.protocol import ErrorCode
 
-from . import faults
+from .faults import NONE, Faults
 from .generator import BatchBackend, Coverage
-from .messages import Abandon, Cancel, Command, EngineRequest, Outgoing, Shutdown, StepOutput, Submit
-from .output import RequestStream, deadline_exceeded, failed, not_started, process_step
+from .messages import (
+    Abandon,
+    CacheStats,
+    Cancel,
+    Command,
+    EngineRequest,
+    EngineStats,
+    Outgoing,
+    Shutdown,
+    StepOutput,
+    Submit,
+)
+from .output import RequestOutput, deadline_exceeded, failed, not_started, process_step
 from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
@@ -51,7 +62,7 @@ class Loaded:
     make_backend: Callable[[], BatchBackend]
     new_detokenizer: Callable[[], Any]
     prefix_cache: PrefixCache | None = None  # the engine's own; a backend may keep caches of its own
-    cache_stats: Callable[[], dict[str, Any]] = dict  # stats of the backend's own caches, for the heartbeat
+    cache_stats: Callable[[], dict[str, CacheStats | None]] = dict  # the backend's own caches, by heartbeat name
     memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
 
@@ -65,11 +76,14 @@ class Engine:
 
     def __init__(self, load: Callable[[], Loaded], max_num_seqs: int,
                  on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None],
-                 priority_aging_s: float = 10.0) -> None:
+                 on_stats: Callable[[EngineStats], None] = lambda _: None, priority_aging_s: float = 10.0,
+                 faults: Faults = NONE) -> None:
         self._load = load
         self._max_num_seqs = max_num_seqs
         self._on_output = on_output
         self._on_fatal = on_fatal
+        self._on_stats = on_stats
+        self._faults = faults
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="mlxq-engine", daemon=True)
         self._ready = threading.Event()
@@ -77,11 +91,11 @@ class Engine:
         self._error: BaseException | None = None
         # Engine-thread state from here on.
         self._scheduler = Scheduler(priority_aging_s)
-        self._streams: dict[int, RequestStream] = {}
+        self._running: dict[int, RequestOutput] = {}
         self._uids: dict[str, int] = {}
         self._drain_until: float | None = None
         self._next_housekeeping = 0.0
-        self.stats: dict[str, Any] = {}  # replaced whole by the engine thread; read by others
+
 
     # ---- called from other threads -------------------------------------------------
 
@@ -155,21 +169,17 @@ class Engine:
 
     def _housekeeping(self) -> None:
         """Release the framework's cached buffers (when idle, and now and then under load)
-        and refresh the stats others may read."""
+        and hand the event loop fresh stats."""
         self._loaded.release_memory()
         cache = self._loaded.prefix_cache
-        self.stats = {
-            "running": len(self._streams), "waiting": len(self._scheduler),
-            "memory": self._loaded.memory(),
-            "prefix_cache": None if cache is None else {
-                "entries": len(cache), "bytes": cache.nbytes, "hits": cache.hits, "misses": cache.misses,
-                "hit_rate": cache.hit_rate, "refused": cache.refused},
-            **self._loaded.cache_stats(),
-        }
+        caches: dict[str, CacheStats | None] = {"prefix_cache": None if cache is None else cache.stats()}
+        caches.update(self._loaded.cache_stats())
+        self._on_stats(EngineStats(running=len(self._running), waiting=len(self._scheduler),
+                                   memory=self._loaded.memory(), **caches))  # type: ignore[arg-type]
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _busy(self) -> bool:
-        return bool(self._streams or len(self._scheduler))
+        return bool(self._running or len(self._scheduler))
 
     def _apply_commands(self, out: StepOutput, block: bool) -> None:
         try:
@@ -202,9 +212,9 @@ class Engine:
         uid = self._uids.get(request_id)
         if uid is not None:
             self._backend.remove([uid])
-            stream = self._retire([uid])[0]
-            events = stream.finish("cancelled", time.time())
-            out.outgoing.extend(Outgoing(stream.request.route, e) for e in events)
+            output = self._retire([uid])[0]
+            events = output.finish("cancelled", time.time())
+            out.outgoing.extend(Outgoing(output.request.route, e) for e in events)
             return
         request = self._scheduler.remove(request_id)
         if request is not None:
@@ -220,14 +230,14 @@ class Engine:
 
     def _step(self, out: StepOutput) -> None:
         self._admit(out)
-        if not self._streams:
+        if not self._running:
             return
         try:
             tokens = self._backend.step()
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             self._fail_batch(e, out)
             return
-        outgoing, finished = process_step(self._streams, tokens, time.time())
+        outgoing, finished = process_step(self._running, tokens, time.time())
         out.outgoing.extend(outgoing)
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
@@ -247,8 +257,8 @@ class Engine:
 
     def _admit(self, out: StepOutput) -> None:
         now = time.time()
-        for request in self._scheduler.take(self._max_num_seqs - len(self._streams)):
-            faults.fail_if_marked(request.prompt_tokens)
+        for request in self._scheduler.take(self._max_num_seqs - len(self._running)):
+            self._faults.fail_if_marked(request.prompt_tokens)
             try:
                 self._admit_one(request, now, out)
             except Exception as e:  # noqa: BLE001 - this request alone fails
@@ -259,15 +269,15 @@ class Engine:
         if request.deadline_at is not None and now > request.deadline_at:
             out.outgoing.append(deadline_exceeded(request))
             return
-        stream = RequestStream(request, self._loaded.new_detokenizer(), now)
+        output = RequestOutput(request, self._loaded.new_detokenizer(), now)
         if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
-            out.outgoing.extend(Outgoing(request.route, e) for e in stream.finish("length", now))
+            out.outgoing.extend(Outgoing(request.route, e) for e in output.finish("length", now))
             return
-        uid = self._insert(request, stream)
-        self._streams[uid] = stream
+        uid = self._insert(request, output)
+        self._running[uid] = output
         self._uids[request.id] = uid
 
-    def _insert(self, request: EngineRequest, stream: RequestStream) -> int:
+    def _insert(self, request: EngineRequest, output: RequestOutput) -> int:
         """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
         prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
         cache = self._loaded.prefix_cache
@@ -278,28 +288,28 @@ class Engine:
                                    request.images)
         if cache is not None:
             cache.count(hit)
-        stream.cached_tokens = 0 if hit is None else hit.reused
+        output.cached_tokens = 0 if hit is None else hit.reused
         return uid
 
-    def _retire(self, uids: list[int]) -> list[RequestStream]:
-        streams = [self._streams.pop(uid) for uid in uids]
-        for stream in streams:
-            del self._uids[stream.request.id]
-        return streams
+    def _retire(self, uids: list[int]) -> list[RequestOutput]:
+        outputs = [self._running.pop(uid) for uid in uids]
+        for output in outputs:
+            del self._uids[output.request.id]
+        return outputs
 
     def _fail_batch(self, error: Exception, out: StepOutput) -> None:
         log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
-        for stream in self._retire(list(self._streams)):
-            out.outgoing.append(failed(stream.request.route, ErrorCode.INTERNAL, f"generation failed: {error}"))
+        for output in self._retire(list(self._running)):
+            out.outgoing.append(failed(output.request.route, ErrorCode.INTERNAL, f"generation failed: {error}"))
         self._backend.close()
         self._backend = self._loaded.make_backend()
 
     def _abandon_if_drained(self, out: StepOutput) -> None:
         """Past the drain deadline, stop running requests and leave them un-acked."""
         assert self._drain_until is not None
-        if time.monotonic() < self._drain_until or not self._streams:
+        if time.monotonic() < self._drain_until or not self._running:
             return
-        uids = list(self._streams)
+        uids = list(self._running)
         self._backend.remove(uids)
         out.abandoned.extend(s.request.route for s in self._retire(uids))
 

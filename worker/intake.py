@@ -1,151 +1,211 @@
-"""Turns a request entry into an `EngineRequest`, or an error that says what is wrong.
+"""Taking requests in: reads entries as there is room, and turns each into an engine
+request, an answer (a repeat, a cancel, an error) or a dead letter.
 
-Runs off the engine thread: it only encodes with the tokenizer and checks limits.
+Each entry is taken in on its own, so whatever one holds stays with it. Its preparation
+(decoding, validating, tokenizing) runs inside an attempt counted in Redis
+(`RedisQueue.arrive` / `close_attempt`): a worker that dies in there leaves the count
+up, and the next worker dead-letters the request instead of dying too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import time
+from collections.abc import Callable
+from functools import partial
 
-from client.keys import Keys
-from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
+import structlog
 
-from . import faults
-from .engine import ModelInfo
-from .images import PreparedImage
-from .messages import EngineRequest, Resume, Route, SamplingParams
+from client.protocol import Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
+
+from .engine import Engine
+from .messages import Outgoing, Resume, Route
+from .output import deadline_exceeded, failed, not_started
+from .prepare import Preparer
+from .recovery import Delivery, Reclaimer
+from .redis_queue import Arrival, RedisQueue
+from .requests import HeldRequest, RequestStatus, RequestTable
+from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+
+log = structlog.get_logger("mlxq.worker")
+
+INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
+
+
+def entry_ms(entry_id: str) -> int:
+    """The server's clock, in ms, when the entry was added (the first part of its id)."""
+    return int(entry_id.split("-", 1)[0])
 
 
 class Intake:
-    """Validates and tokenizes requests against one model and one worker's limits."""
+    """Reads the queue as room allows and starts what it reads."""
 
-    def __init__(self, info: ModelInfo, settings: WorkerSettings) -> None:
-        self.info = info
+    def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
+                 reclaimer: Reclaimer, preparer: Preparer, engine: Engine, emit: Callable[[Outgoing], None],
+                 clock_offset_s: float) -> None:
         self.settings = settings
-        self.keys = Keys(settings.prefix)
-        self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
-        self.longest_token = longest_token(info.tokenizer)
+        self.redis_queue = redis_queue
+        self.requests = requests
+        self.reclaimer = reclaimer
+        self.preparer = preparer
+        self.engine = engine
+        self.emit = emit  # hands an event straight to the publisher
+        self.clock_offset_s = clock_offset_s
 
-    def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
-                clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
-        """An engine request; raises `RequestRejected` with the field and the reason."""
-        if envelope.error is not None:
-            raise envelope.error
-        assert envelope.raw is not None
-        body = validate_body(envelope.raw)
-        faults.exit_if_marked(body.prompt)
-        problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
-        if problem:
-            raise RequestRejected(problem)
-        self._check_stop(body.stop)
-        if body.metadata is not None:
-            self._check_metadata(body.metadata, envelope.encoding)
-        max_tokens = self._max_tokens(body)
-        self._check_prompt_size(body)
-        tokens, images = self._tokenize_with_images(body) if body.images else (self._tokenize(body), None)
-        room = self._check_prompt_length(tokens)
-        return EngineRequest(
-            route=route,
-            prompt_tokens=tokens,
-            max_tokens=min(max_tokens, room),
-            sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed),
-            stop=body.stop,
-            stream_interval=body.stream_interval or self.settings.stream_interval,
-            priority=body.priority,
-            arrived_at=arrived_at,
-            deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
-            metadata=body.metadata,
-            resume=resume,
-            images=images,
-        )
+    async def run(self, stop: asyncio.Event) -> None:
+        """Take requests in until `stop` is set (or the task is cancelled)."""
+        while not stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
+            room = self.requests.room()
+            if room <= 0:
+                await self.requests.wait_for_room()
+                continue
+            deliveries = await self._reclaimed(room) or await self._read(room)
+            for delivery in deliveries:
+                await self._accept(delivery)
 
-    def _check_prompt_length(self, tokens: list[int]) -> int:
-        """The room left in the context after the prompt; the prompt must leave some."""
-        limit = self.settings.max_prompt_tokens
-        if limit is not None and len(tokens) > limit:
-            raise RequestRejected(f"the prompt has {len(tokens)} tokens; this worker's max_prompt_tokens is {limit}",
-                                 code=ErrorCode.TOO_LARGE)
-        room = self.info.context_length - len(tokens)
-        if room < 1:
-            raise RequestRejected(f"the prompt has {len(tokens)} tokens; this model's context is "
-                                 f"{self.info.context_length} tokens", code=ErrorCode.TOO_LARGE)
-        return room
+    async def _read(self, room: int) -> list[Delivery]:
+        read = partial(self.redis_queue.read, room, self.settings.block_ms)
+        return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
+                await retrying(read, "reading requests")]
 
-    def _check_prompt_size(self, body: RequestBody) -> None:
-        """Refuse a prompt that cannot fit from its length alone, before tokenizing it (a
-        token never spans more characters than the longest in the vocabulary)."""
-        if self.longest_token is None:
-            return
-        chars = len(body.prompt or "") + sum(len(m.content) for m in body.messages or [])
-        most = self.prompt_token_limit * self.longest_token
-        if chars > most:
-            raise RequestRejected(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
-                                 f"(this worker's limit: max_prompt_tokens or the model's context) can hold",
-                                 code=ErrorCode.TOO_LARGE)
-
-    def _check_stop(self, stop: list[str]) -> None:
-        if len(stop) > self.settings.max_stop_strings:
-            raise RequestRejected(f"stop: {len(stop)} strings is above this worker's max_stop_strings "
-                                 f"({self.settings.max_stop_strings})", code=ErrorCode.TOO_LARGE)
-        longest = max((len(s) for s in stop), default=0)
-        if longest > self.settings.max_stop_length:
-            raise RequestRejected(f"stop: a string of {longest} characters is above this worker's max_stop_length "
-                                 f"({self.settings.max_stop_length})", code=ErrorCode.TOO_LARGE)
-
-    def _check_metadata(self, metadata: dict[str, object], encoding: Encoding) -> None:
-        """Metadata is echoed in `done`: refuse now what could not be written then."""
+    async def _reclaimed(self, room: int) -> list[Delivery]:
+        """Entries to take over, if any; a scan that fails (no group after Redis restarted
+        empty, a consumer name that is not text) is tried again at the next interval."""
         try:
-            size = len(encode_metadata(metadata, encoding))
-        except (TypeError, ValueError, RecursionError) as e:
-            raise RequestRejected(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
-        if size > self.settings.max_metadata_bytes:
-            raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
-                                 f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
+            return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
+        except Exception as e:  # noqa: BLE001 - finding abandoned work is upkeep: it must not stop the worker
+            if is_permission_error(e):
+                raise
+            log.warning("could not look for abandoned requests", error=describe(e))
+            return []
 
-    def _max_tokens(self, body: RequestBody) -> int:
-        limit = self.settings.max_tokens_limit
-        if body.max_tokens is None:
-            return min(self.settings.default_max_tokens, limit)
-        if body.max_tokens > limit:
-            raise RequestRejected(f"max_tokens: {body.max_tokens} is above this worker's max_tokens_limit ({limit})",
-                                 code=ErrorCode.TOO_LARGE)
-        return body.max_tokens
+    async def _accept(self, delivery: Delivery) -> None:
+        """Take one entry in; whatever goes wrong with it stays with it."""
+        try:
+            await self._take_in(delivery)
+        except Exception as e:  # noqa: BLE001 - one entry's failure must not stop the others
+            if is_permission_error(e):
+                raise  # Redis refuses the worker's own keys: that is the worker's failure, not the entry's
+            await self._fail_entry(delivery, e)
 
-    def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
-        if self.info.vision is None:
-            raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
-        return self.info.vision.prepare(body)  # type: ignore[no-any-return]
+    async def _take_in(self, delivery: Delivery) -> None:
+        """Hold a new entry and start it, unless it has no id or is a repeat."""
+        stream, entry_id, fields = delivery.stream, delivery.entry_id, delivery.fields
+        if fields is None:  # deleted from the stream before we read it
+            await retrying(partial(self.redis_queue.settle, stream, [entry_id]), "settling a deleted entry")
+            return
+        try:
+            request_id = read_id(fields)
+        except Undeliverable as e:
+            log.warning("dead letter", entry_id=entry_id, reason=str(e))
+            await retrying(partial(self.redis_queue.dead_letter, stream, entry_id, fields, str(e),
+                                   deliveries=delivery.deliveries), "dead-lettering")
+            return
+        held = self.requests.get(request_id)
+        if held is not None:
+            if held.route.entry_id != entry_id:  # the same id in another entry: a repeat
+                log.info("repeat of a running request ignored", request_id=request_id, entry_id=entry_id)
+                await retrying(partial(self.redis_queue.settle, stream, [entry_id]), "settling a repeat")
+            return
+        held = self.requests.read(Route(request_id, entry_id, self.redis_queue.keys.output(request_id), "json",
+                                        stream))  # before the flag check, so that no cancel slips between
+        arrival = await retrying(partial(self.redis_queue.arrive, request_id, self.settings.result_ttl_s),
+                                 "checking an arriving request")
+        try:
+            await self._start(delivery, held, arrival)
+        finally:
+            await retrying(partial(self.redis_queue.close_attempt, request_id), "closing an attempt")
 
-    def _tokenize(self, body: RequestBody) -> list[int]:
-        tokenizer = self.info.tokenizer
-        if body.prompt_tokens is not None:
-            bad = [t for t in body.prompt_tokens if t >= self.info.vocab_size]
-            if bad:
-                raise RequestRejected(f"prompt_tokens: ids {bad[:5]} are outside the vocabulary "
-                                     f"(size {self.info.vocab_size})")
-            return list(body.prompt_tokens)
-        if body.messages is not None:
-            if not getattr(tokenizer, "has_chat_template", False):
-                raise RequestRejected("messages: this model has no chat template; send prompt or prompt_tokens")
-            messages = [m.model_dump() for m in body.messages]
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        assert body.prompt is not None
-        tokens = list(tokenizer.encode(body.prompt))
-        if not tokens:
-            raise RequestRejected("prompt: encodes to no tokens")
-        return tokens
+    async def _start(self, delivery: Delivery, held: HeldRequest, arrival: Arrival) -> None:
+        """Answer a finished or poisoned request; else prepare it and hand it to the engine."""
+        route = held.route
+        if arrival.done:
+            log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
+            await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a repeat")
+            self.requests.end(route.id, RequestStatus.SETTLED)
+            return
+        if arrival.crashes >= self.settings.max_crashes:
+            await self._poisoned(delivery, route, f"{arrival.crashes} worker(s) died while preparing it "
+                                 f"(max_crashes is {self.settings.max_crashes})")
+            return
+        assert delivery.fields is not None
+        envelope = read_envelope(delivery.fields, max_body_bytes=self.settings.max_body_bytes,
+                                 max_depth=self.settings.max_nesting_depth)
+        reply_to = envelope.reply_to
+        if reply_to is not None and self.redis_queue.keys.reply_to_problem(reply_to):
+            reply_to = None  # its error goes to the request's own stream
+        route = self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding)
+        resume = None
+        if delivery.deliveries > 1:  # an earlier delivery may have written output: continue after it
+            resume = await self._resume(held)
+            if held.status is RequestStatus.FINISHING:
+                return
+        if delivery.deliveries > self.settings.max_deliveries:
+            await self._poisoned(delivery, route, f"delivered {delivery.deliveries} times (max_deliveries is "
+                                 f"{self.settings.max_deliveries}); the workers that took it stopped without "
+                                 "finishing it")
+            return
+        await self._submit(envelope, held, arrival.cancelled, resume)
 
+    async def _submit(self, envelope: Envelope, held: HeldRequest, cancelled: bool, resume: Resume | None) -> None:
+        route = held.route
+        arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
+        prepare = partial(self.preparer.prepare, envelope, route, arrived_at, self.clock_offset_s, resume)
+        try:
+            # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
+            request = prepare() if envelope.size <= INLINE_BODY_BYTES else await asyncio.to_thread(prepare)
+        except RequestRejected as e:
+            self._answer(failed(route, ErrorCode(e.code), str(e)))
+            return
+        if cancelled or held.cancel_requested:
+            self._answer(not_started(request, time.time()))
+        elif request.deadline_at is not None and time.time() > request.deadline_at:
+            self._answer(deadline_exceeded(request))
+        else:
+            self.requests.advance(route.id, RequestStatus.ADMITTED)
+            self.engine.submit(request)
 
-def longest_token(tokenizer: Any) -> int | None:
-    """Characters in the longest token of the vocabulary (None if it cannot be listed).
-    A byte-level BPE token's string has one character per byte it stands for, so a text
-    of n characters has at least n / longest tokens."""
-    get_vocab = getattr(tokenizer, "get_vocab", None)
-    if get_vocab is None:
-        return None
-    try:
-        return max(map(len, get_vocab()), default=1)
-    except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no early check
-        return None
+    async def _resume(self, held: HeldRequest) -> Resume | None:
+        """What earlier deliveries wrote, to continue after it; None if nothing. If it
+        cannot go on without a gap, the request is failed (and left FINISHING)."""
+        route = held.route
+        earlier = await retrying(partial(self.redis_queue.earlier_output, route), "reading earlier output")
+        held.written = earlier.written
+        if earlier.written == 0:
+            return None
+        if len(earlier.deltas) != earlier.written:
+            self._answer(failed(route, ErrorCode.INTERNAL, (
+                f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "
+                "remain in the output stream (expired?); continuing would repeat or skip text")))
+            return None
+        log.info("resuming a request", request_id=route.id, deltas=earlier.written)
+        return Resume(tokens=[t for d in earlier.deltas for t in d.tokens],
+                      text="".join(d.text for d in earlier.deltas), deltas=earlier.written)
+
+    async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
+        """An entry that keeps killing or outliving workers: dead letter, and say so."""
+        log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, reason=reason)
+        assert delivery.fields is not None
+        await retrying(partial(self.redis_queue.record_dead, route.stream, route.entry_id, delivery.fields, reason,
+                               deliveries=delivery.deliveries), "dead-lettering")
+        self._answer(failed(route, ErrorCode.POISONED, f"{reason}; moved to {self.redis_queue.dead}"))
+
+    async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
+        """An entry whose intake failed in a way nobody foresaw: its reader gets an
+        `internal` error, or, if not even its id was read, it is dead-lettered."""
+        reason = ascii(f"{type(error).__name__}: {error}"[:300])
+        log.error("could not take in a request", entry_id=delivery.entry_id, error=reason, exc_info=error)
+        held = self.requests.by_entry(delivery.entry_id)
+        if held is not None:
+            self._answer(failed(held.route, ErrorCode.INTERNAL, f"the worker could not start this request: {reason}"))
+            return
+        if delivery.fields is not None:
+            await retrying(partial(self.redis_queue.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
+                                   f"the worker could not read this entry: {reason}",
+                                   deliveries=delivery.deliveries), "dead-lettering")
+
+    def _answer(self, outgoing: Outgoing) -> None:
+        """The request's terminal event, made here rather than by the engine."""
+        self.requests.advance(outgoing.route.id, RequestStatus.FINISHING)
+        self.emit(outgoing)

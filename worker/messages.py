@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from client.protocol import Encoding, Event
@@ -112,3 +112,40 @@ class StepOutput:
 
     outgoing: list[Outgoing] = field(default_factory=list)
     abandoned: list[Route] = field(default_factory=list)  # left un-acked at shutdown
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    """One shape for every cache: the prefix cache, mlx-vlm's block cache (entries are
+    blocks), the vision-embedding cache."""
+
+    entries: int
+    hits: int
+    misses: int
+    bytes: int | None = None  # None where the cache does not count them
+    capacity: int | None = None  # most entries it can hold, where that is fixed
+    refused: int = 0  # entries too large to keep
+
+    @property
+    def hit_rate(self) -> float | None:
+        looked_up = self.hits + self.misses
+        return None if looked_up == 0 else round(self.hits / looked_up, 3)
+
+    def as_json(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What the engine thread tells the event loop about itself, now and then."""
+
+    running: int
+    waiting: int
+    memory: dict[str, int]  # the framework's figures, in bytes
+    prefix_cache: CacheStats | None = None
+    vision_cache: CacheStats | None = None
+
+    def as_json(self) -> dict[str, Any]:
+        return {"running": self.running, "waiting": self.waiting, "memory": self.memory,
+                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
+                "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json()}

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
+from .redis_queue import RedisQueue
 from .retrying import retrying
 from .settings import WorkerSettings
-from .streams import QueueStreams
 
 MAX_INDEX = 1024  # workers on one host, when names are picked
 
@@ -29,7 +29,7 @@ class NameTaken(RuntimeError):
     """The consumer name asked for is held by a live worker."""
 
 
-async def claim_consumer_name(streams: QueueStreams, settings: WorkerSettings,
+async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
                               heartbeat: Callable[[str], str], ttl_s: float) -> str:
     """Take `settings.consumer`, or `<host>-<worker_index>`, or, with neither given, the
     lowest free `<host>-<n>`; `heartbeat(name)` is the value written under the name.
@@ -38,7 +38,7 @@ async def claim_consumer_name(streams: QueueStreams, settings: WorkerSettings,
     explicit = settings.consumer or (None if settings.worker_index is None else f"{host}-{settings.worker_index}")
     names: Iterable[str] = [explicit] if explicit else (f"{host}-{i}" for i in range(MAX_INDEX))
     for name in names:
-        claim = partial(streams.claim_name, name, heartbeat(name), ttl_s)
+        claim = partial(redis_queue.claim_name, name, heartbeat(name), ttl_s)
         held = await retrying(claim, "claiming a consumer name")
         if held is not None and _left_by_dead_process(held, host):
             held = await retrying(partial(claim, replacing=held), "claiming a consumer name")

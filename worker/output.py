@@ -21,7 +21,7 @@ def _ms(seconds: float) -> float:
     return round(seconds * 1000.0, 1)
 
 
-class RequestStream:
+class RequestOutput:
     """The output side of one running request."""
 
     def __init__(self, request: EngineRequest, detokenizer: Any, admitted_at: float) -> None:
@@ -127,23 +127,23 @@ class RequestStream:
         )
 
 
-def process_step(streams: dict[int, RequestStream], tokens: Iterable[TokenOut],
+def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut],
                  now: float) -> tuple[list[Outgoing], list[int]]:
     """Events for one step's tokens, and the uids of the sequences that finished."""
     outgoing: list[Outgoing] = []
     finished: list[int] = []
     for out in tokens:
-        stream = streams.get(out.uid)
-        if stream is None:  # removed this step (cancelled); its token is dropped
+        output = outputs.get(out.uid)
+        if output is None:  # removed this step (cancelled); its token is dropped
             continue
         try:
-            events = stream.add(out, now)
+            events = output.add(out, now)
         except Exception as e:  # noqa: BLE001 - this request alone fails
-            outgoing.append(failed(stream.request.route, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
+            outgoing.append(failed(output.request.route, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
             finished.append(out.uid)
             continue
-        outgoing.extend(Outgoing(stream.request.route, event) for event in events)
-        if stream.done is not None:
+        outgoing.extend(Outgoing(output.request.route, event) for event in events)
+        if output.done is not None:
             finished.append(out.uid)
     return outgoing, finished
 

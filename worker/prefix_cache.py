@@ -21,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
+from .messages import CacheStats
+
 MODEL = "model"  # the trie's namespace: one model per worker
 
 
@@ -55,10 +57,9 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def hit_rate(self) -> float | None:
-        total = self.hits + self.misses
-        return None if total == 0 else round(self.hits / total, 3)
+    def stats(self) -> CacheStats:
+        return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes,
+                          capacity=self.max_entries, refused=self.refused)
 
     def fetch(self, tokens: list[int]) -> Hit | None:
         """The longest reusable cached prefix of `tokens` (at most all but the last token)."""

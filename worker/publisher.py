@@ -3,47 +3,41 @@
 All events waiting when the publisher wakes go out in one fenced call (see
 `scripts.PUBLISH`); each request's status then says whether it finished, whether
 another worker owns it now (drop it here), whether another entry serves its id
-(settle ours), or whether Redis lost output written earlier (fail it without a gap).
+(settle ours), whether Redis lost output written earlier (fail it without a gap), or
+whether Redis refused its output stream (answer it on its own stream).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
 
 import structlog
 from redis.exceptions import RedisError
 
-from client.protocol import Done, Error, Event
+from client.protocol import Done, Error, ErrorCode, Event
 
-from .engine import Engine
 from .messages import Outgoing, Route, StepOutput
+from .output import failed
+from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
+from .requests import RequestStatus, RequestTable
 from .retrying import describe, retrying
-from .streams import Batch, Published, PublishStatus, QueueStreams, encode_batch
 
 log = structlog.get_logger("mlxq.worker")
 
 
-@dataclass
-class InFlight:
-    """A request this worker holds: where its output goes, and how much of it is written."""
-
-    route: Route
-    written: int = 0  # events (deltas and terminal) in its output stream: the next one's position
-
-
 class Publisher:
-    """Owns the queue of step outputs; reads and updates the worker's in-flight requests."""
+    """Owns the queue of step outputs; writes them for the requests the table holds."""
 
-    def __init__(self, streams: QueueStreams, in_flight: dict[str, InFlight], engine: Engine,
-                 forget: Callable[[str], None]) -> None:
-        self.streams = streams
-        self.in_flight = in_flight
-        self.engine = engine
-        self.forget = forget  # the worker lets go of a request id
+    def __init__(self, redis_queue: RedisQueue, requests: RequestTable) -> None:
+        self.redis_queue = redis_queue
+        self.requests = requests
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+    def emit(self, outgoing: Outgoing) -> None:
+        """Publish one event made outside the engine (an error, a cancel before start)."""
+        self.outputs.put_nowait(StepOutput(outgoing=[outgoing]))
 
     async def run(self) -> None:
         """Publish until cancelled: everything waiting goes out together, one call for all."""
@@ -64,92 +58,89 @@ class Publisher:
         """Write events (one call for all requests) and act on what each request's write
         found; what that calls for (an error in place of lost output) goes out next."""
         while outgoing:
-            batches = self._batches(outgoing)
-            statuses = await self._write(batches)
+            writes = self._writes(outgoing)
+            statuses = await self._write(writes)
             outgoing = []
-            for batch, status in zip(batches, statuses, strict=True):
-                outgoing += await self._published(batch, status)
+            for write, status in zip(writes, statuses, strict=True):
+                outgoing += await self._published(write, status)
 
-    async def _write(self, batches: list[Batch]) -> list[Published]:
+    async def _write(self, writes: list[OutputWrite]) -> list[Published]:
         """One call for all; if Redis refuses it (an ACL, say), one call per request, so
         that the refusal stays with the requests it belongs to."""
-        if not batches:
+        if not writes:
             return []
         try:
-            return await retrying(partial(self.streams.publish, batches), "publishing")
+            return await retrying(partial(self.redis_queue.publish, writes), "publishing")
         except RedisError as e:
-            if len(batches) == 1:
+            if len(writes) == 1:
                 return [Published(PublishStatus.REFUSED, describe(e))]
             log.warning("redis refused a step's output; writing request by request", reason=describe(e))
-        return [(await self._write([batch]))[0] for batch in batches]
+        return [(await self._write([write]))[0] for write in writes]
 
-    def _batches(self, outgoing: list[Outgoing]) -> list[Batch]:
+    def _writes(self, outgoing: list[Outgoing]) -> list[OutputWrite]:
         """Each held request's events, in order and encoded; events of requests no longer
-        held are dropped."""
+        held are dropped. An event that cannot be encoded ends its request there."""
         events: dict[str, list[Event]] = {}
         for item in outgoing:
-            flight = self.in_flight.get(item.route.id)
-            if flight is not None and flight.route.entry_id == item.route.entry_id:
+            if self.requests.holding(item.route) is not None:
                 events.setdefault(item.route.id, []).append(item.event)
-        batches = []
+        writes = []
         for request_id, its_events in events.items():
-            flight = self.in_flight[request_id]
-            batch, cut = encode_batch(flight.route, flight.written, its_events)
-            if cut:  # it ends with an error here: stop generating for it
-                self.engine.abandon(request_id)
-            batches.append(batch)
-        return batches
+            held = self.requests.get(request_id)
+            assert held is not None
+            write = encode_write(held.route, held.written, its_events)
+            if write.terminal:
+                self.requests.advance(request_id, RequestStatus.FINISHING)
+            writes.append(write)
+        return writes
 
-    async def _published(self, batch: Batch, published: Published) -> list[Outgoing]:
+    async def _published(self, write: OutputWrite, published: Published) -> list[Outgoing]:
         """Act on one request's status; returns the events to publish in its place, if any."""
-        route, status = batch.route, published.status
+        route, status = write.route, published.status
         if status is PublishStatus.APPLIED:
-            flight = self.in_flight.get(route.id)
-            if flight is not None and flight.route == route:  # not dropped while the write was under way
-                flight.written = batch.first + len(batch.entries)
-            if batch.terminal:
-                self.forget(route.id)
-                _log_finished(batch.events[-1])
+            self.requests.wrote(route, write.first + len(write.entries), write.terminal)
+            if write.terminal:
+                _log_finished(write.events[-1])
             return []
-        self.engine.abandon(route.id)
-        self.forget(route.id)
-        if status is PublishStatus.LOST:
-            log.warning("another worker took this request over; dropping it here", request_id=route.id)
-        elif status is PublishStatus.DUPLICATE:
-            log.warning("another entry with this id is served; dropping this one", request_id=route.id,
-                        entry_id=route.entry_id)
-            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a duplicate")
-        elif status is PublishStatus.GAP:
+        if status is PublishStatus.GAP:
             written = int(published.detail)
             log.error("output written earlier is missing (Redis lost data?); failing the request",
-                      request_id=route.id, written=written, expected=batch.first)
-            return self._instead(route, written, Error(id=route.id, code="internal", message=(
-                f"{batch.first - written} events of this request's output were lost by Redis; "
-                "it cannot continue without a gap")))
+                      request_id=route.id, written=written, expected=write.first)
+            return self._instead(route, written, ErrorCode.INTERNAL, (
+                f"{write.first - written} events of this request's output were lost by Redis; "
+                "it cannot continue without a gap"))
+        if status is PublishStatus.REFUSED:
+            return await self._refused(write, published.detail)
+        self.requests.end(route.id, RequestStatus.LOST if status is PublishStatus.LOST else RequestStatus.SETTLED)
+        if status is PublishStatus.LOST:
+            log.warning("another worker took this request over; dropping it here", request_id=route.id)
         else:
-            return await self._refused(batch, published.detail)
+            log.warning("another entry with this id is served; dropping this one", request_id=route.id,
+                        entry_id=route.entry_id)
+            await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a duplicate")
         return []
 
-    async def _refused(self, batch: Batch, reason: str) -> list[Outgoing]:
+    async def _refused(self, write: OutputWrite, reason: str) -> list[Outgoing]:
         """Redis refused this request's output: say so on its own output stream, or, if
         even that is refused, settle it unanswered."""
-        route = batch.route
-        own = self.streams.keys.output(route.id)
+        route = write.route
+        own = self.redis_queue.keys.output(route.id)
         if route.reply_to != own:
             log.error("redis refused the reply stream; the error goes to the request's own output stream",
                       request_id=route.id, reply_to=route.reply_to, reason=reason)
-            return self._instead(replace(route, reply_to=own), batch.first, Error(
-                id=route.id, code="invalid_request",
-                message=f"reply_to: Redis refused writing to {route.reply_to} ({reason})"))
+            return self._instead(replace(route, reply_to=own), write.first, ErrorCode.INVALID_REQUEST,
+                                 f"reply_to: Redis refused writing to {route.reply_to} ({reason})")
         log.error("redis refused the request's output stream; settling it unanswered", request_id=route.id,
                   reason=reason)
-        await retrying(partial(self.streams.settle_unanswered, route), "settling an unanswerable request")
+        await retrying(partial(self.redis_queue.settle_unanswered, route), "settling an unanswerable request")
+        self.requests.end(route.id, RequestStatus.SETTLED)
         return []
 
-    def _instead(self, route: Route, written: int, error: Error) -> list[Outgoing]:
-        """Hold the request again, at `written`, to publish `error` as its terminal event."""
-        self.in_flight[route.id] = InFlight(route, written)
-        return [Outgoing(route, error)]
+    def _instead(self, route: Route, written: int, code: ErrorCode, message: str) -> list[Outgoing]:
+        """Hold the request again, at `written`, to publish an error as its terminal event;
+        the engine drops what it still makes for it."""
+        self.requests.hold_again(route, written)
+        return [failed(route, code, message)]
 
 
 def _log_finished(event: Event) -> None:

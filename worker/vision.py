@@ -20,6 +20,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from .engine import Loaded, ModelInfo
 from .generator import Coverage, TokenOut
 from .images import SUPPORTED_MODEL_TYPES, PreparedImage, VisionPrompts
+from .messages import CacheStats
 from .settings import WorkerSettings
 from .vision_cache import VisionCache
 
@@ -58,7 +59,7 @@ def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
                                   prefill_batch_size=settings.prefill_batch_size,
                                   prefill_step_size=settings.prefill_step_size)
 
-    def cache_stats() -> dict[str, Any]:
+    def cache_stats() -> dict[str, CacheStats | None]:
         return {"prefix_cache": None if prefix_cache is None else _prefix_stats(prefix_cache),
                 "vision_cache": vision_cache.stats()}
 
@@ -86,11 +87,10 @@ def _prefix_cache(model: Any, budget_bytes: int) -> Any:
 MAX_PREFIX_BLOCKS = 2048
 
 
-def _prefix_stats(cache: Any) -> dict[str, Any]:
+def _prefix_stats(cache: Any) -> CacheStats:
+    """mlx-vlm's block cache in the common shape: its entries are blocks of 16 tokens."""
     stats = cache.stats
-    looked_up = stats.hits + stats.misses
-    return {"blocks": cache.num_blocks, "blocks_used": stats.pool_used, "hits": stats.hits, "misses": stats.misses,
-            "hit_rate": round(stats.hits / looked_up, 3) if looked_up else None, "matched_tokens": stats.matched_tokens}
+    return CacheStats(entries=stats.pool_used, hits=stats.hits, misses=stats.misses, capacity=cache.num_blocks)
 
 
 def is_vision_model(path: str) -> bool:

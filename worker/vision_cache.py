@@ -7,9 +7,10 @@ bytes, held to a byte budget. Used on the engine thread only (it holds MLX array
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any
 
 import mlx.core as mx
+
+from .messages import CacheStats
 
 
 class VisionCache:
@@ -47,7 +48,5 @@ class VisionCache:
             _, evicted = self._entries.popitem(last=False)
             self.nbytes -= evicted.nbytes
 
-    def stats(self) -> dict[str, Any]:
-        looked_up = self.hits + self.misses
-        return {"entries": len(self), "bytes": self.nbytes, "hits": self.hits, "misses": self.misses,
-                "hit_rate": round(self.hits / looked_up, 3) if looked_up else None}
+    def stats(self) -> CacheStats:
+        return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes)

@@ -15,7 +15,7 @@ import structlog
 from redis.exceptions import NoScriptError, ResponseError
 
 from client.keys import GROUP, Keys
-from client.protocol import Delta, Encoding, Error, Event, decode_event, encode_event
+from client.protocol import Delta, Encoding, Error, ErrorCode, Event, decode_event, encode_event
 from client.replies import StreamEntry, as_text, keyed_stream_entries
 
 from . import scripts
@@ -27,7 +27,7 @@ DEAD_FIELDS = 16  # a dead letter keeps at most this many of the original's fiel
 DEAD_FIELD_BYTES = 4096  # each cut to this size (its full size noted beside it)
 
 
-class QueueStreams:
+class RedisQueue:
     """One queue's request streams (its priority lanes first), its dead letters, and the
     output streams it writes."""
 
@@ -36,8 +36,9 @@ class QueueStreams:
                  dead_letter_maxlen: int = 10_000) -> None:
         self.redis = redis
         self.keys = keys
-        self.stream = keys.queue(queue)
-        self.streams = [keys.lane(queue, lane) for lane in lanes or []] + [self.stream]  # read in this order
+        self.queue_stream = keys.queue(queue)
+        # its priority lanes first: read in this order
+        self.request_streams = [keys.lane(queue, lane) for lane in lanes or []] + [self.queue_stream]
         self.dead = keys.dead(queue)
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
@@ -47,7 +48,7 @@ class QueueStreams:
 
     async def ensure_group(self) -> None:
         """Create the streams and their `workers` group unless they exist."""
-        for stream in self.streams:
+        for stream in self.request_streams:
             try:
                 await self.redis.xgroup_create(stream, GROUP, id="0", mkstream=True)
             except ResponseError as e:
@@ -67,22 +68,22 @@ class QueueStreams:
         one entry from each that gets one (so up to one per lane beyond `count`)."""
         try:
             entries: list[tuple[str, str, dict[Any, Any] | None]] = []
-            for stream in self.streams if len(self.streams) > 1 else []:
+            for stream in self.request_streams if len(self.request_streams) > 1 else []:
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count - len(entries))
                 entries += keyed_stream_entries(reply)
                 if len(entries) >= count:
                     return entries
             if entries:
                 return entries
-            wanted = count if len(self.streams) == 1 else 1
-            reply = await self.redis.xreadgroup(GROUP, self.consumer, {s: ">" for s in self.streams}, count=wanted,
-                                                block=block_ms)
+            wanted = count if len(self.request_streams) == 1 else 1
+            every = {stream: ">" for stream in self.request_streams}
+            reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=wanted, block=block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
             await self.ensure_group()
             return []
-        return sorted(keyed_stream_entries(reply), key=lambda e: self.streams.index(e[0]))
+        return sorted(keyed_stream_entries(reply), key=lambda e: self.request_streams.index(e[0]))
 
     async def arrive(self, request_id: str, cancel_ttl_s: int) -> Arrival:
         """Open an attempt at an arriving request (see `Arrival`) and read whether it
@@ -160,33 +161,33 @@ class QueueStreams:
             record[key] = value
         return record
 
-    async def publish(self, batches: list[Batch]) -> list[Published]:
+    async def publish(self, writes: list[OutputWrite]) -> list[Published]:
         """Write one step's events in one call, fenced (see `scripts.PUBLISH`); a terminal
         event also marks the id done, acknowledges its entry and deletes it from the queue.
-        Returns one status per batch."""
+        Returns one status per write."""
         keys: list[str] = []
         args: list[Any] = [GROUP, self.consumer, self.result_ttl_s, self.dedupe_ttl_s]
-        for batch in batches:
-            route = batch.route
+        for write in writes:
+            route = write.route
             keys += [route.stream, route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
-            args += [route.entry_id, batch.first, int(batch.terminal), len(batch.entries)]
-            for kind, body in batch.entries:
+            args += [route.entry_id, write.first, int(write.terminal), len(write.entries)]
+            for kind, body in write.entries:
                 args += [kind, route.encoding, body]
         statuses = await self._scripts.run(scripts.PUBLISH, keys, args)
         return [Published.parse(as_text(s)) for s in statuses]
 
-    async def progress(self, route: Route) -> Progress:
+    async def earlier_output(self, route: Route) -> EarlierOutput:
         """What earlier deliveries of this entry already published: the count and the deltas."""
         entry, written = await self.redis.hmget(self.keys.progress(route.id), ["entry", "next"])
         if entry is None or written is None or as_text(entry) != route.entry_id:
-            return Progress(0, [])
+            return EarlierOutput(0, [])
         deltas = []
         entries: Any = await self.redis.xrange(route.reply_to)
         for _, fields in entries:
             event = decode_event(fields)
             if isinstance(event, Delta) and event.id == route.id:
                 deltas.append(event)
-        return Progress(int(written), deltas)
+        return EarlierOutput(int(written), deltas)
 
     async def claim_name(self, name: str, heartbeat: str, ttl_s: float, replacing: bytes | None = None) -> bytes | None:
         """Take the consumer name `name` by writing its heartbeat, unless a worker holds it
@@ -202,7 +203,7 @@ class QueueStreams:
         idle time of its entries (ids by stream); returns the ids another worker took over.
         Raises `ResponseError` (NAMETAKEN) if another worker holds our consumer name now."""
         lost = []
-        for stream in self.streams:
+        for stream in self.request_streams:
             keys = [stream, self.keys.worker(self.consumer)]
             args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, instance,
                     *entries.get(stream, [])]
@@ -247,7 +248,7 @@ class QueueStreams:
 
 
 @dataclass(frozen=True)
-class Batch:
+class OutputWrite:
     """One request's encoded events from one publish, and the position of the first."""
 
     route: Route
@@ -297,7 +298,7 @@ class Arrival:
 
 
 @dataclass(frozen=True)
-class Progress:
+class EarlierOutput:
     """An entry's output so far: how many events were written, and its deltas."""
 
     written: int
@@ -325,10 +326,9 @@ class _Scripts:
             return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
 
 
-def encode_batch(route: Route, first: int, events: list[Event]) -> tuple[Batch, bool]:
+def encode_write(route: Route, first: int, events: list[Event]) -> OutputWrite:
     """A request's events, encoded. An event that cannot be encoded ends the request
-    there with an `internal` error whose message is plain ASCII, so that it always can
-    be; the flag says so (what the engine still makes for it must then be dropped)."""
+    there with an `internal` error whose message is plain ASCII, so that it always can be."""
     entries: list[tuple[str, bytes]] = []
     for i, event in enumerate(events):
         try:
@@ -336,10 +336,10 @@ def encode_batch(route: Route, first: int, events: list[Event]) -> tuple[Batch, 
         except (TypeError, ValueError, RecursionError) as e:
             reason = ascii(str(e)[:300])
             log.error("event could not be encoded", request_id=route.id, error=reason)
-            error = Error(id=route.id, code="internal", message=f"the output could not be encoded: {reason}")
+            error = Error(id=route.id, code=ErrorCode.INTERNAL, message=f"the output could not be encoded: {reason}")
             entries.append(_entry(error, route.encoding))
-            return Batch(route, first, [*events[:i], error], entries), True
-    return Batch(route, first, events, entries), False
+            return OutputWrite(route, first, [*events[:i], error], entries)
+    return OutputWrite(route, first, events, entries)
 
 
 def _entry(event: Event, encoding: Encoding) -> tuple[str, bytes]:

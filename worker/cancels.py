@@ -1,0 +1,44 @@
+"""The cancel listener: ids published on `mlxq:cancel` stop the requests this worker holds.
+
+A request not yet read is caught by its flag when it is (see `intake`); one held here
+is marked, and the engine drops it at its next step boundary (answering `cancelled`).
+The flag gets a TTL if whoever set it gave none, so flags never pile up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from .engine import Engine
+from .redis_queue import RedisQueue
+from .requests import RequestTable
+from .retrying import describe, stop_if_cancelled
+
+log = structlog.get_logger("mlxq.worker")
+
+
+async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, requests: RequestTable, engine: Engine,
+                             flag_ttl_s: int) -> None:
+    """Act on cancels until cancelled; a lost subscription is made again."""
+    while True:
+        pubsub = redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(redis_queue.keys.cancel_channel)
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                request_id = message["data"].decode(errors="replace")
+                if requests.cancel(request_id):
+                    engine.cancel(request_id)
+                    await redis_queue.limit_cancel_flag(request_id, flag_ttl_s)
+        except (RedisError, OSError) as e:
+            stop_if_cancelled(e)
+            log.warning("cancel subscription lost; subscribing again", reason=describe(e))
+            await asyncio.sleep(1.0)
+        finally:
+            await pubsub.aclose()
