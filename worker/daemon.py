@@ -61,6 +61,7 @@ class Worker:
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
         self._leases: Leases | None = None
+        self._stats: EngineStats | None = None  # the engine's latest, kept for the heartbeat
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit status."""
@@ -75,6 +76,8 @@ class Worker:
             return 1
         self._install_signal_handlers(self._loop)
         leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name)
+        if self._stats is not None:
+            leases.update(self._stats)
         try:
             await leases.claim_name()
         except NameTaken as e:
@@ -129,6 +132,7 @@ class Worker:
         self._loop.call_soon_threadsafe(self._die, error)
 
     def _update_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
         if self._leases is not None:
             self._leases.update(stats)
 
