@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "the mlxq worker needs Python 3.11+ (mlx-lm 0.32 does); try: make PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[worker,embedded,bench,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,vision,embedded,bench,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -24,7 +24,7 @@ run: $(STAMP)
 # The tests run on the real BLAS too, single-threaded: several worker processes share
 # 2 cores, and MKL's spinning threads would only fight over them.
 test: $(STAMP)
-	MKL_THREADING_LAYER=SEQUENTIAL $(BIN)/python -m worker.blas $(BIN)/python -m pytest
+	MKL_THREADING_LAYER=SEQUENTIAL $(BIN)/python -m mlxq.blas $(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check client worker tests

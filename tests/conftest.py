@@ -31,7 +31,7 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model, built once per session (offline, ~2 s)."""
-    from worker import demo_model as builder
+    from mlxq import demo_model as builder
 
     return builder.build(tmp_path_factory.mktemp("model") / "demo")
 

@@ -67,9 +67,9 @@ AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n
 
 def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,
                  consumer: str | None = None, env: dict[str, str] | None = None, **settings: Any) -> WorkerProcess:
-    """Start `python -m worker worker` and wait until its heartbeat says it is ready."""
+    """Start `python -m mlxq worker` and wait until its heartbeat says it is ready."""
     consumer = consumer or f"test-{queue}"
-    args = [sys.executable, "-m", "worker", "worker", "--redis-url", redis_url, "--model", str(model),
+    args = [sys.executable, "-m", "mlxq", "worker", "--redis-url", redis_url, "--model", str(model),
             "--queue", queue, "--heartbeat-s", "0.5", "--log-format", "json"]
     if consumer != AUTO:
         args += ["--consumer", consumer]

@@ -9,8 +9,8 @@ import sys
 import pytest
 from support import ROOT, worker_fixture
 
-from worker.bench import Workload
-from worker.bench_metrics import RequestTiming, command_stats, percentiles, summarize
+from mlxq.bench import Workload
+from mlxq.bench_metrics import RequestTiming, command_stats, percentiles, summarize
 
 
 def test_percentiles_interpolate_linearly():
@@ -64,7 +64,7 @@ worker = worker_fixture()
 def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_path):
     """A small sweep through Redis plus both baselines: the JSON has the documented keys."""
     out = tmp_path / "bench.json"
-    run = subprocess.run([sys.executable, "-m", "worker", "bench", "--redis-url", worker.redis_url, "--queue",
+    run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
                           worker.queue, "--requests", "8", "--concurrency", "1,4", "--input-len", "20",
                           "--output-len", "8", "--vocab", "900", "--baseline", "inprocess", "--baseline",
                           "sequential", "--model", str(demo_model), "--json", str(out)],

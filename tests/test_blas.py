@@ -8,16 +8,16 @@ import sys
 
 import pytest
 
-from worker import blas
+from mlxq import blas
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS runs on Metal/Accelerate")
 
-PROBE = "import mlx.core; from worker import blas; print(blas.in_use())"
+PROBE = "import mlx.core; from mlxq import blas; print(blas.in_use())"
 
 
 def run_probe(**env: str) -> str:
     clean = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", blas.APPLIED)}
-    command = [sys.executable, "-m", "worker.blas", sys.executable, "-c", PROBE]
+    command = [sys.executable, "-m", "mlxq.blas", sys.executable, "-c", PROBE]
     return subprocess.run(command, env={**clean, **env}, capture_output=True, text=True, check=True).stdout.strip()
 
 

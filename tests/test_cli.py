@@ -16,7 +16,7 @@ from client import Client, Done, decode_event
 
 worker = worker_fixture()
 
-MLXQ = [sys.executable, "-m", "worker"]
+MLXQ = [sys.executable, "-m", "mlxq"]
 
 
 def mlxq(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

@@ -106,7 +106,7 @@ def test_an_unreachable_redis_is_logged_once_with_its_cause_and_its_return(demo_
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "worker", "worker", "--redis-url", f"redis://127.0.0.1:{port}", "--model",
+            [sys.executable, "-m", "mlxq", "worker", "--redis-url", f"redis://127.0.0.1:{port}", "--model",
              str(demo_model), "--queue", "later", "--consumer", f"later-{port}", "--log-format", "json"],
             cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     server = ValkeyServer(port=port, data_dir=tmp_path, config={"save": "", "appendonly": "no"})

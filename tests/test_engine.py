@@ -10,8 +10,8 @@ from collections.abc import Iterable
 import pytest
 
 from client import Delta, Done, Error
-from worker.engine import Engine, Loaded, ModelInfo
-from worker.generator import TokenOut
+from worker.backends import Loaded, ModelInfo, TokenOut
+from worker.engine import Engine
 from worker.messages import EngineRequest, Resume, Route, SamplingParams, StepOutput
 from worker.scheduler import Scheduler
 

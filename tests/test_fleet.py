@@ -95,7 +95,7 @@ def test_a_name_held_by_a_live_worker_is_refused(valkey, demo_model, logs_dir, q
         log_path = logs_dir / f"refused-{queue}.log"
         with open(log_path, "wb") as log_file:
             process = subprocess.run(
-                [sys.executable, "-m", "worker", "worker", "--redis-url", valkey, "--model", str(demo_model),
+                [sys.executable, "-m", "mlxq", "worker", "--redis-url", valkey, "--model", str(demo_model),
                  "--queue", queue, "--consumer", holder.consumer, "--log-format", "json"],
                 cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, timeout=60)
         assert process.returncode == 2

@@ -12,7 +12,7 @@ from support import ROOT
 
 def test_a_small_simulated_fleet_loses_and_repeats_nothing(tmp_path):
     out = tmp_path / "fleet.json"
-    run = subprocess.run([sys.executable, "-m", "worker.fleet_sim", "--workers", "2", "--slots", "8", "--step-ms",
+    run = subprocess.run([sys.executable, "-m", "mlxq.fleet_sim", "--workers", "2", "--slots", "8", "--step-ms",
                           "5", "--requests", "120", "--output-len", "12", "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from client import Delta, Done, Timing
-from worker.generator import TokenOut
+from worker.backends import TokenOut
 from worker.messages import EngineRequest, Route, SamplingParams
 from worker.output import RequestOutput, process_step
 

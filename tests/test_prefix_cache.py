@@ -10,7 +10,8 @@ import pytest
 from support import check_stream, worker_fixture, xadd_json
 
 from client import Done
-from worker.generator import Coverage, MlxBatchBackend
+from worker.backends import Coverage
+from worker.backends.mlx_lm import MlxBatchBackend
 from worker.prefix_cache import PrefixCache
 from worker.sampling import build_logits_processors, build_sampler
 

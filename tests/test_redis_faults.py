@@ -197,7 +197,7 @@ def test_a_worker_denied_its_own_commands_stops_and_says_which(server, admin, de
     url = acl_user(admin, server, *WORKER_RULES, "-xreadgroup")
     log_path = logs_dir / f"denied-{uuid.uuid4().hex[:6]}.log"
     with open(log_path, "wb") as log_file:
-        denied = subprocess.run([sys.executable, "-m", "worker", "worker", "--redis-url", url, "--model",
+        denied = subprocess.run([sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--model",
                                  str(demo_model), "--queue", "denied", "--log-format", "json"],
                                 cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT, timeout=60)
     assert denied.returncode == 1

@@ -10,9 +10,9 @@ import uuid
 from support import worker_fixture, xadd_json
 
 from client import Delta, Done
+from worker.backends.mlx_lm import load_text_model
 from worker.engine import Engine
 from worker.messages import EngineRequest, Route, SamplingParams, StepOutput
-from worker.model import load_text_model
 from worker.settings import WorkerSettings
 
 worker = worker_fixture(prefill_step_size=128)

@@ -38,7 +38,7 @@ def b64(data: bytes) -> str:
 def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen2-VL, built the way a user builds it: `mlxq demo-model --vision PATH`."""
     path = tmp_path_factory.mktemp("model") / "vision"
-    built = subprocess.run([sys.executable, "-m", "worker", "demo-model", "--vision", str(path)], cwd=ROOT,
+    built = subprocess.run([sys.executable, "-m", "mlxq", "demo-model", "--vision", str(path)], cwd=ROOT,
                            capture_output=True, text=True, timeout=120)
     assert built.returncode == 0, built.stderr
     assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2_vl"
@@ -241,7 +241,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
     photo = tmp_path / "photo.png"
     photo.write_bytes(png(168, 112, 10))
     rid = f"cli-image-{uuid.uuid4().hex[:8]}"
-    result = subprocess.run([sys.executable, "-m", "worker", "submit", "--redis-url", worker.redis_url,
+    result = subprocess.run([sys.executable, "-m", "mlxq", "submit", "--redis-url", worker.redis_url,
                              "--queue", worker.queue, "--image", str(photo), "--max-tokens", "8", "--id", rid,
                              "What is in the picture?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -249,7 +249,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
     assert isinstance(done, Done) and result.stdout == done.text + "\n"
     assert done.usage.prompt_tokens > IMAGE_168x112_TOKENS
     assert f"{done.usage.prompt_tokens} prompt + 8 completion tokens" in result.stderr
-    missing = subprocess.run([sys.executable, "-m", "worker", "submit", "--redis-url", worker.redis_url,
+    missing = subprocess.run([sys.executable, "-m", "mlxq", "submit", "--redis-url", worker.redis_url,
                               "--image", str(tmp_path / "nope.png"), "x"], cwd=ROOT, capture_output=True, text=True)
     assert missing.returncode == 1 and "cannot read the image" in missing.stderr
 
@@ -272,11 +272,11 @@ def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
 
 @pytest.fixture(scope="module")
 def backend_parts(vision_model: Path):
+    from worker.backends.mlx_vlm import load_vision_model
     from worker.settings import WorkerSettings
-    from worker.vision import load_vision_model
 
     settings = WorkerSettings(model=str(vision_model), prefill_step_size=8)
-    return load_vision_model(settings, str(vision_model), "tiny-vl"), settings
+    return load_vision_model(settings), settings
 
 
 def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend_parts):

@@ -22,9 +22,9 @@ from redis.exceptions import RedisError
 
 from client.keys import Keys
 
-from . import blas
+from .backends import Loaded, ModelInfo
 from .cancels import listen_for_cancels
-from .engine import Engine, EngineFailed, Loaded, ModelInfo
+from .engine import Engine, EngineFailed
 from .faults import Faults
 from .intake import Intake
 from .leases import Leases
@@ -44,8 +44,10 @@ log = structlog.get_logger("mlxq.worker")
 class Worker:
     """One worker: a consumer in the queue's group, with one engine."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str, load: Callable[[], Loaded]) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, load: Callable[[], Loaded],
+                 blas: str = "platform") -> None:
         self.settings = settings
+        self.blas = blas  # which BLAS MLX's CPU backend runs on (the command line put it in front)
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
         self.faults = Faults.from_environment()
@@ -142,8 +144,8 @@ class Worker:
                         "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
                         max_num_seqs=self.settings.max_num_seqs)
         log.info("worker ready", queue=self.redis_queue.queue_stream, consumer=self.redis_queue.consumer,
-                 model=info.name, redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs, blas=blas.in_use())
-        if blas.in_use() == "reference":
+                 model=info.name, redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs, blas=self.blas)
+        if self.blas == "reference":
             log.warning("MLX runs on the reference BLAS, which is slow: install the worker extra (mkl) or "
                         "`apt install libopenblas0-pthread`; see the README")
 

@@ -12,15 +12,13 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import structlog
 
 from client.protocol import ErrorCode
 
+from .backends import Coverage, Loaded, ModelInfo
 from .faults import NONE, Faults
-from .generator import BatchBackend, Coverage
 from .messages import (
     Abandon,
     CacheStats,
@@ -34,37 +32,12 @@ from .messages import (
     Submit,
 )
 from .output import RequestOutput, deadline_exceeded, failed, not_started, process_step
-from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler
 
 log = structlog.get_logger("mlxq.engine")
 
 HOUSEKEEPING_S = 5.0  # under steady load, how often cached buffers are released and stats refreshed
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the event loop may know of the loaded model (the tokenizer only encodes there)."""
-
-    name: str
-    tokenizer: Any
-    context_length: int
-    vocab_size: int
-    vision: Any = None  # on a vision model, what builds image prompts (`images.VisionPrompts`)
-
-
-@dataclass
-class Loaded:
-    """What a loader returns; made and used on the engine thread only."""
-
-    info: ModelInfo
-    make_backend: Callable[[], BatchBackend]
-    new_detokenizer: Callable[[], Any]
-    prefix_cache: PrefixCache | None = None  # the engine's own; a backend may keep caches of its own
-    cache_stats: Callable[[], dict[str, CacheStats | None]] = dict  # the backend's own caches, by heartbeat name
-    memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
-    release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
 
 
 class EngineFailed(RuntimeError):

@@ -13,7 +13,7 @@ from typing import Any
 
 from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, Usage
 
-from .generator import TokenOut
+from .backends import TokenOut
 from .messages import EngineRequest, Outgoing, Resume, Route
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from client.keys import Keys
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
-from .engine import ModelInfo
+from .backends import ModelInfo
 from .faults import NONE, Faults
 from .images import PreparedImage
 from .messages import EngineRequest, Resume, Route, SamplingParams

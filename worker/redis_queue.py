@@ -76,7 +76,7 @@ class RedisQueue:
             if entries:
                 return entries
             wanted = count if len(self.request_streams) == 1 else 1
-            every = {stream: ">" for stream in self.request_streams}
+            every: dict[Any, Any] = {stream: ">" for stream in self.request_streams}
             reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=wanted, block=block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):

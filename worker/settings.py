@@ -6,6 +6,7 @@ import os
 import re
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -15,9 +16,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 
-EMBEDDED_PORT = 6390
+EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 
 
 class WorkerSettings(BaseSettings):

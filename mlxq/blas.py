@@ -7,7 +7,7 @@ without asking: oneMKL from PyPI (`mkl`, installed with the worker extra on Linu
 x86_64, no root needed) and Debian's OpenBLAS (`apt install libopenblas0-pthread`).
 `MLXQ_BLAS` overrides: a library path, or `off`. macOS (Metal) is left alone.
 
-    python -m worker.blas COMMAND ...    # run COMMAND with the BLAS in front (make test)
+    python -m mlxq.blas COMMAND ...    # run COMMAND with the BLAS in front (make test)
 """
 
 from __future__ import annotations

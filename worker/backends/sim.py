@@ -1,6 +1,6 @@
 """A simulated engine for fleet-scale runs: the real worker, queue and protocol, with a
 batch backend that sleeps instead of computing. Only for `mlxq worker --model sim:...`
-in fleet simulations (docs/fleet_sim.py); everything else runs the real model.
+in fleet simulations (`python -m mlxq.fleet_sim`); everything else runs the real model.
 
     sim:step_ms=25,slots=64    one decode step takes 25 ms for up to 64 sequences
 
@@ -15,8 +15,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from .engine import Loaded, ModelInfo
-from .generator import Coverage, TokenOut
+from . import Coverage, Loaded, ModelInfo, TokenOut
 
 
 class SimBackend:

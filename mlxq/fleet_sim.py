@@ -1,7 +1,7 @@
 """Fleet scale on one machine: N real worker processes with the simulated engine
 (`worker/sim.py`) against one Valkey, driven by `mlxq bench`'s client.
 
-    python -m worker.fleet_sim --workers 8 --slots 64 --step-ms 25 --requests 4000 --output-len 64
+    python -m mlxq.fleet_sim --workers 8 --slots 64 --step-ms 25 --requests 4000 --output-len 64
 
 Reports requests per minute, tokens per second through Redis, Redis CPU and commands
 per second, and checks every output stream: seq without gaps or repeats, one `done`,
@@ -32,7 +32,7 @@ from .bench_metrics import summarize
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.fleet_sim", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m mlxq.fleet_sim", description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--slots", type=int, default=64, help="max_num_seqs of each worker")
     parser.add_argument("--step-ms", type=float, default=25.0, help="simulated decode step time")
@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _start_worker(url: str, queue: str, index: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
     log = open(Path(tempfile.gettempdir()) / f"mlxq-fleet-sim-{index}.log", "wb")  # noqa: SIM115 - the child owns it
-    command = [sys.executable, "-m", "worker", "worker", "--redis-url", url, "--queue", queue,
+    command = [sys.executable, "-m", "mlxq", "worker", "--redis-url", url, "--queue", queue,
                "--consumer", f"sim-{index}", "--model", f"sim:step_ms={args.step_ms},slots={args.slots}",
                "--max-num-seqs", str(args.slots), "--cache-memory-mb", "0", "--log-level", "warning"]
     return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "MLXQ_BLAS": "off"})

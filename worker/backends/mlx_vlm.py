@@ -4,39 +4,38 @@ Text-only and image requests share one mlx-vlm BatchGenerator, so they batch tog
 Each request enters with its prompt embeddings, made here on the engine thread: the
 vision tower runs once per image not in the vision-embedding cache, and the model
 merges the image features into the token embeddings (with Qwen2-VL's multimodal
-rotary positions). Like `generator.py`, only this module touches mlx-vlm's batching API.
+rotary positions). Like `mlx_lm`, only this module touches its library's batching API.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from .engine import Loaded, ModelInfo
-from .generator import Coverage, TokenOut
-from .images import SUPPORTED_MODEL_TYPES, PreparedImage, VisionPrompts
-from .messages import CacheStats
-from .settings import WorkerSettings
-from .vision_cache import VisionCache
+from ..images import SUPPORTED_MODEL_TYPES, PreparedImage, VisionPrompts
+from ..messages import CacheStats
+from ..settings import WorkerSettings
+from ..vision_cache import VisionCache
+from . import Coverage, Loaded, ModelInfo, TokenOut
+from .mlx_lm import mlx_memory
 
 
-def load_vision_model(settings: WorkerSettings, path: str, name: str) -> Loaded:
+def load_vision_model(settings: WorkerSettings) -> Loaded:
     """Load a Qwen2-VL-family model and its processor through mlx-vlm's `load()`."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
     from transformers.utils import logging as transformers_logging
 
-    from .model import mlx_memory
-
     # mlx-vlm's chat formatting passes options a template may not use, and transformers
     # warns about that on every request; our own log says what happened to each request.
     transformers_logging.set_verbosity_error()
+    assert settings.model is not None
+    name = path = settings.model
     local = get_model_path(path)
     model, processor = load(str(local))
     model_type = model.config.model_type
@@ -91,20 +90,6 @@ def _prefix_stats(cache: Any) -> CacheStats:
     """mlx-vlm's block cache in the common shape: its entries are blocks of 16 tokens."""
     stats = cache.stats
     return CacheStats(entries=stats.pool_used, hits=stats.hits, misses=stats.misses, capacity=cache.num_blocks)
-
-
-def is_vision_model(path: str) -> bool:
-    """Whether the model's config describes a vision-language model (it has a vision tower)."""
-    import json
-
-    local = Path(path)
-    if local.is_dir():
-        config_file = local / "config.json"
-    else:
-        from huggingface_hub import hf_hub_download
-
-        config_file = Path(hf_hub_download(path, "config.json"))
-    return "vision_config" in json.loads(config_file.read_text())
 
 
 class VisionBatchBackend:

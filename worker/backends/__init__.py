@@ -1,0 +1,124 @@
+"""Engine backends: the batch generators the engine drives, and loading a model for one.
+
+The engine sees only `BatchBackend` and `Loaded`; each backend module owns one library's
+batching API, which moves between minor releases:
+
+    mlx_lm    text models, mlx-lm's BatchGenerator
+    mlx_vlm   vision-language models, mlx-vlm's BatchGenerator (the `vision` extra)
+    sim       a simulated engine for fleet-scale runs (`--model sim:...`)
+
+`load_model` picks mlx-vlm when the model's config has a vision tower, else mlx-lm. It
+runs on the engine thread; this module imports no MLX itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ..messages import CacheStats
+
+if TYPE_CHECKING:
+    from mlx_lm.sample_utils import LogitsProcessor, Sampler
+
+    from ..prefix_cache import PrefixCache
+    from ..settings import WorkerSettings
+
+VISION_EXTRA = "pip install 'mlxq[worker,vision]'"
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """A sequence's KV cache and exactly the tokens it covers (prompt and generated)."""
+
+    cache: list[Any]
+    tokens: list[int]
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    """One sequence's token from one decode step; `finish_reason` is set on its last,
+    which also carries the sequence's cache when the backend gives it."""
+
+    uid: int
+    token: int
+    finish_reason: str | None  # "stop" (an eos id) | "length" | None
+    coverage: Coverage | None = None
+    cached_tokens: int | None = None  # on a sequence's first token, from a backend that finds cached prefixes itself
+
+
+class BatchBackend(Protocol):
+    """What the engine needs from a continuous-batching generator."""
+
+    def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
+               logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
+               images: list[Any] | None = None) -> int:
+        """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
+        `images` (on a vision model) are those whose image tokens are in `prompt`."""
+        ...
+
+    def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
+        """Stop sequences; with `keep_caches`, return their caches."""
+        ...
+
+    def step(self) -> list[TokenOut]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the event loop may know of the loaded model (the tokenizer only encodes there)."""
+
+    name: str
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+    vision: Any = None  # on a vision model, what builds image prompts (`images.VisionPrompts`)
+
+
+@dataclass
+class Loaded:
+    """What a loader returns; made and used on the engine thread only."""
+
+    info: ModelInfo
+    make_backend: Callable[[], BatchBackend]
+    new_detokenizer: Callable[[], Any]
+    prefix_cache: PrefixCache | None = None  # the engine's own; a backend may keep caches of its own
+    cache_stats: Callable[[], dict[str, CacheStats | None]] = dict  # the backend's own caches, by heartbeat name
+    memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
+    release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
+
+
+def load_model(settings: WorkerSettings) -> Loaded:
+    """The configured model (a local path or a Hugging Face id), loaded by mlx-vlm if its
+    config has a vision tower, else by mlx-lm."""
+    assert settings.model is not None, "the command line resolves the demo model"
+    if settings.model.startswith("sim:"):
+        from .sim import load_sim
+
+        return load_sim(settings.model)
+    if is_vision_model(settings.model):
+        try:
+            from .mlx_vlm import load_vision_model
+        except ImportError as e:
+            raise RuntimeError(f"{settings.model} is a vision model: {VISION_EXTRA} ({e})") from e
+        return load_vision_model(settings)
+    from .mlx_lm import load_text_model
+
+    return load_text_model(settings)
+
+
+def is_vision_model(path: str) -> bool:
+    """Whether the model's config describes a vision-language model (it has a vision tower)."""
+    local = Path(path)
+    if local.is_dir():
+        config_file = local / "config.json"
+    else:
+        from huggingface_hub import hf_hub_download
+
+        config_file = Path(hf_hub_download(path, "config.json"))
+    return "vision_config" in json.loads(config_file.read_text())
