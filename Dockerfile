@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY client ./client
 COPY worker ./worker
+COPY mlxq ./mlxq
 COPY config ./config
 RUN pip install --no-cache-dir ".[worker]"
 ENV HF_HOME=/cache/hf XDG_CACHE_HOME=/cache

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test install lint clean
+.PHONY: run test test-fast install lint clean
 
 $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "the mlxq worker needs Python 3.11+ (mlx-lm 0.32 does); try: make PYTHON=python3.11")'
@@ -26,8 +26,12 @@ run: $(STAMP)
 test: $(STAMP)
 	MKL_THREADING_LAYER=SEQUENTIAL $(BIN)/python -m mlxq.blas $(BIN)/python -m pytest
 
+# The unit tests alone: no Valkey, no worker processes, no model (seconds).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -m "not process" -q
+
 lint: $(STAMP)
-	$(BIN)/ruff check client worker tests
+	$(BIN)/ruff check client worker mlxq tests
 	$(BIN)/mypy
 
 clean:

@@ -33,9 +33,14 @@ def main(argv: list[str] | None = None) -> None:
     if not getattr(args, "command", None):
         parser.print_help()
         sys.exit(2)
-    if args.command in ("worker", "bench"):  # these run MLX: on a real BLAS where there is one
-        blas.exec_with_blas([sys.executable, "-m", "mlxq", *(sys.argv[1:] if argv is None else argv)])
+    args.argv = sys.argv[1:] if argv is None else argv
     sys.exit(args.run(args))
+
+
+def _on_real_blas(args: argparse.Namespace) -> None:
+    """Run this command again with a real BLAS in front of MLX's reference one, if there
+    is one and it is not in front yet (returns when there is nothing to do)."""
+    blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -159,6 +164,7 @@ def _run_worker(args: argparse.Namespace) -> int:
         from worker.settings import WorkerSettings, load_settings
     except ImportError as e:
         return _missing_extra("worker", e, args)
+    _on_real_blas(args)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
     try:
@@ -264,6 +270,7 @@ def _run_bench(args: argparse.Namespace) -> int:
         from . import bench_cli
     except ImportError as e:
         return _missing_extra("bench", e, args)
+    _on_real_blas(args)
     return bench_cli.run(args)
 
 

@@ -17,6 +17,16 @@ from client import Delta, decode_event
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+# A test that needs one of these starts a Valkey server or loads a model: it is marked
+# `process`, and `make test-fast` (pytest -m "not process") leaves it out.
+PROCESS_FIXTURES = {"valkey", "demo_model", "vision_model"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("process")
+
 
 @pytest.fixture(scope="session")
 def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:

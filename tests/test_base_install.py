@@ -7,7 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from support import ROOT, worker_fixture
+
+pytestmark = pytest.mark.process  # runs the mlxq command in processes
 
 worker = worker_fixture()
 

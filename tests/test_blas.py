@@ -10,7 +10,8 @@ import pytest
 
 from mlxq import blas
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS runs on Metal/Accelerate")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"), reason="macOS runs on Metal/Accelerate"),
+              pytest.mark.process]  # runs Python processes with MLX
 
 PROBE = "import mlx.core; from mlxq import blas; print(blas.in_use())"
 

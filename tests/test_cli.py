@@ -14,6 +14,8 @@ from support import ROOT, free_port, worker_fixture
 
 from client import Client, Done, decode_event
 
+pytestmark = pytest.mark.process  # runs the mlxq command in processes
+
 worker = worker_fixture()
 
 MLXQ = [sys.executable, "-m", "mlxq"]

@@ -7,7 +7,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 from support import ROOT
+
+pytestmark = pytest.mark.process  # runs the mlxq command in processes
 
 
 def test_a_small_simulated_fleet_loses_and_repeats_nothing(tmp_path):
