@@ -42,7 +42,7 @@ class AsyncClient:
     async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
                      lane: str | None = None, encoding: Encoding = "json", **params: Any) -> AsyncJob:
-        """Queue a request (`params` are the DESIGN.md body fields) and return its job.
+        """Queue a request (`params` are the body fields of docs/protocol.md) and return its job.
         `lane` puts it on a priority lane of the queue (workers read the lanes they are
         configured with before the queue itself).
 

@@ -22,7 +22,7 @@ from .protocol import (
 )
 from .replies import StreamEntry
 
-BLOCK_MS = 1000  # each blocking read stays well below redis-py's 5 s socket timeout
+BLOCK_MS = 1000  # each blocking read stays well below the clients' 10 s socket timeout
 
 
 @dataclass(frozen=True)

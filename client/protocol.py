@@ -1,4 +1,4 @@
-"""The wire format: request entries and output events (see DESIGN.md).
+"""The wire format: request entries and output events (docs/protocol.md).
 
 A request is a stream entry `id <id> json <object>` (or `msgpack <map>`). An output
 event is an entry `type <delta|done|error> json|msgpack <body>`. Producers, workers

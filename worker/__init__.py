@@ -1,1 +1,1 @@
-"""The mlxq worker daemon: `mlxq worker` (see `worker.cli`)."""
+"""The mlxq worker daemon, run by `mlxq worker` (`mlxq.cli`); `worker.daemon` starts its parts."""

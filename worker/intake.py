@@ -20,7 +20,7 @@ from client.protocol import Envelope, ErrorCode, RequestRejected, Undeliverable,
 
 from .engine import Engine
 from .messages import Outgoing, Resume, Route
-from .output import deadline_exceeded, failed, not_started
+from .output import failed, not_started
 from .prepare import Preparer
 from .recovery import Delivery, Reclaimer
 from .redis_queue import Arrival, RedisQueue
@@ -138,9 +138,14 @@ class Intake:
         route = self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding)
         resume = None
         if delivery.deliveries > 1:  # an earlier delivery may have written output: continue after it
-            resume = await self._resume(held)
-            if held.status is RequestStatus.FINISHING:
+            earlier = await retrying(partial(self.redis_queue.earlier_output, route), "reading earlier output")
+            held.written = earlier.written
+            if not earlier.whole:
+                self._answer(failed(route, ErrorCode.INTERNAL, (
+                    f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "
+                    "remain in the output stream (expired?); continuing would repeat or skip text")))
                 return
+            resume = earlier.resume()
         if delivery.deliveries > self.settings.max_deliveries:
             await self._poisoned(delivery, route, f"delivered {delivery.deliveries} times (max_deliveries is "
                                  f"{self.settings.max_deliveries}); the workers that took it stopped without "
@@ -158,30 +163,13 @@ class Intake:
         except RequestRejected as e:
             self._answer(failed(route, ErrorCode(e.code), str(e)))
             return
-        if cancelled or held.cancel_requested:
+        if cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
-        elif request.deadline_at is not None and time.time() > request.deadline_at:
-            self._answer(deadline_exceeded(request))
-        else:
-            self.requests.advance(route.id, RequestStatus.ADMITTED)
-            self.engine.submit(request)
-
-    async def _resume(self, held: HeldRequest) -> Resume | None:
-        """What earlier deliveries wrote, to continue after it; None if nothing. If it
-        cannot go on without a gap, the request is failed (and left FINISHING)."""
-        route = held.route
-        earlier = await retrying(partial(self.redis_queue.earlier_output, route), "reading earlier output")
-        held.written = earlier.written
-        if earlier.written == 0:
-            return None
-        if len(earlier.deltas) != earlier.written:
-            self._answer(failed(route, ErrorCode.INTERNAL, (
-                f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "
-                "remain in the output stream (expired?); continuing would repeat or skip text")))
-            return None
-        log.info("resuming a request", request_id=route.id, deltas=earlier.written)
-        return Resume(tokens=[t for d in earlier.deltas for t in d.tokens],
-                      text="".join(d.text for d in earlier.deltas), deltas=earlier.written)
+            return
+        if resume is not None:
+            log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
+        self.requests.advance(route.id, RequestStatus.ADMITTED)
+        self.engine.submit(request)  # it checks the deadline when it admits the request, before any compute
 
     async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
         """An entry that keeps killing or outliving workers: dead letter, and say so."""

@@ -19,7 +19,7 @@ from client.protocol import Delta, Encoding, Error, ErrorCode, Event, decode_eve
 from client.replies import StreamEntry, as_text, keyed_stream_entries
 
 from . import scripts
-from .messages import Route
+from .messages import Resume, Route
 
 log = structlog.get_logger("mlxq.redis")
 
@@ -303,6 +303,18 @@ class EarlierOutput:
 
     written: int
     deltas: list[Delta]
+
+    @property
+    def whole(self) -> bool:
+        """Whether every event written is still there (else continuing would leave a gap)."""
+        return len(self.deltas) == self.written
+
+    def resume(self) -> Resume | None:
+        """Where a new delivery continues: after these deltas; None if nothing was written."""
+        if not self.written:
+            return None
+        return Resume(tokens=[t for d in self.deltas for t in d.tokens], text="".join(d.text for d in self.deltas),
+                      deltas=self.written)
 
 
 @functools.cache

@@ -69,7 +69,7 @@ class WorkerSettings(BaseSettings):
     dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")
     prefetch: int = Field(2, ge=0, description="entries read beyond free room, to hide Redis latency")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
-    block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP block; below the 5 s socket timeout")
+    block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP block; below the 10 s socket timeout")
     heartbeat_s: float = Field(5.0, gt=0, description="how often the heartbeat and the leases on running "
                                "requests are renewed; silent for 3x this, a worker's requests are taken over")
     reclaim_interval_s: float = Field(2.0, gt=0, description="how often to look for requests of workers that died")
