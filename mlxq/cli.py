@@ -46,7 +46,13 @@ def _on_real_blas(args: argparse.Namespace) -> None:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for add in (_add_worker, _add_submit, _add_redis, _add_bench, _add_demo_model):
+        add(commands)
+    return parser
 
+
+def _add_worker(commands: Any) -> None:
+    """`mlxq worker`: one flag per worker setting (none on a client-only install)."""
     worker = commands.add_parser("worker", help="run a worker daemon",
                                  description="Serve one queue. Flags override MLXQ_* variables, which override "
                                              "the --config file, which overrides the defaults.")
@@ -60,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
             _add_setting(worker, name, field)
         worker.set_defaults(run=_run_worker)
 
+
+def _add_submit(commands: Any) -> None:
+    """`mlxq submit`: one request, its text printed."""
     submit = commands.add_parser("submit", help="submit a request and print its output",
                                  description="Submit one request and print the generated text.")
     submit.add_argument("prompt", help="the prompt text")
@@ -82,12 +91,18 @@ def _parser() -> argparse.ArgumentParser:
     submit.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the result")
     submit.set_defaults(run=_run_submit)
 
+
+def _add_redis(commands: Any) -> None:
+    """`mlxq redis`: the embedded Valkey in the foreground."""
     server = commands.add_parser("redis", help="run the embedded Valkey in the foreground",
                                  description="Run the embedded Valkey (persistent, AOF) until interrupted.")
     server.add_argument("--port", type=int, default=EMBEDDED_PORT, help="port on 127.0.0.1")
     server.add_argument("--dir", type=Path, default=None, help=f"data directory (default {embedded.default_dir()})")
     server.set_defaults(run=_run_redis)
 
+
+def _add_bench(commands: Any) -> None:
+    """`mlxq bench`: a workload through Redis, and its report."""
     bench = commands.add_parser("bench", help="measure a running worker fleet through Redis",
                                 description="Send a workload to the workers serving a queue and report latency "
                                             "percentiles and throughput; optionally the same workload in process.")
@@ -116,6 +131,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     bench.set_defaults(run=_run_bench)
 
+
+def _add_demo_model(commands: Any) -> None:
+    """`mlxq demo-model`: the offline demo model."""
     demo = commands.add_parser("demo-model", help="build the tiny offline demo model",
                                description="Build the demo model (random weights, real BPE tokenizer) into PATH.")
     demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(), help="output directory")
@@ -124,7 +142,6 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--vision", action="store_true",
                       help="a tiny Qwen2-VL instead (~200k parameters, served through mlx-vlm)")
     demo.set_defaults(run=_run_demo_model)
-    return parser
 
 
 def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any) -> None:
