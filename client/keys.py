@@ -56,7 +56,8 @@ class Keys:
         return f"{self.prefix}:progress:{{{request_id}}}"
 
     def crashes(self, request_id: str) -> str:
-        """How many workers died while preparing this request: its poison count."""
+        """The open attempts at preparing this request (a set): those left open are workers
+        that died in the middle, its poison count."""
         return f"{self.prefix}:crashes:{{{request_id}}}"
 
     def reply(self, name: str) -> str:

@@ -123,3 +123,19 @@ async def test_refused_stays_with_its_request(r, names):
     assert statuses[1] == Published(PublishStatus.APPLIED)
     assert await r.get(bad.reply_to) == b"not a stream"
     assert (await r.xpending(bad.stream, GROUP))["pending"] == 2
+
+
+async def test_only_attempts_left_open_count_as_crashes(r, names):
+    """An attempt closed after its work leaves no trace; one left open (its worker died)
+    is counted by every later arrival."""
+    queue, rid = names
+    mine = queue_of(r, queue, "c1")
+    first = await mine.arrive(rid, cancel_ttl_s=60)
+    assert first.crashes == 0
+    await mine.close_attempt(rid, first.attempt)
+    died = await mine.arrive(rid, cancel_ttl_s=60)  # never closed: this worker "died"
+    assert died.crashes == 0
+    after = await mine.arrive(rid, cancel_ttl_s=60)
+    assert after.crashes == 1
+    await mine.close_attempt(rid, after.attempt)
+    assert (await mine.arrive(rid, cancel_ttl_s=60)).crashes == 1

@@ -35,10 +35,19 @@ async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, req
                 request_id = message["data"].decode(errors="replace")
                 if requests.cancel(request_id):
                     engine.cancel(request_id)
-                    await redis_queue.limit_cancel_flag(request_id, flag_ttl_s)
+                    await _limit_flag(redis_queue, request_id, flag_ttl_s)
         except (RedisError, OSError) as e:
             stop_if_cancelled(e)
             log.warning("cancel subscription lost; subscribing again", reason=describe(e))
             await asyncio.sleep(1.0)
         finally:
             await pubsub.aclose()
+
+
+async def _limit_flag(redis_queue: RedisQueue, request_id: str, ttl_s: int) -> None:
+    """Give the flag a TTL; a failure here costs a flag's cleanup, not the subscription."""
+    try:
+        await redis_queue.limit_cancel_flag(request_id, ttl_s)
+    except (RedisError, OSError) as e:
+        stop_if_cancelled(e)
+        log.warning("could not give a cancel flag a TTL", request_id=request_id, reason=describe(e))

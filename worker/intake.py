@@ -115,7 +115,7 @@ class Intake:
         try:
             await self._start(delivery, held, arrival)
         finally:
-            await retrying(partial(self.redis_queue.close_attempt, request_id), "closing an attempt")
+            await retrying(partial(self.redis_queue.close_attempt, request_id, arrival.attempt), "closing an attempt")
 
     async def _start(self, delivery: Delivery, held: HeldRequest, arrival: Arrival) -> None:
         """Answer a finished or poisoned request; else prepare it and hand it to the engine."""
@@ -129,9 +129,13 @@ class Intake:
             await self._poisoned(delivery, route, f"{arrival.crashes} worker(s) died while preparing it "
                                  f"(max_crashes is {self.settings.max_crashes})")
             return
-        assert delivery.fields is not None
-        envelope = read_envelope(delivery.fields, max_body_bytes=self.settings.max_body_bytes,
-                                 max_depth=self.settings.max_nesting_depth)
+        fields = delivery.fields
+        assert fields is not None
+        read = partial(read_envelope, fields, max_body_bytes=self.settings.max_body_bytes,
+                       max_depth=self.settings.max_nesting_depth)
+        # Decoding and walking megabytes of body would stall every stream's publishing: off the loop.
+        large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
+        envelope = await asyncio.to_thread(read) if large else read()
         reply_to = envelope.reply_to
         if reply_to is not None and self.redis_queue.keys.reply_to_problem(reply_to):
             reply_to = None  # its error goes to the request's own stream

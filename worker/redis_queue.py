@@ -6,6 +6,7 @@ import enum
 import functools
 import hashlib
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -89,19 +90,21 @@ class RedisQueue:
         """Open an attempt at an arriving request (see `Arrival`) and read whether it
         already finished or was cancelled, in one round trip. A cancel flag set without
         a TTL gets `cancel_ttl_s`, so flags never pile up."""
-        crashes, cancel = self.keys.crashes(request_id), self.keys.cancel_flag(request_id)
+        attempt = uuid.uuid4().hex  # a set member, not a counter: a retried call adds it only once
+        attempts, cancel = self.keys.crashes(request_id), self.keys.cancel_flag(request_id)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.incr(crashes)
-            pipe.expire(crashes, self.dedupe_ttl_s)
+            pipe.sadd(attempts, attempt)
+            pipe.scard(attempts)
+            pipe.expire(attempts, self.dedupe_ttl_s)
             pipe.exists(self.keys.done(request_id))
             pipe.exists(cancel)
             pipe.expire(cancel, cancel_ttl_s, nx=True)
-            opened, _, done, cancelled, _ = await pipe.execute()
-        return Arrival(crashes=int(opened) - 1, done=bool(done), cancelled=bool(cancelled))
+            _, open_attempts, _, done, cancelled, _ = await pipe.execute()
+        return Arrival(attempt, crashes=int(open_attempts) - 1, done=bool(done), cancelled=bool(cancelled))
 
-    async def close_attempt(self, request_id: str) -> None:
+    async def close_attempt(self, request_id: str, attempt: str) -> None:
         """The preparation of a request ended, one way or another, and we are alive."""
-        await self.redis.decr(self.keys.crashes(request_id))
+        await self.redis.srem(self.keys.crashes(request_id), attempt)
 
     async def limit_cancel_flag(self, request_id: str, ttl_s: int) -> None:
         """Give a cancel flag a TTL if whoever set it gave none."""
@@ -289,9 +292,10 @@ class Published:
 @dataclass(frozen=True)
 class Arrival:
     """What Redis knows of a request as a worker takes it in. `crashes` counts the
-    workers that died while preparing it: each attempt adds one before the work and
-    takes it back after, so only an attempt that killed its worker is left counted."""
+    workers that died while preparing it: each attempt is added to a set before the work
+    and removed after, so only the attempts that killed their worker are left in it."""
 
+    attempt: str  # ours, open until `close_attempt`
     crashes: int
     done: bool
     cancelled: bool
