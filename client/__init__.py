@@ -6,7 +6,7 @@ worker (and any other implementation in Python) speaks through them too.
 """
 
 from ._async import DEFAULT_URL, AsyncClient, AsyncJob
-from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, RequestRejected, Undeliverable
+from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
 from ._sync import Client, Job
 from .keys import GROUP, Keys
 from .protocol import Delta, Done, Error, ErrorCode, Event, Timing, Usage, decode_event, encode_event, encode_request
@@ -28,6 +28,7 @@ __all__ = [
     "JobTimeout",
     "Keys",
     "MlxqError",
+    "QueueFull",
     "RequestRejected",
     "Timing",
     "Undeliverable",

@@ -6,8 +6,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
-from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
+from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, build_submission, enqueue_args, queue_full
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .protocol import Delta, Done, Encoding, Event, decode_event
 from .replies import stream_entries
@@ -28,6 +29,8 @@ class AsyncClient:
         self.redis = redis or aioredis.Redis.from_url(url, socket_timeout=10)
         self.queue = queue
         self.keys = Keys(prefix)
+        self._bounds = Bounds()
+        self._enqueue = self.redis.register_script(ENQUEUE)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -46,11 +49,22 @@ class AsyncClient:
         `lane` puts it on a priority lane of the queue (workers read the lanes they are
         configured with before the queue itself).
 
-        Raises `RequestRejected` before sending anything if the request is invalid.
+        Raises `RequestRejected` before sending anything if the request is invalid, and
+        `QueueFull` if the queue already holds as many waiting requests as its workers accept.
         """
         body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
-        submission = build_submission(self.keys, queue or self.queue, id, encoding, body, lane)
-        await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        queue = queue or self.queue
+        submission = build_submission(self.keys, queue, id, encoding, body, lane)
+        bound = self._bounds.cached(queue)
+        if bound is None:
+            bound = self._bounds.remember(queue, await self.redis.hget(self.keys.limits(queue), "max_len"))
+        if not bound:
+            await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        else:
+            try:
+                await self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
+            except ResponseError as e:
+                raise queue_full(e, submission, bound) from e
         return AsyncJob(self, submission.id, submission.output)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:

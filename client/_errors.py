@@ -4,6 +4,7 @@
     ├── RequestRejected      the request is invalid (.code, e.g. invalid_request, too_large);
     │   │                    the client raises it before sending anything
     │   └── Undeliverable    an entry without a readable id: the worker dead-letters it
+    ├── QueueFull            the queue's backlog is at its bound; nothing was sent (.queue, .waiting, .max_len)
     ├── JobFailed            the worker answered with an `error` event (.code, .message)
     ├── JobCancelled         the request ended with finish_reason `cancelled` (.done)
     └── JobTimeout           no terminal event within the timeout (also a TimeoutError)
@@ -33,6 +34,18 @@ class RequestRejected(MlxqError, ValueError):
 
 class Undeliverable(RequestRejected):
     """A request entry without a readable id: nobody can be answered, so it is dead-lettered."""
+
+
+class QueueFull(MlxqError):
+    """The queue holds as many waiting requests as its workers accept (`max_queue_len`);
+    the request was not sent. Retry later, with backoff."""
+
+    def __init__(self, stream: str, waiting: int, max_len: int) -> None:
+        super().__init__(f"{stream} is full: {waiting} requests waiting, the workers accept at most {max_len}; "
+                         "retry later")
+        self.stream = stream
+        self.waiting = waiting
+        self.max_len = max_len
 
 
 class JobFailed(MlxqError):

@@ -7,8 +7,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import JobCancelled, JobFailed, JobTimeout, RequestRejected
-from .keys import Keys
+from ._errors import JobCancelled, JobFailed, JobTimeout, QueueFull, RequestRejected
+from .keys import GROUP, Keys
 from .protocol import (
     MAX_NESTING_DEPTH,
     Delta,
@@ -23,6 +23,18 @@ from .protocol import (
 from .replies import StreamEntry
 
 BLOCK_MS = 1000  # each blocking read stays well below the clients' 10 s socket timeout
+BOUND_TTL_S = 5.0  # a queue's published bound is read again after this long
+
+# Add the entry unless the stream already holds `max_len` requests nobody has read yet
+# (its length minus those pending in the group), atomically. One key: fine on a cluster.
+# KEYS: the request stream. ARGV: group, max_len, then the entry's fields and values.
+ENQUEUE = """
+local waiting = redis.call('XLEN', KEYS[1])
+local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+if type(pending) == 'table' and not pending.err then waiting = waiting - pending[1] end
+if waiting >= tonumber(ARGV[2]) then return redis.error_reply('QUEUEFULL ' .. waiting) end
+return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+"""
 
 
 @dataclass(frozen=True)
@@ -33,6 +45,40 @@ class Submission:
     stream: str
     fields: dict[str, bytes | str]
     output: str
+
+
+class Bounds:
+    """The bounds workers published for their queues (`mlxq:limits:<queue>`), each read
+    again after `BOUND_TTL_S`; 0 or none published: no bound."""
+
+    def __init__(self) -> None:
+        self._known: dict[str, tuple[float, int]] = {}
+
+    def cached(self, queue: str) -> int | None:
+        """The bound if read lately, else None (read it and `remember` it)."""
+        known = self._known.get(queue)
+        return known[1] if known and time.monotonic() - known[0] < BOUND_TTL_S else None
+
+    def remember(self, queue: str, raw: bytes | str | None) -> int:
+        try:
+            bound = max(0, int(raw or 0))
+        except ValueError:
+            bound = 0
+        self._known[queue] = (time.monotonic(), bound)
+        return bound
+
+
+def enqueue_args(submission: Submission, bound: int) -> list[Any]:
+    """ARGV of `ENQUEUE` for a submission."""
+    return [GROUP, bound, *(item for pair in submission.fields.items() for item in pair)]
+
+
+def queue_full(error: Exception, submission: Submission, bound: int) -> Exception:
+    """`QueueFull` if `ENQUEUE` refused the entry, else the error itself."""
+    text = str(error)
+    if text.startswith("QUEUEFULL"):
+        return QueueFull(submission.stream, int(text.split()[1]), bound)
+    return error
 
 
 def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: Encoding,

@@ -6,9 +6,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import redis as redis_py
+from redis.exceptions import ResponseError
 
 from ._async import CANCEL_TTL_S, DEFAULT_URL
-from ._jobs import BLOCK_MS, Cursor, Deadline, build_submission
+from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, build_submission, enqueue_args, queue_full
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .protocol import Delta, Done, Encoding, Event, decode_event
 from .replies import stream_entries
@@ -27,6 +28,8 @@ class Client:
         self.redis = redis or redis_py.Redis.from_url(url, socket_timeout=10)
         self.queue = queue
         self.keys = Keys(prefix)
+        self._bounds = Bounds()
+        self._enqueue = self.redis.register_script(ENQUEUE)
 
     def __enter__(self) -> Client:
         return self
@@ -45,11 +48,22 @@ class Client:
         `lane` puts it on a priority lane of the queue (workers read the lanes they are
         configured with before the queue itself).
 
-        Raises `RequestRejected` before sending anything if the request is invalid.
+        Raises `RequestRejected` before sending anything if the request is invalid, and
+        `QueueFull` if the queue already holds as many waiting requests as its workers accept.
         """
         body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
-        submission = build_submission(self.keys, queue or self.queue, id, encoding, body, lane)
-        self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        queue = queue or self.queue
+        submission = build_submission(self.keys, queue, id, encoding, body, lane)
+        bound = self._bounds.cached(queue)
+        if bound is None:
+            bound = self._bounds.remember(queue, self.redis.hget(self.keys.limits(queue), "max_len"))
+        if not bound:
+            self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+        else:
+            try:
+                self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
+            except ResponseError as e:
+                raise queue_full(e, submission, bound) from e
         return Job(self, submission.id, submission.output)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:

@@ -78,3 +78,17 @@ class Keys:
     def worker(self, consumer: str) -> str:
         """One worker's heartbeat: its load and what it serves, with a TTL."""
         return f"{self.prefix}:workers:{consumer}"
+
+    def stats(self, consumer: str) -> str:
+        """One worker's totals and last heartbeat (a hash), kept for days after it stops."""
+        return f"{self.prefix}:stats:{consumer}"
+
+    @property
+    def fleet(self) -> str:
+        """Every worker seen lately (a sorted set: consumer name, scored by when last seen)."""
+        return f"{self.prefix}:fleet"
+
+    def limits(self, queue: str) -> str:
+        """What the workers of `queue` accept (a hash; `max_len`: the most requests waiting
+        in each of its streams before producers are refused with QueueFull)."""
+        return f"{self.prefix}:limits:{queue}"

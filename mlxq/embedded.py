@@ -27,6 +27,41 @@ def is_serving(port: int, host: str = "127.0.0.1") -> bool:
         return False
 
 
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether anything at all listens on `host:port`."""
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def other_clients(port: int) -> int:
+    """How many connections other than this one the server on `port` has (workers,
+    producers, `mlxq status`); -1 if it cannot be asked."""
+    import redis
+
+    try:
+        with redis.Redis(port=port, socket_timeout=5) as r:
+            return len(r.client_list()) - 1
+    except (redis.RedisError, OSError):
+        return -1
+
+
+def shutdown(port: int) -> bool:
+    """Ask the server on `port` to shut down (it writes its AOF first); False if none answered."""
+    import redis
+
+    try:
+        with redis.Redis(port=port, socket_timeout=15) as r:
+            r.shutdown()
+    except redis.ConnectionError:
+        return not is_serving(port)  # the server hangs up as it goes: that is success
+    except (redis.RedisError, OSError):
+        return False
+    return True
+
+
 def available() -> bool:
     """Whether the embedded Valkey is installed (the `embedded` extra)."""
     try:
@@ -51,6 +86,10 @@ def url(port: int) -> str:
     return f"redis://127.0.0.1:{port}"
 
 
+class EmbeddedFailed(RuntimeError):
+    """The embedded server could not be started; the message says why."""
+
+
 def start_detached(port: int, data_dir: Path | None = None, timeout: float = 30.0) -> subprocess.Popen[bytes]:
     """Run `mlxq redis` in its own session and wait until it serves.
 
@@ -60,12 +99,16 @@ def start_detached(port: int, data_dir: Path | None = None, timeout: float = 30.
     args = [sys.executable, "-m", "mlxq", "redis", "--port", str(port)]
     if data_dir is not None:
         args += ["--dir", str(data_dir)]
-    process = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL)
+    log_path = Path(data_dir or default_dir()) / "mlxq-redis.log"  # it outlives us: not a pipe we would close
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log_file)
     deadline = time.monotonic() + timeout
     while not is_serving(port):
         if process.poll() is not None or time.monotonic() > deadline:
             stop_detached(process)
-            raise RuntimeError(f"the embedded Valkey did not start on port {port}")
+            why = (log_path.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+            raise EmbeddedFailed(f"the embedded Valkey did not start on port {port}: {why}")
         time.sleep(0.05)
     return process
 

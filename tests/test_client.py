@@ -24,7 +24,7 @@ def test_public_names():
     """The package exports exactly its documented API."""
     assert set(client.__all__) == {
         "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "ErrorCode", "Event",
-        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "RequestRejected", "Timing",
+        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "RequestRejected", "Timing",
         "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
 
 

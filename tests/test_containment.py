@@ -38,8 +38,10 @@ def test_the_dead_letter_stream_is_capped(worker, r):
 
 def test_a_dead_letter_keeps_a_bounded_copy(worker, r):
     """An entry without an id, with a 100 kB body and 30 more fields, is copied as 16
-    fields, each cut to 4 kB, with the original sizes and the number dropped noted."""
-    fields = {"json": json.dumps({"prompt": "x" * 100_000}), **{f"extra{i}": "y" * 10 for i in range(30)}}
+    fields, the body cut to 64 KiB and the others to 1 KiB, with the original sizes and
+    the number dropped noted."""
+    fields = {"json": json.dumps({"prompt": "x" * 100_000}), "extra0": "y" * 5000,
+              **{f"extra{i}": "y" * 10 for i in range(1, 30)}}
     entry_id = r.xadd(f"mlxq:q:{worker.queue}", fields).decode()
     dead = f"mlxq:q:{worker.queue}:dead"
     deadline = time.monotonic() + 30
@@ -50,7 +52,8 @@ def test_a_dead_letter_keeps_a_bounded_copy(worker, r):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     letter = letters[entry_id]
-    assert len(letter[b"field:json"]) == 4096
+    assert len(letter[b"field:json"]) == 65536
+    assert len(letter[b"field:extra0"]) == 1024 and int(letter[b"field:extra0:bytes"]) == 5000
     assert int(letter[b"field:json:bytes"]) == len(fields["json"])
     assert int(letter[b"fields_dropped"]) == len(fields) - 16
     assert b"missing field 'id'" in letter[b"reason"]

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 from support import ROOT
 
-from worker.settings import WorkerSettings, load_settings
+from worker.settings import SettingsError, WorkerSettings, load_settings
 
 
 def test_defaults():
@@ -30,16 +30,39 @@ def test_precedence(tmp_path, monkeypatch):
     assert settings.default_max_tokens == WorkerSettings.model_fields["default_max_tokens"].default
 
 
-def test_bad_settings_are_refused(tmp_path):
-    """Unknown keys and out-of-range values in a config file are errors, not ignored."""
+def test_bad_settings_are_refused(tmp_path, monkeypatch):
+    """Unknown keys (in the file or the environment), TOML syntax errors and out-of-range
+    values are errors that name the file or variable and the closest known setting."""
     config = tmp_path / "bad.toml"
     config.write_text("max_num_seq = 3\n")
-    with pytest.raises(ValidationError, match="max_num_seq"):
+    with pytest.raises(SettingsError, match=rf"^config file {config}: unknown setting 'max_num_seq' "
+                                            r"\(did you mean max_num_seqs\?\)$"):
+        load_settings(config)
+    config.write_text('queue = "unterminated\n')
+    with pytest.raises(SettingsError, match=rf"^config file {config}: TOML syntax error: .*line 1"):
         load_settings(config)
     with pytest.raises(ValidationError, match="max_num_seqs"):
         load_settings(max_num_seqs=0)
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(SettingsError, match="config file not found"):
         load_settings(tmp_path / "missing.toml")
+    monkeypatch.setenv("MLXQ_MAX_NUM_SEQ", "3")
+    with pytest.raises(SettingsError, match=r"^environment variable MLXQ_MAX_NUM_SEQ is not a worker setting "
+                                            r"\(did you mean MLXQ_MAX_NUM_SEQS\?\); unset it$"):
+        load_settings()
+
+
+def test_a_model_path_that_does_not_exist_is_refused(tmp_path):
+    """A path is checked at once, not looked up on Hugging Face; an id is left to the loader."""
+    with pytest.raises(ValidationError, match=f"{tmp_path}/nope does not exist; give a model directory"):
+        load_settings(model=str(tmp_path / "nope"))
+    assert load_settings(model="mlx-community/Qwen3-0.6B-8bit").model == "mlx-community/Qwen3-0.6B-8bit"
+    assert load_settings(model=str(tmp_path)).model == str(tmp_path)
+
+
+@pytest.mark.parametrize("url", ["localhost:6379", "127.0.0.1", "http://host:6379"])
+def test_a_redis_url_without_a_redis_scheme_is_refused(url):
+    with pytest.raises(ValidationError, match=r"is not a Redis URL: write redis://"):
+        load_settings(redis_url=url)
 
 
 @pytest.mark.parametrize("name", ["worker.toml", "mac-qwen3.toml"])

@@ -16,9 +16,11 @@ from redis.exceptions import RedisError
 from .engine import Engine
 from .redis_queue import RedisQueue
 from .requests import RequestTable
-from .retrying import describe, stop_if_cancelled
+from .retrying import describe, outage, stop_if_cancelled
 
 log = structlog.get_logger("mlxq.worker")
+
+RESUBSCRIBE_S = 1.0
 
 
 async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, requests: RequestTable, engine: Engine,
@@ -28,6 +30,7 @@ async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, req
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
             await pubsub.subscribe(redis_queue.keys.cancel_channel)
+            outage.answered()
             while True:
                 message = await pubsub.get_message(timeout=1.0)
                 if message is None:
@@ -38,8 +41,8 @@ async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, req
                     await _limit_flag(redis_queue, request_id, flag_ttl_s)
         except (RedisError, OSError) as e:
             stop_if_cancelled(e)
-            log.warning("cancel subscription lost; subscribing again", reason=describe(e))
-            await asyncio.sleep(1.0)
+            outage.failed("subscribing to cancels", describe(e), RESUBSCRIBE_S)  # logged once per outage
+            await asyncio.sleep(RESUBSCRIBE_S)
         finally:
             await pubsub.aclose()
 

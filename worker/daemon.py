@@ -14,14 +14,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 from collections.abc import Callable
+from functools import partial
 
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
 from client.keys import Keys
+from client.protocol import Event
 
+from . import metrics
 from .backends import Loaded, ModelInfo
 from .cancels import listen_for_cancels
 from .engine import Engine, EngineFailed
@@ -29,6 +33,7 @@ from .faults import Faults
 from .intake import Intake
 from .leases import Leases
 from .messages import EngineStats, StepOutput
+from .metrics import Metrics
 from .naming import NameTaken
 from .prepare import Preparer
 from .publisher import Publisher
@@ -37,6 +42,7 @@ from .redis_queue import RedisQueue
 from .requests import RequestTable
 from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -58,17 +64,28 @@ class Worker:
         self.engine = Engine(load, settings.max_num_seqs, on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=self._on_stats, priority_aging_s=settings.priority_aging_s, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
-        self.publisher = Publisher(self.redis_queue, self.requests)
+        self.totals = Totals()
+        self.metrics = Metrics(self.totals, self.requests) if settings.metrics_port is not None else None
+        self.publisher = Publisher(self.redis_queue, self.requests, on_published=self._on_published)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
         self._leases: Leases | None = None
         self._stats: EngineStats | None = None  # the engine's latest, kept for the heartbeat
+        self._scrapes: socket.socket | None = None  # the metrics port, bound at start
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit status."""
         self._loop = asyncio.get_running_loop()
+        try:
+            self._scrapes = self._listen_for_scrapes()
+        except OSError as e:
+            log.critical("worker exiting: the metrics port cannot be opened; choose another --metrics-port",
+                         port=self.settings.metrics_port, host=self.settings.metrics_host, error=str(e))
+            return 2
         await retrying(self.redis_queue.ensure_group, f"connecting to {self.redis_url}")
+        await retrying(partial(self.redis_queue.publish_limits, self.settings.queue, self.settings.max_queue_len),
+                       "publishing the queue's bound")
         clock_offset_s = await retrying(self.redis_queue.clock_offset_s, "reading the server clock")
         self.engine.start()
         try:
@@ -77,7 +94,8 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(self._loop)
-        leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name)
+        leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name, self.totals,
+                                       self.blas)
         if self._stats is not None:
             leases.update(self._stats)
         try:
@@ -92,16 +110,40 @@ class Worker:
         self._announce(info)
         return await self._serve(intake, leases)
 
+    def _listen_for_scrapes(self) -> socket.socket | None:
+        """Bind the metrics port, if one is set; a busy port stops the start (`OSError`)."""
+        if self.metrics is None or self.settings.metrics_port is None:
+            return None
+        return metrics.listen(self.settings.metrics_host, self.settings.metrics_port)
+
+    async def _health(self) -> str | None:
+        """None while the engine thread lives and Redis answers; else why not (`/healthz`)."""
+        if not self.engine.is_alive():
+            return "engine thread not running"
+        try:
+            await asyncio.wait_for(self.redis.ping(), timeout=2.0)
+        except (RedisError, OSError, TimeoutError) as e:
+            return f"redis: {describe(e)}"
+        return None
+
+    def _on_published(self, event: Event) -> None:
+        self.totals.observe(event)
+        if self.metrics is not None:
+            self.metrics.observe(event)
+
     def _intake(self, info: ModelInfo, clock_offset_s: float) -> Intake:
         reclaimer = Reclaimer(self.redis_queue, self.settings.reclaim_interval_s,
-                              min_idle_ms=int(2000 * self.settings.heartbeat_s))
+                              min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
         return Intake(self.settings, self.redis_queue, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults), self.engine, self.publisher.emit, clock_offset_s)
+                      Preparer(info, self.settings, self.faults), self.engine, self.publisher.emit, clock_offset_s,
+                      self.totals)
 
     async def _serve(self, intake: Intake, leases: Leases) -> int:
         """Run the loops until a stop; then drain, hand back and close."""
         reading = asyncio.create_task(intake.run(self._stop), name="intake")
         others = [asyncio.create_task(self.publisher.run(), name="publisher"),
+                  *([asyncio.create_task(metrics.serve(self.metrics, self._health, self._scrapes), name="metrics")]
+                    if self.metrics is not None and self._scrapes is not None else []),
                   asyncio.create_task(listen_for_cancels(self.redis, self.redis_queue, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases")]
@@ -109,6 +151,7 @@ class Worker:
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
         stuck = await _cancel(reading)
+        await leases.draining()
         status = await self._drain()
         stuck |= await _cancel(*others)
         await leases.hand_back()
@@ -135,6 +178,8 @@ class Worker:
 
     def _update_stats(self, stats: EngineStats) -> None:
         self._stats = stats
+        if self.metrics is not None:
+            self.metrics.engine_stats = stats
         if self._leases is not None:
             self._leases.update(stats)
 

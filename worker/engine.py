@@ -98,6 +98,10 @@ class Engine:
         """Drop waiting requests, let running ones finish for `drain_timeout_s`, then stop."""
         self._commands.put(Shutdown(time.monotonic() + drain_timeout_s))
 
+    def is_alive(self) -> bool:
+        """Whether the engine thread runs (loading, idle or stepping)."""
+        return self._thread.is_alive()
+
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to end; True if it did."""
         self._thread.join(timeout)

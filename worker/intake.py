@@ -27,6 +27,7 @@ from .redis_queue import Arrival, RedisQueue
 from .requests import HeldRequest, RequestStatus, RequestTable
 from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -43,7 +44,7 @@ class Intake:
 
     def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
                  reclaimer: Reclaimer, preparer: Preparer, engine: Engine, emit: Callable[[Outgoing], None],
-                 clock_offset_s: float) -> None:
+                 clock_offset_s: float, totals: Totals) -> None:
         self.settings = settings
         self.redis_queue = redis_queue
         self.requests = requests
@@ -52,6 +53,7 @@ class Intake:
         self.engine = engine
         self.emit = emit  # hands an event straight to the publisher
         self.clock_offset_s = clock_offset_s
+        self.totals = totals  # counts its dead letters
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled)."""
@@ -101,6 +103,7 @@ class Intake:
             log.warning("dead letter", entry_id=entry_id, reason=str(e))
             await retrying(partial(self.redis_queue.dead_letter, stream, entry_id, fields, str(e),
                                    deliveries=delivery.deliveries), "dead-lettering")
+            self.totals.count("dead_letters")
             return
         held = self.requests.get(request_id)
         if held is not None:
@@ -181,6 +184,7 @@ class Intake:
         assert delivery.fields is not None
         await retrying(partial(self.redis_queue.record_dead, route.stream, route.entry_id, delivery.fields, reason,
                                deliveries=delivery.deliveries), "dead-lettering")
+        self.totals.count("dead_letters")
         self._answer(failed(route, ErrorCode.POISONED, f"{reason}; moved to {self.redis_queue.dead}"))
 
     async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
@@ -196,6 +200,7 @@ class Intake:
             await retrying(partial(self.redis_queue.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
                                    f"the worker could not read this entry: {reason}",
                                    deliveries=delivery.deliveries), "dead-lettering")
+            self.totals.count("dead_letters")
 
     def _answer(self, outgoing: Outgoing) -> None:
         """The request's terminal event, made here rather than by the engine."""

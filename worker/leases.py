@@ -9,6 +9,7 @@ held is handed back (marked long idle), so another worker resumes it at its next
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import socket
@@ -24,21 +25,34 @@ from .redis_queue import RedisQueue
 from .requests import RequestStatus, RequestTable
 from .retrying import describe, retrying
 from .settings import WorkerSettings
+from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
 
 HAND_BACK_IDLE_MS = 10**9  # entries handed back look long abandoned, so others take them at once
+STATS_KEEP_S = 7 * 86400  # a worker's totals outlive restarts under its name for this long
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mlxq")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class Leases:
     """Claims a consumer name, then keeps it, the heartbeat and the entries' leases alive."""
 
     def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
-                 model_name: str) -> None:
+                 model_name: str, totals: Totals, blas: str) -> None:
         self.settings = settings
         self.redis_queue = redis_queue
         self.requests = requests
         self.model_name = model_name
+        self.totals = totals
+        self.blas = blas
+        self.state = "ready"  # then "draining", then "stopped"
+        self.version = _version()
         self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
         self.started_at = time.time()
         self.stats: EngineStats | None = None  # the engine's latest
@@ -55,6 +69,7 @@ class Leases:
             return self._heartbeat()
 
         self.redis_queue.consumer = await claim_consumer_name(self.redis_queue, self.settings, heartbeat, self.ttl_s)
+        self.totals.restore(await retrying(self.redis_queue.read_stats, "reading this worker's totals"))
         return self.consumer
 
     def update(self, stats: EngineStats) -> None:
@@ -67,10 +82,21 @@ class Leases:
             await asyncio.sleep(self.settings.heartbeat_s)
             await retrying(self._keep_alive, "renewing the heartbeat and leases")
 
+    async def draining(self) -> None:
+        """Say at once that this worker drains (takes nothing new); a failure waits for the
+        next heartbeat."""
+        self.state = "draining"
+        try:
+            await self._keep_alive()
+        except (RedisError, OSError) as e:
+            log.warning("could not announce the drain", reason=describe(e))
+
     async def _keep_alive(self) -> None:
         """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
-        lost = await self.redis_queue.keep_mine(self.requests.by_stream(), self._heartbeat(), ttl_s=self.ttl_s,
+        heartbeat = self._heartbeat()
+        lost = await self.redis_queue.keep_mine(self.requests.by_stream(), heartbeat, ttl_s=self.ttl_s,
                                                 instance=self.instance)
+        await self._record(heartbeat)
         for entry_id in lost:
             held = self.requests.by_entry(entry_id)
             if held is not None:
@@ -84,16 +110,26 @@ class Leases:
         try:
             await self.redis_queue.keep_mine(self.requests.by_stream(), heartbeat="", ttl_s=0,
                                              instance=self.instance, idle_ms=HAND_BACK_IDLE_MS)
+            self.state = "stopped"
+            await self._record(self._heartbeat())
         except (RedisError, OSError) as e:
             log.warning("could not hand back; others take over when the heartbeat expires", reason=describe(e))
         for held in left:
             self.requests.end(held.route.id, RequestStatus.HANDED_BACK)
         log.info("worker stopped", handed_back=len(left))
 
+    async def _record(self, heartbeat: str) -> None:
+        """Our totals and this heartbeat, kept in Redis past our heartbeat's expiry."""
+        fields = {**self.totals.as_fields(), "heartbeat": heartbeat, "state": self.state,
+                  "last_error": json.dumps(self.totals.last_error)}
+        await self.redis_queue.record_stats(fields, STATS_KEEP_S)
+
     def _heartbeat(self) -> str:
         """What this worker tells the fleet about itself (`mlxq:workers:<consumer>`)."""
         return json.dumps({
-            "consumer": self.consumer, "instance": self.instance, "queue": self.settings.queue,
-            "model": self.model_name, "host": socket.gethostname(), "pid": os.getpid(), "started_at": self.started_at,
+            "consumer": self.consumer, "instance": self.instance, "state": self.state, "queue": self.settings.queue,
+            "lanes": self.settings.lanes, "model": self.model_name, "host": socket.gethostname(), "pid": os.getpid(),
+            "started_at": self.started_at, "version": self.version, "blas": self.blas,
             "in_flight": len(self.requests), "max_num_seqs": self.settings.max_num_seqs,
+            "tok_s": self.totals.tok_s(), "totals": self.totals.as_fields(), "last_error": self.totals.last_error,
             **(self.stats.as_json() if self.stats else {})})

@@ -10,6 +10,7 @@ whether Redis refused its output stream (answer it on its own stream).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
@@ -30,9 +31,11 @@ log = structlog.get_logger("mlxq.worker")
 class Publisher:
     """Owns the queue of step outputs; writes them for the requests the table holds."""
 
-    def __init__(self, redis_queue: RedisQueue, requests: RequestTable) -> None:
+    def __init__(self, redis_queue: RedisQueue, requests: RequestTable,
+                 on_published: Callable[[Event], None] = lambda _: None) -> None:
         self.redis_queue = redis_queue
         self.requests = requests
+        self.on_published = on_published  # each event once it is written (totals, metrics)
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
 
     def emit(self, outgoing: Outgoing) -> None:
@@ -99,6 +102,8 @@ class Publisher:
         route, status = write.route, published.status
         if status is PublishStatus.APPLIED:
             self.requests.wrote(route, write.first + len(write.entries), write.terminal)
+            for event in write.events:
+                self.on_published(event)
             if write.terminal:
                 _log_finished(write.events[-1])
             return []

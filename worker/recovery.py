@@ -17,6 +17,7 @@ from typing import Any
 import structlog
 
 from .redis_queue import RedisQueue
+from .totals import Totals
 
 log = structlog.get_logger("mlxq.recovery")
 
@@ -36,8 +37,9 @@ class Reclaimer:
     first read, so that nothing read afterwards is mistaken for it), then, every
     `interval_s`, what silent consumers held for at least `min_idle_ms`."""
 
-    def __init__(self, redis_queue: RedisQueue, interval_s: float, min_idle_ms: int) -> None:
+    def __init__(self, redis_queue: RedisQueue, interval_s: float, min_idle_ms: int, totals: Totals) -> None:
         self.redis_queue = redis_queue
+        self.totals = totals
         self.interval_s = interval_s
         self.min_idle_ms = min_idle_ms
         self._own: list[tuple[str, str, int]] = []  # (stream, entry id, deliveries) left by an earlier run
@@ -69,6 +71,7 @@ class Reclaimer:
                 rows = await self.redis_queue.pending(stream, consumer, room, self.min_idle_ms)
                 taken = await self._claim(stream, rows, self.min_idle_ms)
                 if taken:
+                    self.totals.count("takeovers", len(taken))
                     log.warning("took over the requests of a silent worker", consumer=consumer, entries=len(taken))
                     self._next_scan = 0.0  # there may be more
                     return taken

@@ -25,7 +25,8 @@ from .messages import Resume, Route
 log = structlog.get_logger("mlxq.redis")
 
 DEAD_FIELDS = 16  # a dead letter keeps at most this many of the original's fields,
-DEAD_FIELD_BYTES = 4096  # each cut to this size (its full size noted beside it)
+DEAD_FIELD_BYTES = 1024  # each cut to this size (its full size noted beside it),
+DEAD_BODY_BYTES = 65536  # but the body (json or msgpack) to this: most can be requeued whole
 
 
 class RedisQueue:
@@ -147,8 +148,8 @@ class RedisQueue:
     def _dead_record(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
                      history: dict[str, Any]) -> dict[Any, Any]:
         """The reason and history, and a bounded copy of the original fields: at most
-        `DEAD_FIELDS` of them, each cut to `DEAD_FIELD_BYTES` (`field:<name>:bytes` says
-        how long it was)."""
+        `DEAD_FIELDS` of them, the body cut to `DEAD_BODY_BYTES` and others to
+        `DEAD_FIELD_BYTES` (`field:<name>:bytes` says how long it was)."""
         record: dict[Any, Any] = {b"stream": stream, b"entry_id": entry_id, b"reason": reason,
                                   b"consumer": self.consumer}
         record.update({k.encode(): str(v) for k, v in history.items()})
@@ -158,9 +159,10 @@ class RedisQueue:
                 break
             key = b"field:" + (name if isinstance(name, bytes) else str(name).encode())[:64]
             value = value if isinstance(value, bytes) else str(value).encode("utf-8", "backslashreplace")
-            if len(value) > DEAD_FIELD_BYTES:
+            limit = DEAD_BODY_BYTES if key in (b"field:json", b"field:msgpack") else DEAD_FIELD_BYTES
+            if len(value) > limit:
                 record[key + b":bytes"] = len(value)
-                value = value[:DEAD_FIELD_BYTES]
+                value = value[:limit]
             record[key] = value
         return record
 
@@ -212,6 +214,27 @@ class RedisQueue:
                     *entries.get(stream, [])]
             lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
         return lost
+
+    async def read_stats(self) -> dict[bytes, bytes]:
+        """The stats hash an earlier run under our consumer name left (empty if none)."""
+        stored: dict[bytes, bytes] = await self.redis.hgetall(self.keys.stats(self.consumer))  # type: ignore[assignment]
+        return stored
+
+    async def record_stats(self, fields: dict[str, Any], keep_s: int) -> None:
+        """Write this worker's totals and last heartbeat where `mlxq status` finds them, for
+        `keep_s` after its last write; workers not seen for that long leave the fleet set."""
+        now = time.time()
+        stats = self.keys.stats(self.consumer)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.hset(stats, mapping={**fields, "last_seen": round(now, 3)})  # type: ignore[dict-item]
+            pipe.expire(stats, keep_s)
+            pipe.zadd(self.keys.fleet, {self.consumer: now})
+            pipe.zremrangebyscore(self.keys.fleet, "-inf", now - keep_s)
+            await pipe.execute()
+
+    async def publish_limits(self, queue: str, max_len: int) -> None:
+        """Tell producers how many waiting requests each stream of the queue accepts (0: no bound)."""
+        await self.redis.hset(self.keys.limits(queue), "max_len", max_len)
 
     async def dead_consumers(self, stream: str) -> list[str]:
         """Other consumers of the group on `stream` whose heartbeat is gone."""

