@@ -22,6 +22,7 @@ from client import Delta, Done, Error, Event, decode_event
 from client.replies import stream_entries
 
 ROOT = Path(__file__).resolve().parent.parent
+MLXQ = [sys.executable, "-m", "mlxq"]  # the `mlxq` command, run from this checkout
 
 
 @dataclass

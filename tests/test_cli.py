@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import redis
-from support import ROOT, free_port, worker_fixture
+from support import MLXQ, ROOT, free_port, worker_fixture
 
 from client import Client, Done, decode_event
 
 pytestmark = pytest.mark.process  # runs the mlxq command in processes
 
 worker = worker_fixture()
-
-MLXQ = [sys.executable, "-m", "mlxq"]
 
 
 def mlxq(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -112,8 +110,8 @@ def test_demo_model_command_builds_a_loadable_model(tmp_path):
 
 
 def test_worker_exits_non_zero_when_the_model_cannot_load(valkey, tmp_path):
-    """A model that cannot be loaded stops the worker with status 1 and says why."""
-    result = mlxq("worker", "--redis-url", valkey, "--model", str(tmp_path / "no-such-model"), "--queue", "nomodel",
+    """A model directory that holds no model stops the worker with status 1 and says why."""
+    result = mlxq("worker", "--redis-url", valkey, "--model", str(tmp_path), "--queue", "nomodel",
                   env={"HF_HUB_OFFLINE": "1"})
     assert result.returncode == 1
     assert "the model could not be loaded" in result.stderr
@@ -140,4 +138,65 @@ def test_ctrl_c_on_submit_cancels_the_request(worker, tmp_path):
         last = decode_event(reply[0][1][-1][1])
         assert time.monotonic() < deadline + 30
     assert last.finish_reason == "cancelled"
+    r.close()
+
+
+def test_help_shows_every_default():
+    """`--help` says the default of each option that has one."""
+    assert "cancelled (default: 600.0)" in " ".join(mlxq("submit", "--help").stdout.split())
+    assert "(default: 20)" in mlxq("dead", "--help").stdout
+    assert "(default: 16; env MLXQ_MAX_NUM_SEQS)" in " ".join(mlxq("worker", "--help").stdout.split())
+
+
+def test_common_mistakes_get_one_line_that_says_what_to_do(tmp_path):
+    """Each mistake ends with one line on stderr, no traceback, and a non-zero status."""
+    port = free_port()
+    busy = socket.create_server(("127.0.0.1", 0))  # listens, but is not Redis
+    busy_port = busy.getsockname()[1]
+    bad_toml = tmp_path / "bad.toml"
+    bad_toml.write_text('queue = "unterminated\n')
+    cases = [
+        (["submit", "--redis-url", f"redis://127.0.0.1:{port}", "Hi"], {}, 1,
+         f"mlxq submit: cannot reach Redis at redis://127.0.0.1:{port}: connection refused: is Redis running on "
+         "that host and port?; check --redis-url (MLXQ_REDIS_URL)"),
+        (["submit", "--redis-url", "localhost:6379", "Hi"], {}, 2,
+         "mlxq submit: --redis-url: 'localhost:6379' is not a Redis URL: write redis://localhost:6379 (rediss:// for "
+         "TLS, unix:///path/to.sock for a socket)"),
+        (["status", "--redis-url", "redis://no-such-host.invalid:6379"], {}, 1,
+         "mlxq status: cannot reach Redis at redis://no-such-host.invalid:6379: host name not resolved: "),
+        (["worker", "--embedded-port", str(busy_port)], {}, 2,
+         f"mlxq worker: port {busy_port} is in use by something that is not Redis, so the embedded Valkey cannot "
+         "start there: free it, or set --embedded-port (MLXQ_EMBEDDED_PORT), or point --redis-url at your Redis"),
+        (["worker", "--config", str(bad_toml)], {}, 2,
+         f"mlxq worker: config file {bad_toml}: TOML syntax error: "),
+        (["worker", "--model", str(tmp_path / "nope")], {}, 2,
+         f"mlxq worker: invalid settings: model: {tmp_path / 'nope'} does not exist; give a model directory or a "
+         "Hugging Face id such as mlx-community/Qwen3-0.6B-8bit"),
+        (["worker"], {"MLXQ_MAX_NUM_SEQ": "4"}, 2,
+         "mlxq worker: environment variable MLXQ_MAX_NUM_SEQ is not a worker setting (did you mean "
+         "MLXQ_MAX_NUM_SEQS?); unset it"),
+        (["redis", "stop", "--port", str(port)], {}, 1, f"mlxq redis: no Redis answers on 127.0.0.1:{port}"),
+    ]
+    try:
+        for args, env, status, message in cases:
+            result = mlxq(*args, env=env)
+            assert result.returncode == status, (args, result.stderr)
+            assert result.stderr.startswith(message), (args, result.stderr)
+            assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    finally:
+        busy.close()
+
+
+def test_submit_warns_when_no_worker_serves_the_queue(valkey):
+    """A request to a queue nobody serves: a warning after a few seconds, then, at the
+    timeout, a message and the request cancelled rather than left for nobody."""
+    queue = f"nobody-{time.monotonic_ns()}"
+    result = mlxq("submit", "--redis-url", valkey, "--queue", queue, "--timeout", "7", "--id", queue, "Anyone?")
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert lines[0].startswith(f"mlxq submit: no live worker serves queue '{queue}' (see `")
+    assert lines[1] == f"mlxq submit: request {queue}: no result within 7.0 s; it was cancelled (a larger --timeout " \
+                       "waits longer)"
+    r = redis.Redis.from_url(valkey)
+    assert r.exists(f"mlxq:cancel:{{{queue}}}"), "the cancel flag is set, so no worker computes it later"
     r.close()
