@@ -3,6 +3,7 @@ a poison request that costs one worker and not the fleet, a burst as a worker st
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -104,6 +105,30 @@ def test_a_name_held_by_a_live_worker_is_refused(valkey, demo_model, logs_dir, q
         assert holder.process.poll() is None
     finally:
         holder.stop()
+
+
+def test_a_name_held_by_another_hosts_lapsing_heartbeat_is_taken_once_it_lapses(valkey, demo_model, logs_dir, r,
+                                                                                  queue):
+    """A worker recreated on another host (a container's new hostname) asks for its old
+    name while the old heartbeat still runs out: it waits for it to lapse, then takes it."""
+    name = f"moved-{queue}"
+    r.set(f"mlxq:workers:{name}", json.dumps({"host": "old-container", "pid": 1, "queue": queue}), px=6000)
+    log_path = logs_dir / f"moved-{queue}.log"
+    with open(log_path, "wb") as log_file:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "mlxq", "worker", "--redis-url", valkey, "--model", str(demo_model),
+             "--queue", queue, "--consumer", name, "--heartbeat-s", "1", "--log-format", "json"],
+            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "worker ready" not in log_path.read_text():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.1)
+        assert "waiting for its heartbeat to lapse" in log_path.read_text()
+        assert json.loads(r.get(f"mlxq:workers:{name}"))["pid"] == process.pid
+    finally:
+        process.terminate()
+        process.wait(60)
 
 
 def test_a_poison_request_costs_one_worker_not_the_fleet(valkey, demo_model, logs_dir, r, outputs, queue):

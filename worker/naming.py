@@ -6,23 +6,34 @@ heartbeat alive, so a dead one's entries would never be taken over. A name is ta
 writing its heartbeat only where no live worker's heartbeat is (`scripts.CLAIM_NAME`).
 A heartbeat left by a process of this host that no longer runs is a dead worker's, so
 its name is free at once: a restarted worker gets its old name back and resumes its own
-pending entries.
+pending entries. (Host names must be unique per pid namespace: containers that share
+one hostname would take each other for this host's processes.) A name asked for that
+another host's heartbeat holds is waited for until that heartbeat would have expired:
+a container recreated under a new hostname gets its name back once the old one's
+heartbeat lapses, while a live holder keeps renewing it and the newcomer is refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
+
+import structlog
 
 from .redis_queue import RedisQueue
 from .retrying import retrying
 from .settings import WorkerSettings
 
+log = structlog.get_logger("mlxq.worker")
+
 MAX_INDEX = 1024  # workers on one host, when names are picked
+MAX_LAPSE_WAIT_S = 120.0  # longest wait for a held name's heartbeat to lapse
 
 
 class NameTaken(RuntimeError):
@@ -38,16 +49,39 @@ async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
     explicit = settings.consumer or (None if settings.worker_index is None else f"{host}-{settings.worker_index}")
     names: Iterable[str] = [explicit] if explicit else (f"{host}-{i}" for i in range(MAX_INDEX))
     for name in names:
-        claim = partial(redis_queue.claim_name, name, heartbeat(name), ttl_s)
-        held = await retrying(claim, "claiming a consumer name")
-        if held is not None and _left_by_dead_process(held, host):
-            held = await retrying(partial(claim, replacing=held), "claiming a consumer name")
+        held = await _claim(redis_queue, name, heartbeat(name), ttl_s, host)
+        if held is not None and explicit and _heartbeat_of(held).get("host") != host:  # alive or not: unknowable
+            lapses_in_s = await retrying(partial(redis_queue.heartbeat_ttl_s, name), "reading a heartbeat's TTL")
+            log.info("the consumer name is held; waiting for its heartbeat to lapse", name=name, holder=_describe(held),
+                     wait_s=round(lapses_in_s, 1))
+            held = await _claim_when_lapsed(redis_queue, name, heartbeat(name), ttl_s, host, lapses_in_s)
         if held is None:
             return name
         if explicit:
             raise NameTaken(f"the consumer name {name!r} is held by a live worker ({_describe(held)}); "
                             f"give this one another --consumer or --worker-index, or none to pick a free one")
     raise NameTaken(f"no free consumer name on {host}: {MAX_INDEX} workers are alive here")
+
+
+async def _claim(redis_queue: RedisQueue, name: str, heartbeat: str, ttl_s: float, host: str) -> bytes | None:
+    """Take `name` if free or left by a dead process of this host; else the holder's heartbeat."""
+    claim = partial(redis_queue.claim_name, name, heartbeat, ttl_s)
+    held = await retrying(claim, "claiming a consumer name")
+    if held is not None and _left_by_dead_process(held, host):
+        held = await retrying(partial(claim, replacing=held), "claiming a consumer name")
+    return held
+
+
+async def _claim_when_lapsed(redis_queue: RedisQueue, name: str, heartbeat: str, ttl_s: float,
+                             host: str, lapses_in_s: float) -> bytes | None:
+    """Try again until the holder's heartbeat would have lapsed (a live holder renews it);
+    None once taken."""
+    deadline = time.monotonic() + min(lapses_in_s, MAX_LAPSE_WAIT_S) + 1.0
+    while True:
+        await asyncio.sleep(0.25)
+        held = await _claim(redis_queue, name, heartbeat, ttl_s, host)
+        if held is None or time.monotonic() > deadline:
+            return held
 
 
 def _heartbeat_of(held: bytes) -> dict[str, Any]:
@@ -62,8 +96,10 @@ def _left_by_dead_process(held: bytes, host: str) -> bool:
     """Whether the heartbeat is of a process on this host that is gone."""
     state = _heartbeat_of(held)
     pid = state.get("pid")
-    if state.get("host") != host or not isinstance(pid, int) or pid == os.getpid():
+    if state.get("host") != host or not isinstance(pid, int):
         return False
+    if pid == os.getpid():  # our own pid, and we have not written yet: an earlier run (a restarted container)
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

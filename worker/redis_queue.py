@@ -202,6 +202,10 @@ class RedisQueue:
                                        [heartbeat, max(1, int(ttl_s * 1000)), replacing or ""])
         return None if held == 1 else held  # type: ignore[no-any-return]
 
+    async def heartbeat_ttl_s(self, name: str) -> float:
+        """Seconds until the heartbeat of consumer `name` expires (0 if it has none or no TTL)."""
+        return max(0, await self.redis.pttl(self.keys.worker(name))) / 1000
+
     async def keep_mine(self, entries: dict[str, list[str]], heartbeat: str, ttl_s: float, instance: str,
                         idle_ms: int = 0) -> list[str]:
         """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set the
