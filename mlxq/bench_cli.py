@@ -117,7 +117,7 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("mlxq bench: --plot needs matplotlib (pip install 'mlxq[bench]')", file=sys.stderr)
+        print("mlxq bench: --plot needs matplotlib (pip install '.[bench]' in the mlxq checkout)", file=sys.stderr)
         return
     levels = [r["concurrency"] or r["requests"] for r in rows]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))

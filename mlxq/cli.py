@@ -28,7 +28,7 @@ from .errors import CommandError, unreachable
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390
 DEFAULT_REDIS = embedded.url(EMBEDDED_PORT)
-WORKER_EXTRA = "pip install 'mlxq[worker,embedded]'"
+WORKER_EXTRA = "pip install '.[worker,embedded]' in the mlxq checkout"
 
 
 def main(argv: list[str] | None = None) -> None:

