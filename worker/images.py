@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import io
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
 
 from client.protocol import ErrorCode, RequestBody, RequestRejected, decode_images
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # The families whose processor and vision tower this module drives: numpy patches
 # with a (t, h, w) grid per image, and a tower that takes them one image at a time.
@@ -85,6 +87,8 @@ class VisionPrompts:
 
 def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:
     """An RGB image from bytes; raises `RequestRejected` naming the image and what is wrong."""
+    from PIL import Image, UnidentifiedImageError  # the `vision` extra: only a vision model's worker gets here
+
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
