@@ -64,9 +64,13 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, l
     victim = start_worker(valkey, demo_model, queue, logs_dir, consumer="victim")
     ids = submit_all(r, queue)
     wait_for_deltas(r, ids, at_least=20)
+    # Frozen mid-generation, then killed once the survivor is up: how long a worker takes to
+    # start must not decide whether the kill lands in the middle.
+    victim.signal(signal.SIGSTOP)
+    time.sleep(0.2)  # a write already sent lands
+    written_before = {i: r.xlen(f"mlxq:out:{{{i}}}") for i in ids}
     survivor = start_worker(valkey, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
     try:
-        written_before = {i: r.xlen(f"mlxq:out:{{{i}}}") for i in ids}
         victim.process.kill()
         victim.wait()
         done = finished(outputs, ids)
