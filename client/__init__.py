@@ -9,7 +9,20 @@ from ._async import DEFAULT_URL, AsyncClient, AsyncJob
 from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
 from ._sync import Client, Job
 from .keys import GROUP, Keys
-from .protocol import Delta, Done, Error, ErrorCode, Event, Timing, Usage, decode_event, encode_event, encode_request
+from .protocol import (
+    Delta,
+    Done,
+    Error,
+    ErrorCode,
+    Event,
+    Timing,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    decode_event,
+    encode_event,
+    encode_request,
+)
 
 __all__ = [
     "DEFAULT_URL",
@@ -31,6 +44,8 @@ __all__ = [
     "QueueFull",
     "RequestRejected",
     "Timing",
+    "TokenLogprob",
+    "TopLogprob",
     "Undeliverable",
     "Usage",
     "decode_event",

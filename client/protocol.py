@@ -27,6 +27,7 @@ Encoding = Literal["json", "msgpack"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as in the OpenAI API
 
 FinishReason = Literal["stop", "length", "cancelled"]
 T = TypeVar("T")
@@ -64,6 +65,8 @@ class RequestBody(BaseModel):
     encoding: Encoding | None = None
     images: list[bytes | str] | None = None
     metadata: dict[str, Any] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -85,6 +88,12 @@ class RequestBody(BaseModel):
         if len(given) != 1:
             found = f"got {', '.join(given)}" if given else "got none"
             raise ValueError(f"exactly one of prompt, messages, prompt_tokens is required ({found})")
+        return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_with_logprobs(self) -> RequestBody:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
         return self
 
 
@@ -271,13 +280,35 @@ def encode_request(request_id: str, body: dict[str, Any], encoding: Encoding = "
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    """One alternative the model weighed for a token: its id, text and log probability."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log probability under the model (before sampling's filters
+    and temperature), and the most likely alternatives at that step, most likely first."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top_logprobs: list[TopLogprob]
+
+
+@dataclass(frozen=True)
 class Delta:
-    """New text (never a broken UTF-8 sequence) and the token ids that made it."""
+    """New text (never a broken UTF-8 sequence) and the token ids that made it; with
+    `logprobs` asked for, one `TokenLogprob` per token."""
 
     id: str
     seq: int
     text: str
     tokens: list[int]
+    logprobs: list[TokenLogprob] | None = None
     type: Literal["delta"] = field(default="delta", repr=False)
 
 
@@ -379,6 +410,9 @@ def decode_event(fields: dict[Any, Any]) -> Event:
     if kind == "done":
         body["usage"] = _known(Usage, body["usage"])
         body["timing"] = _known(Timing, body["timing"])
+    elif kind == "delta" and body.get("logprobs") is not None:
+        body["logprobs"] = [TokenLogprob(**{**entry, "top_logprobs": [TopLogprob(**t) for t in entry["top_logprobs"]]})
+                            for entry in body["logprobs"]]
     return _EVENT_TYPES[kind](**body)
 
 

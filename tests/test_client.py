@@ -25,7 +25,7 @@ def test_public_names():
     assert set(client.__all__) == {
         "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "ErrorCode", "Event",
         "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "RequestRejected", "Timing",
-        "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
+        "TokenLogprob", "TopLogprob", "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
 
 
 def test_every_error_the_client_raises_is_an_mlxq_error():

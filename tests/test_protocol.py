@@ -11,13 +11,16 @@ import msgpack
 import pytest
 from support import ROOT
 
-from client import Delta, Done, Error, decode_event, encode_event, encode_request
+from client import Delta, Done, Error, TokenLogprob, TopLogprob, decode_event, encode_event, encode_request
 from client.protocol import RequestRejected, Timing, Undeliverable, Usage, read_envelope, validate_body
 from client.replies import stream_entries
 
 
 @pytest.mark.parametrize("event", [
     Delta(id="a", seq=0, text="héllo", tokens=[1, 2]),
+    Delta(id="a", seq=1, text=" yes", tokens=[7], logprobs=[TokenLogprob(
+        token_id=7, text=" yes", logprob=-0.25, top_logprobs=[TopLogprob(token_id=7, text=" yes", logprob=-0.25),
+                                                              TopLogprob(token_id=9, text=" no", logprob=-1.5)])]),
     Done(id="a", finish_reason="stop", text="x", usage=Usage(prompt_tokens=1, completion_tokens=1, cached_tokens=0),
          timing=Timing(queued_ms=1.0, ttft_ms=None, total_ms=2.0, itl_ms=None, tok_s=None), metadata={"k": [1]}),
     Error(id="a", code="invalid_request", message="bad"),

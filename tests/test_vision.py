@@ -206,6 +206,8 @@ BAD_IMAGES = [
     ("not base64", {"images": ["@@@"]}, "invalid_request", "images.0: not valid base64"),
     ("with prompt_tokens", {"prompt": None, "prompt_tokens": [5, 6], "images": [b64(png(56, 56))]}, "invalid_request",
      "images: send them with prompt or messages"),
+    ("logprobs", {"images": [b64(png(56, 56))], "logprobs": True}, "invalid_request",
+     "logprobs: this worker's model"),  # not yet on mlx-vlm's batch: refused, never ignored
 ]
 
 

@@ -19,6 +19,7 @@ from client.protocol import ErrorCode
 
 from .backends import Coverage, Loaded, ModelInfo
 from .faults import NONE, Faults
+from .logprobs import token_logprobs
 from .messages import (
     Abandon,
     CacheStats,
@@ -214,7 +215,9 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             self._fail_batch(e, out)
             return
-        outgoing, finished = process_step(self._running, tokens, time.time())
+        wanted = {uid: o.request.logprobs for uid, o in self._running.items() if o.request.logprobs is not None}
+        picked = token_logprobs(tokens, wanted, self._loaded.info.tokenizer) if wanted else {}
+        outgoing, finished = process_step(self._running, tokens, time.time(), picked)
         out.outgoing.extend(outgoing)
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.

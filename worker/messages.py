@@ -56,6 +56,7 @@ class EngineRequest:
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
     images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
+    logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
 
     @property
     def id(self) -> str:

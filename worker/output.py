@@ -8,10 +8,10 @@ texts always equal the terminal `text`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, Usage
+from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, TokenLogprob, Usage
 
 from .backends import TokenOut
 from .messages import EngineRequest, Outgoing, Resume, Route
@@ -32,6 +32,7 @@ class RequestOutput:
         self.text = ""  # visible text so far: the detokenized text, cut at a stop string
         self.sent = 0  # characters of `text` already in deltas
         self.pending: list[int] = []  # token ids not yet in a delta
+        self.pending_logprobs: list[TokenLogprob] = []  # theirs, when the request asked for logprobs
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.last_token_at: float | None = None
@@ -51,8 +52,8 @@ class RequestOutput:
         self._update_text()
         self.sent = len(resume.text)
 
-    def add(self, out: TokenOut, now: float) -> list[Event]:
-        """Take one generated token; returns the events it completes."""
+    def add(self, out: TokenOut, now: float, logprob: TokenLogprob | None = None) -> list[Event]:
+        """Take one generated token (and its logprob, when asked for); returns the events it completes."""
         if self.first_token_at is None:
             self.first_token_at = now
         if out.cached_tokens is not None:
@@ -62,6 +63,8 @@ class RequestOutput:
         if out.finish_reason != "stop":
             self.detokenizer.add_token(out.token)
             self.pending.append(out.token)
+            if logprob is not None:
+                self.pending_logprobs.append(logprob)
             self.completion_tokens += 1
         if out.finish_reason is not None:
             self.detokenizer.finalize()
@@ -105,10 +108,11 @@ class RequestOutput:
         return 0
 
     def _delta(self, upto: int) -> Delta:
-        delta = Delta(id=self.request.id, seq=self.seq, text=self.text[self.sent:upto], tokens=self.pending)
+        delta = Delta(id=self.request.id, seq=self.seq, text=self.text[self.sent:upto], tokens=self.pending,
+                      logprobs=None if self.request.logprobs is None else self.pending_logprobs)
         self.seq += 1
         self.sent = upto
-        self.pending = []
+        self.pending, self.pending_logprobs = [], []
         return delta
 
     def _timing(self, now: float) -> Timing:
@@ -127,9 +131,10 @@ class RequestOutput:
         )
 
 
-def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut],
-                 now: float) -> tuple[list[Outgoing], list[int]]:
-    """Events for one step's tokens, and the uids of the sequences that finished."""
+def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], now: float,
+                 logprobs: Mapping[int, TokenLogprob] | None = None) -> tuple[list[Outgoing], list[int]]:
+    """Events for one step's tokens (with the logprobs of those whose request asked),
+    and the uids of the sequences that finished."""
     outgoing: list[Outgoing] = []
     finished: list[int] = []
     for out in tokens:
@@ -137,7 +142,7 @@ def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut],
         if output is None:  # removed this step (cancelled); its token is dropped
             continue
         try:
-            events = output.add(out, now)
+            events = output.add(out, now, (logprobs or {}).get(out.uid))
         except Exception as e:  # noqa: BLE001 - this request alone fails
             outgoing.append(failed(output.request.route, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
             finished.append(out.uid)

@@ -40,6 +40,8 @@ class Preparer:
         if problem:
             raise RequestRejected(problem)
         self._check_stop(body.stop)
+        if body.logprobs and not self.info.logprobs:
+            raise RequestRejected(f"logprobs: this worker's model ({self.info.name}) does not give them yet")
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
@@ -60,6 +62,7 @@ class Preparer:
             metadata=body.metadata,
             resume=resume,
             images=images,
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:

@@ -48,6 +48,7 @@ class TokenOut:
     finish_reason: str | None  # "stop" (an eos id) | "length" | None
     coverage: Coverage | None = None
     cached_tokens: int | None = None  # on a sequence's first token, from a backend that finds cached prefixes itself
+    logprobs: Any = None  # the log-softmax row the token was sampled from (an mx.array), where the backend gives it
 
 
 class BatchBackend(Protocol):
@@ -78,6 +79,7 @@ class ModelInfo:
     context_length: int
     vocab_size: int
     vision: Any = None  # on a vision model, what builds image prompts (`images.VisionPrompts`)
+    logprobs: bool = True  # whether its backend gives each token's log-probability row
 
 
 @dataclass

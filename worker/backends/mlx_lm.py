@@ -47,7 +47,8 @@ class MlxBatchBackend:
     def step(self) -> list[TokenOut]:
         _, generated = self._generator.next()
         return [TokenOut(r.uid, r.token, r.finish_reason,
-                         None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)))
+                         None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
+                         logprobs=r.logprobs)
                 for r in generated]
 
     def close(self) -> None:

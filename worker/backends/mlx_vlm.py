@@ -49,7 +49,7 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
                             max_image_pixels=settings.max_image_pixels)
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
-                     vocab_size=int(text_config.vocab_size), vision=prompts)
+                     vocab_size=int(text_config.vocab_size), vision=prompts, logprobs=False)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
     prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
 
