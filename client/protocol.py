@@ -396,6 +396,8 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
     """The stream entry fields of an output event; raises ValueError or TypeError if it cannot be encoded."""
     body = asdict(event)
     kind = body.pop("type")
+    if kind == "delta" and body["logprobs"] is None:  # asked for only now and then: absent, not null
+        del body["logprobs"]
     return {"type": kind, encoding: _encode(body, encoding)}
 
 
