@@ -28,6 +28,8 @@ ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as in the OpenAI API
+MAX_LOGIT_BIAS = 1024  # tokens one request may bias
+MAX_STOP_TOKEN_IDS = 64
 
 FinishReason = Literal["stop", "length", "cancelled"]
 T = TypeVar("T")
@@ -67,11 +69,38 @@ class RequestBody(BaseModel):
     metadata: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str | int, float] | None = Field(None, max_length=MAX_LOGIT_BIAS)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    include_stop_str_in_output: bool = False
 
     @field_validator("prompt_tokens")
     @classmethod
     def _token_ids_not_negative(cls, ids: list[int] | None) -> list[int] | None:
         if ids is not None and any(i < 0 for i in ids):
+            raise ValueError("token ids must be >= 0")
+        return ids
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_by_token_id(cls, bias: dict[str | int, float] | None) -> dict[str | int, float] | None:
+        """Token ids as keys (JSON writes them as strings), biases in [-100, 100] as in OpenAI's API."""
+        if bias is None:
+            return None
+        for key, value in bias.items():
+            if not (isinstance(key, int) or key.isdigit()) or int(key) < 0:
+                raise ValueError(f"keys are token ids (integers >= 0), not {str(key)[:40]!r}")
+            if not -100 <= value <= 100:
+                raise ValueError(f"token {key}: a bias of {value} is outside [-100, 100]")
+        return {int(key): value for key, value in bias.items()}
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids_not_negative(cls, ids: list[int]) -> list[int]:
+        if any(i < 0 for i in ids):
             raise ValueError("token ids must be >= 0")
         return ids
 

@@ -32,12 +32,12 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
              ) -> tuple[list[int], Coverage, int]:
     """Greedy tokens, the finished sequence's cache, and how many prompt tokens came from `cache`."""
     net, tokenizer = model
-    backend = MlxBatchBackend(net, tokenizer.eos_token_ids, completion_batch_size=8, prefill_batch_size=8,
+    backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8,
                               prefill_step_size=2048)
     hit = cache.fetch(prompt) if cache else None
     cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
     uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),
-                         build_logits_processors(GREEDY), cached)
+                         build_logits_processors(GREEDY, len(prompt)), cached)
     tokens: list[int] = []
     while True:
         for out in backend.step():

@@ -263,9 +263,10 @@ class Engine:
         cache = self._loaded.prefix_cache
         hit = cache.fetch(prompt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+        processors = build_logits_processors(request.sampling, len(request.prompt_tokens), request.stop_tokens,
+                                             request.min_tokens)
         uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
-                                   build_sampler(request.sampling), build_logits_processors(request.sampling), cached,
-                                   request.images)
+                                   build_sampler(request.sampling), processors, cached, request.images)
         if cache is not None:
             cache.count(hit)
         output.cached_tokens = 0 if hit is None else hit.reused

@@ -18,6 +18,9 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float | None = None
     seed: int | None = None
+    presence_penalty: float = 0.0  # these two count the generated tokens only, as in vLLM
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,9 @@ class EngineRequest:
     resume: Resume | None = None
     images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
     logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
+    stop_tokens: frozenset[int] = frozenset()  # token ids that end it (eos unless ignore_eos, stop_token_ids)
+    min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for
+    include_stop: bool = False  # the stop string that ended the text stays in it
 
     @property
     def id(self) -> str:

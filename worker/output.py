@@ -59,19 +59,20 @@ class RequestOutput:
         if out.cached_tokens is not None:
             self.cached_tokens = out.cached_tokens
         self.last_token_at = now
-        # BatchGenerator's only stop sequences are the eos ids: that token is not output.
-        if out.finish_reason != "stop":
+        # A stop token (eos, stop_token_ids) is not output; a vision batch stops at eos itself.
+        stopped = out.finish_reason == "stop" or out.token in self.request.stop_tokens
+        if not stopped:
             self.detokenizer.add_token(out.token)
             self.pending.append(out.token)
             if logprob is not None:
                 self.pending_logprobs.append(logprob)
             self.completion_tokens += 1
-        if out.finish_reason is not None:
+        if stopped or out.finish_reason is not None:
             self.detokenizer.finalize()
-        if self._update_text():
+        if self._update_text() or stopped:
             return self.finish("stop", now)
         if out.finish_reason is not None:
-            return self.finish("stop" if out.finish_reason == "stop" else "length", now)
+            return self.finish("length", now)
         if len(self.pending) >= self.request.stream_interval:
             return [self._delta(len(self.text) - self._held_back())]
         return []
@@ -92,12 +93,18 @@ class RequestOutput:
         return [*events, self.done]
 
     def _update_text(self) -> bool:
-        """Refresh `text` from the detokenizer; True if a stop string appeared (and was cut)."""
+        """Refresh `text` from the detokenizer; True if a stop string appeared (and was cut
+        there, or after it with `include_stop`). None is looked for before `min_tokens`."""
         full = self.detokenizer.text
         start = max(0, len(self.text) - self._hold)
-        hits = [i for i in (full.find(s, start) for s in self.request.stop) if i >= 0]
-        self.text = full[: min(hits)] if hits else full
-        return bool(hits)
+        stops = self.request.stop if self.completion_tokens >= self.request.min_tokens else []
+        hits = [(i, i + len(s)) for i, s in ((full.find(s, start), s) for s in stops) if i >= 0]
+        if not hits:
+            self.text = full
+            return False
+        at, end = min(hits)
+        self.text = full[:end] if self.request.include_stop else full[:at]
+        return True
 
     def _held_back(self) -> int:
         """Length of the text's tail that could still grow into a stop string."""

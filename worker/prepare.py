@@ -27,6 +27,7 @@ class Preparer:
         self.keys = Keys(settings.prefix)
         self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
         self.longest_token = longest_token(info.tokenizer)
+        self.eos_ids = frozenset(getattr(info.tokenizer, "eos_token_ids", None) or ())
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
                 clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
@@ -42,6 +43,9 @@ class Preparer:
         self._check_stop(body.stop)
         if body.logprobs and not self.info.logprobs:
             raise RequestRejected(f"logprobs: this worker's model ({self.info.name}) does not give them yet")
+        if body.ignore_eos and self.info.vision is not None:
+            raise RequestRejected(f"ignore_eos: a vision model's batch ({self.info.name}) always stops at eos")
+        self._check_token_ids(body)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
@@ -53,7 +57,9 @@ class Preparer:
             prompt_tokens=tokens,
             max_tokens=min(max_tokens, room),
             sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
-                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed),
+                                    min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
+                                    presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                    logit_bias=body.logit_bias),  # type: ignore[arg-type]  # keys made ints
             stop=body.stop,
             stream_interval=body.stream_interval or self.settings.stream_interval,
             priority=body.priority,
@@ -63,6 +69,9 @@ class Preparer:
             resume=resume,
             images=images,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
+            min_tokens=self._min_tokens(body, max_tokens),
+            include_stop=body.include_stop_str_in_output,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
@@ -107,6 +116,18 @@ class Preparer:
         if size > self.settings.max_metadata_bytes:
             raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
+
+    def _check_token_ids(self, body: RequestBody) -> None:
+        for field, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids)):
+            outside = [i for i in ids if int(i) >= self.info.vocab_size]
+            if outside:
+                raise RequestRejected(f"{field}: token ids {outside[:5]} are outside the vocabulary "
+                                     f"(size {self.info.vocab_size})")
+
+    def _min_tokens(self, body: RequestBody, max_tokens: int) -> int:
+        if body.min_tokens > max_tokens:
+            raise RequestRejected(f"min_tokens: {body.min_tokens} is above max_tokens ({max_tokens})")
+        return body.min_tokens
 
     def _max_tokens(self, body: RequestBody) -> int:
         limit = self.settings.max_tokens_limit

@@ -9,6 +9,8 @@ the work where they take arrays (top_p, top_k).
 
 from __future__ import annotations
 
+from functools import partial
+
 import mlx.core as mx
 from mlx_lm.sample_utils import (
     LogitsProcessor,
@@ -21,6 +23,7 @@ from mlx_lm.sample_utils import (
 
 from .messages import SamplingParams
 
+OUTPUT_CONTEXT = 1 << 30  # "every generated token" to mlx-lm's penalties, which count the last N
 GREEDY_BELOW = 1e-5  # a temperature this small is greedy (as in vLLM): 1/T would overflow float32
 
 
@@ -32,9 +35,32 @@ def build_sampler(params: SamplingParams) -> Sampler:
     return _RandomSampler(params)
 
 
-def build_logits_processors(params: SamplingParams) -> list[LogitsProcessor]:
-    """Repetition penalty, when asked for."""
-    return make_logits_processors(repetition_penalty=params.repetition_penalty)
+def build_logits_processors(params: SamplingParams, prompt_length: int, stop_tokens: frozenset[int] = frozenset(),
+                            min_tokens: int = 0) -> list[LogitsProcessor]:
+    """mlx-lm's logit bias and repetition penalty (over the last 20 tokens, prompt
+    included, as mlx-lm counts it); its presence and frequency penalties over the
+    generated tokens only, as vLLM counts them; and, before `min_tokens`, the stop tokens
+    masked. A processor sees every token of its sequence: the prompt's `prompt_length`
+    first (those of an earlier delivery's output after them, on a resumed request)."""
+    processors = make_logits_processors(logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty)
+    for penalty in make_logits_processors(presence_penalty=params.presence_penalty,
+                                          presence_context_size=OUTPUT_CONTEXT,
+                                          frequency_penalty=params.frequency_penalty,
+                                          frequency_context_size=OUTPUT_CONTEXT):
+        processors.append(partial(_on_generated, penalty, prompt_length))
+    if min_tokens and stop_tokens:
+        processors.append(partial(_hold_stop_tokens, mx.array(sorted(stop_tokens)), prompt_length + min_tokens))
+    return processors
+
+
+def _on_generated(penalty: LogitsProcessor, prompt_length: int, tokens: mx.array, logits: mx.array) -> mx.array:
+    return penalty(tokens[prompt_length:], logits)
+
+
+def _hold_stop_tokens(stop_tokens: mx.array, until: int, tokens: mx.array, logits: mx.array) -> mx.array:
+    if len(tokens) < until:
+        logits[:, stop_tokens] = -mx.inf
+    return logits
 
 
 def warm_up(vocab_size: int) -> None:

@@ -22,20 +22,21 @@ from . import Coverage, Loaded, ModelInfo, TokenOut
 class MlxBatchBackend:
     """`BatchBackend` over mlx-lm 0.32's BatchGenerator."""
 
-    def __init__(self, model: Any, eos_ids: Iterable[int], *, completion_batch_size: int,
-                 prefill_batch_size: int, prefill_step_size: int) -> None:
+    def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
+                 prefill_step_size: int) -> None:
         self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size)
-        # eos ends a sequence only when passed per request: stop_sequences replace the default.
-        self._eos = StopSequences([[i] for i in sorted(eos_ids)])
+        # No stop sequences, not even eos: each request's stop tokens (eos unless it says
+        # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
+        self._no_stops = StopSequences([])
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
                images: list[Any] | None = None) -> int:
         assert not images, "a text model takes no images"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
-                                        logits_processors=[logits_processors], stop_sequences=[self._eos],
+                                        logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
         return uid
@@ -69,8 +70,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     warm_up(info.vocab_size)
 
     def make_backend() -> MlxBatchBackend:
-        return MlxBatchBackend(model, tokenizer.eos_token_ids,
-                               completion_batch_size=settings.completion_batch_size,
+        return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
                                prefill_step_size=settings.prefill_step_size)
 

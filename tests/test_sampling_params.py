@@ -1,0 +1,119 @@
+"""vLLM's sampling parameters, per request in the shared batch: logit_bias, presence and
+frequency penalties (over the generated tokens), min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output. Real MLX on the demo model, through the worker."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from support import check_stream, worker_fixture
+
+from client import Client, Done, JobFailed
+
+worker = worker_fixture(max_num_seqs=8)
+
+PROMPT = [11, 23, 35, 47, 59, 71, 83, 95, 107, 119]
+# Greedy on the demo model picks 918 and 57 again after this prompt: penalties change its
+# output, and counting the prompt's tokens (which vLLM does not) would change it differently.
+REPEATING = [978, 883, 970, 869, 57, 93, 86, 369, 855, 173, 146, 918, 918, 57]
+
+
+@pytest.fixture(scope="module")
+def model(demo_model):
+    from mlx_lm import load
+
+    return load(str(demo_model))
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with Client(worker.redis_url, queue=worker.queue) as c:
+        yield c
+
+
+def run(client: Client, **body) -> Done:
+    done = client.generate(prompt_tokens=PROMPT, timeout=60, **{"max_tokens": 12, **body})
+    return done
+
+
+def tokens_of(client: Client, **body) -> tuple[list[int], Done]:
+    job = client.submit(**{"prompt_tokens": PROMPT, "max_tokens": 12, **body})
+    deltas = list(job.stream(timeout=60))
+    return [t for d in deltas for t in d.tokens], job.result(timeout=60)
+
+
+def greedy_with_penalties(model, presence: float, frequency: float, steps: int) -> list[int]:
+    """Greedy decoding in process, penalising what was generated (not the prompt), as vLLM does."""
+    net, _ = model
+    generated: list[int] = []
+    for _ in range(steps):
+        logits = net(mx.array([REPEATING + generated]))[0, -1].astype(mx.float32)
+        counts = Counter(generated)
+        for token, n in counts.items():
+            logits[token] -= presence + frequency * n
+        generated.append(int(mx.argmax(logits).item()))
+    return generated
+
+
+def test_a_large_logit_bias_decides_the_token(client):
+    """+100 on one token makes greedy pick it every time; -100 on greedy's first choice moves it."""
+    plain, _ = tokens_of(client)
+    forced, _ = tokens_of(client, logit_bias={"321": 100})
+    assert forced == [321] * 12
+    banned, _ = tokens_of(client, logit_bias={str(plain[0]): -100})
+    assert banned[0] != plain[0]
+
+
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (1.5, 0.0), (0.0, 1.0)])
+def test_penalties_count_the_generated_tokens_as_vllm_does(client, model, presence, frequency):
+    """Greedy with presence/frequency penalties equals greedy decoding in process with the
+    penalties applied to the generated tokens only (the prompt's are not penalised)."""
+    plain, _ = tokens_of(client, prompt_tokens=REPEATING, max_tokens=16)
+    generated, _ = tokens_of(client, prompt_tokens=REPEATING, presence_penalty=presence,
+                             frequency_penalty=frequency, max_tokens=16)
+    assert generated != plain, "the penalty must change something here, or this test shows nothing"
+    assert generated == greedy_with_penalties(model, presence, frequency, 16)
+
+
+def test_stop_token_ids_min_tokens_and_ignore_eos(client, model):
+    """A stop token ends the output before it (finish stop); min_tokens holds stop tokens
+    back until then; ignore_eos runs past eos to max_tokens, eos output like any token."""
+    plain, _ = tokens_of(client)
+    stop_at = next(i for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
+    cut, done = tokens_of(client, stop_token_ids=[plain[stop_at]])
+    assert cut == plain[:stop_at] and done.finish_reason == "stop"
+    held, done = tokens_of(client, stop_token_ids=[plain[stop_at]], min_tokens=stop_at + 3)
+    assert len(held) >= stop_at + 3 and plain[stop_at] not in held[:stop_at + 3]
+    eos = sorted(model[1].eos_token_ids)[0]
+    stopped, done = tokens_of(client, logit_bias={str(eos): 100})
+    assert stopped == [] and done.finish_reason == "stop"
+    ignored, done = tokens_of(client, logit_bias={str(eos): 100}, ignore_eos=True)
+    assert ignored == [eos] * 12 and done.finish_reason == "length"
+    at_least, done = tokens_of(client, logit_bias={str(eos): 100}, min_tokens=4)
+    assert len(at_least) == 4 and eos not in at_least and done.finish_reason == "stop"
+
+
+def test_include_stop_str_in_output(client):
+    """The stop string ends the text, cut before it, or after it when asked."""
+    text = run(client, max_tokens=24).text
+    stop = text[6:9]
+    assert stop and text.find(stop) >= 1
+    at = text.find(stop)
+    assert run(client, max_tokens=24, stop=[stop]).text == text[:at]
+    kept = run(client, max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    assert kept.text == text[:at + len(stop)] and kept.finish_reason == "stop"
+
+
+def test_bad_sampling_params_are_refused_precisely(client, worker, r, outputs, new_id):
+    """Each is refused with its reason (the client before sending; the worker for what
+    only it knows: the vocabulary, its max_tokens); a valid request completes after."""
+    outside = "token ids [999999] are outside the vocabulary"
+    for body, message in [({"min_tokens": 20, "max_tokens": 5}, "min_tokens: 20 is above max_tokens (5)"),
+                          ({"logit_bias": {"999999": 1}}, f"logit_bias: {outside}"),
+                          ({"stop_token_ids": [999999]}, f"stop_token_ids: {outside}")]:
+        with pytest.raises(JobFailed) as failed:
+            client.generate(prompt_tokens=PROMPT, timeout=60, **body)
+        assert failed.value.code == "invalid_request" and message in failed.value.message
+    assert check_stream(outputs.of(client.submit(prompt_tokens=PROMPT, max_tokens=3).id)).finish_reason == "length"
