@@ -15,7 +15,7 @@ import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from dataclasses import fields as fields_of
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,9 +30,68 @@ MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as in the OpenAI API
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 1024
 
 FinishReason = Literal["stop", "length", "cancelled"]
 T = TypeVar("T")
+
+
+class _Format(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class JsonObjectFormat(_Format):
+    """Any JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JsonSchema(_Format):
+    """OpenAI's `json_schema` member: the schema and its name."""
+
+    name: str = Field(min_length=1, max_length=64)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class JsonSchemaFormat(_Format):
+    """JSON that validates against a JSON schema (OpenAI's shape)."""
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchema
+
+
+class RegexFormat(_Format):
+    """Text that matches a regular expression (Rust `regex` syntax, as llguidance reads it)."""
+
+    type: Literal["regex"]
+    pattern: str = Field(min_length=1)
+
+
+class ChoiceFormat(_Format):
+    """Exactly one of these strings."""
+
+    type: Literal["choice"]
+    choices: list[str] = Field(min_length=1, max_length=MAX_CHOICES)
+
+    @field_validator("choices")
+    @classmethod
+    def _choices_not_empty(cls, choices: list[str]) -> list[str]:
+        if any(c == "" for c in choices):
+            raise ValueError("choices must not be empty strings")
+        return choices
+
+
+class GrammarFormat(_Format):
+    """Text in a Lark grammar (llguidance's dialect)."""
+
+    type: Literal["grammar"]
+    lark: str = Field(min_length=1)
+
+
+ResponseFormat = Annotated[JsonObjectFormat | JsonSchemaFormat | RegexFormat | ChoiceFormat | GrammarFormat,
+                           Field(discriminator="type")]
 
 
 class Message(BaseModel):
@@ -76,6 +135,7 @@ class RequestBody(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
 
     @field_validator("prompt_tokens")
     @classmethod

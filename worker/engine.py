@@ -18,6 +18,7 @@ import structlog
 from client.protocol import ErrorCode
 
 from .backends import Coverage, Loaded, ModelInfo
+from .constraints import GuidedProcessor
 from .faults import NONE, Faults
 from .logprobs import token_logprobs
 from .messages import (
@@ -265,6 +266,9 @@ class Engine:
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         processors = build_logits_processors(request.sampling, len(request.prompt_tokens), request.stop_tokens,
                                              request.min_tokens)
+        if request.constraint is not None:  # last: it masks what the others left
+            processors.append(GuidedProcessor(request.constraint, len(prompt), self._loaded.info.vocab_size,
+                                              sorted(request.stop_tokens)))
         uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
                                    build_sampler(request.sampling), processors, cached, request.images)
         if cache is not None:

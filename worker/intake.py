@@ -166,7 +166,8 @@ class Intake:
         prepare = partial(self.preparer.prepare, envelope, route, arrived_at, self.clock_offset_s, resume)
         try:
             # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
-            request = prepare() if envelope.size <= INLINE_BODY_BYTES else await asyncio.to_thread(prepare)
+            inline = envelope.size <= INLINE_BODY_BYTES and "response_format" not in (envelope.raw or {})
+            request = prepare() if inline else await asyncio.to_thread(prepare)  # compiling a grammar takes a while
         except RequestRejected as e:
             self._answer(failed(route, ErrorCode(e.code), str(e)))
             return

@@ -63,6 +63,7 @@ class EngineRequest:
     stop_tokens: frozenset[int] = frozenset()  # token ids that end it (eos unless ignore_eos, stop_token_ids)
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for
     include_stop: bool = False  # the stop string that ended the text stays in it
+    constraint: Any = None  # an llguidance matcher for its response_format, advanced over `resume`'s tokens
 
     @property
     def id(self) -> str:

@@ -11,6 +11,7 @@ from client.keys import Keys
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
 from .backends import ModelInfo
+from .constraints import Grammars
 from .faults import NONE, Faults
 from .images import PreparedImage
 from .messages import EngineRequest, Resume, Route, SamplingParams
@@ -28,6 +29,7 @@ class Preparer:
         self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
         self.longest_token = longest_token(info.tokenizer)
         self.eos_ids = frozenset(getattr(info.tokenizer, "eos_token_ids", None) or ())
+        self.grammars = _grammars(info)
 
     def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
                 clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
@@ -46,6 +48,7 @@ class Preparer:
         if body.ignore_eos and self.info.vision is not None:
             raise RequestRejected(f"ignore_eos: a vision model's batch ({self.info.name}) always stops at eos")
         self._check_token_ids(body)
+        constraint = self._constraint(body, resume)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
@@ -72,6 +75,7 @@ class Preparer:
             stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
             min_tokens=self._min_tokens(body, max_tokens),
             include_stop=body.include_stop_str_in_output,
+            constraint=constraint,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
@@ -116,6 +120,18 @@ class Preparer:
         if size > self.settings.max_metadata_bytes:
             raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
+
+    def _constraint(self, body: RequestBody, resume: Resume | None) -> Any:
+        """The request's compiled response_format (None without one)."""
+        if body.response_format is None:
+            return None
+        if self.grammars is None:
+            raise RequestRejected(f"response_format: this worker's model ({self.info.name}) cannot be constrained yet")
+        for field in ("ignore_eos", "min_tokens"):
+            if getattr(body, field):
+                raise RequestRejected(f"{field} cannot be combined with response_format: the format decides where "
+                                     "the output ends")
+        return self.grammars.matcher(body.response_format, resume.tokens if resume else [])
 
     def _check_token_ids(self, body: RequestBody) -> None:
         for field, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids)):
@@ -174,3 +190,11 @@ def longest_token(tokenizer: Any) -> int | None:
         return max(map(len, get_vocab()), default=1)
     except Exception:  # noqa: BLE001 - a tokenizer without a listable vocabulary: no early check
         return None
+
+
+def _grammars(info: ModelInfo) -> Grammars | None:
+    """What compiles response formats for this model: text models whose tokenizer is a
+    Hugging Face fast tokenizer; None for the others (vision, simulated), which refuse them."""
+    if info.vision is not None or not hasattr(info.tokenizer, "_tokenizer"):
+        return None
+    return Grammars(info.tokenizer, info.vocab_size)
