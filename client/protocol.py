@@ -31,8 +31,9 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as in the OpenAI API
 MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1024
+MAX_TOOLS = 128
 
-FinishReason = Literal["stop", "length", "cancelled"]
+FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 T = TypeVar("T")
 
 
@@ -95,12 +96,49 @@ ResponseFormat = Annotated[JsonObjectFormat | JsonSchemaFormat | RegexFormat | C
 
 
 class Message(BaseModel):
-    """One chat message."""
+    """One chat message: `content`, or an assistant's `tool_calls` (OpenAI's shape), or a
+    tool's answer (`role` "tool", with the `tool_call_id` it answers)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     role: str = Field(min_length=1)
-    content: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> Message:
+        if self.content is None and not self.tool_calls:
+            raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        return self
+
+
+class FunctionSpec(_Format):
+    """A function the model may call: its name and its parameters' JSON schema."""
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Format):
+    """OpenAI's function tool."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(_Format):
+    name: str
+
+
+class NamedToolChoice(_Format):
+    """Call this function."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class RequestBody(BaseModel):
@@ -136,6 +174,9 @@ class RequestBody(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     include_stop_str_in_output: bool = False
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
+    tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -177,6 +218,21 @@ class RequestBody(BaseModel):
         if len(given) != 1:
             found = f"got {', '.join(given)}" if given else "got none"
             raise ValueError(f"exactly one of prompt, messages, prompt_tokens is required ({found})")
+        return self
+
+    @model_validator(mode="after")
+    def _tools_in_a_chat(self) -> RequestBody:
+        if self.tool_choice is not None and not self.tools:
+            raise ValueError("tool_choice needs tools")
+        if (self.tools or self.chat_template_kwargs) and self.messages is None:
+            raise ValueError("tools and chat_template_kwargs go with messages (the chat template renders them)")
+        if isinstance(self.tool_choice, NamedToolChoice):
+            names = [tool.function.name for tool in self.tools or []]
+            if self.tool_choice.function.name not in names:
+                raise ValueError(f"tool_choice: no tool named {self.tool_choice.function.name!r} "
+                                 f"(tools: {', '.join(names)})")
+        if self.response_format is not None and self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("response_format cannot be combined with a tool_choice that forces a call")
         return self
 
     @model_validator(mode="after")
@@ -425,8 +481,26 @@ class Timing:
 
 
 @dataclass(frozen=True)
+class FunctionCall:
+    """The function a call names, and its arguments as a JSON string (OpenAI's shape)."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call of a tool the request offered, parsed from the model's output."""
+
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
+@dataclass(frozen=True)
 class Done:
-    """The end of a request: the whole text, why it ended, usage and timing."""
+    """The end of a request: the whole text, why it ended, usage and timing; the tool
+    calls parsed from the text when the request offered tools."""
 
     id: str
     finish_reason: FinishReason
@@ -434,6 +508,7 @@ class Done:
     usage: Usage
     timing: Timing
     metadata: dict[str, Any] | None = None
+    tool_calls: list[ToolCall] | None = None
     type: Literal["done"] = field(default="done", repr=False)
 
     @property
@@ -485,8 +560,9 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
     """The stream entry fields of an output event; raises ValueError or TypeError if it cannot be encoded."""
     body = asdict(event)
     kind = body.pop("type")
-    if kind == "delta" and body["logprobs"] is None:  # asked for only now and then: absent, not null
-        del body["logprobs"]
+    for optional in ("logprobs", "tool_calls"):  # asked for only now and then: absent, not null
+        if optional in body and body[optional] is None:
+            del body[optional]
     return {"type": kind, encoding: _encode(body, encoding)}
 
 
@@ -501,6 +577,9 @@ def decode_event(fields: dict[Any, Any]) -> Event:
     if kind == "done":
         body["usage"] = _known(Usage, body["usage"])
         body["timing"] = _known(Timing, body["timing"])
+        if body.get("tool_calls") is not None:
+            body["tool_calls"] = [ToolCall(id=c["id"], function=FunctionCall(**c["function"]))
+                                  for c in body["tool_calls"]]
     elif kind == "delta" and body.get("logprobs") is not None:
         body["logprobs"] = [TokenLogprob(**{**entry, "top_logprobs": [TopLogprob(**t) for t in entry["top_logprobs"]]})
                             for entry in body["logprobs"]]

@@ -23,9 +23,24 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_TOKENS = ["<|im_end|>", "<|endoftext|>"]
 
+# ChatML; with `tools`, Qwen2.5's tool format (a <tools> list in a system turn, calls as
+# <tool_call>{"name": ..., "arguments": ...}</tool_call>), which mlx-lm reads with its
+# `json_tools` parser.
 CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n\nYou may call one or more functions.\n\n<tools>"
+    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags.<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}<|im_start|>assistant\n"
+    "{% for tool_call in message['tool_calls'] %}"
+    "{% if tool_call.function is defined %}{% set tool_call = tool_call.function %}{% endif %}"
+    "<tool_call>\n{\"name\": \"{{ tool_call.name }}\", \"arguments\": "
+    "{{ tool_call.arguments if tool_call.arguments is string else tool_call.arguments | tojson }}}\n</tool_call>"
+    "{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )

@@ -45,10 +45,9 @@ class Grammars:
         self.tokenizer: LLTokenizer = from_tokenizer(tokenizer._tokenizer, n_vocab=vocab_size,
                                                      eos_token=sorted(tokenizer.eos_token_ids))
 
-    def matcher(self, response_format: Any, generated: list[int]) -> LLMatcher:
-        """A matcher for the format, advanced over tokens an earlier delivery already
-        streamed; raises `RequestRejected` with llguidance's reason."""
-        grammar = _grammar(response_format)
+    def matcher(self, grammar: str, generated: list[int]) -> LLMatcher:
+        """A matcher for the grammar (see `format_grammar`), advanced over tokens an earlier
+        delivery already streamed; raises `RequestRejected` with llguidance's reason."""
         problem = LLMatcher.validate_grammar(grammar, self.tokenizer, limits=LIMITS)
         if problem:
             raise _rejected(problem)
@@ -61,7 +60,8 @@ class Grammars:
         return matcher
 
 
-def _grammar(response_format: Any) -> str:
+def format_grammar(response_format: Any) -> str:
+    """llguidance's grammar for a request's `response_format`."""
     if isinstance(response_format, JsonObjectFormat):
         return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
     if isinstance(response_format, JsonSchemaFormat):

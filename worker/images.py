@@ -73,7 +73,7 @@ class VisionPrompts:
         # A plain prompt with images becomes one user message: image placeholders only
         # exist in the model's chat format.
         conversation: str | list[Any] = (body.prompt or "") if body.messages is None else \
-            [m.model_dump() for m in body.messages]
+            [m.model_dump(exclude_none=True) for m in body.messages]
         text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:

@@ -64,6 +64,7 @@ class EngineRequest:
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for
     include_stop: bool = False  # the stop string that ended the text stays in it
     constraint: Any = None  # an llguidance matcher for its response_format, advanced over `resume`'s tokens
+    tools: Any = None  # `tools.ToolUse` when its output may call tools: they are parsed at the end
 
     @property
     def id(self) -> str:

@@ -15,6 +15,7 @@ from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, 
 
 from .backends import TokenOut
 from .messages import EngineRequest, Outgoing, Resume, Route
+from .tools import parse_tool_calls
 
 
 def _ms(seconds: float) -> float:
@@ -82,13 +83,15 @@ class RequestOutput:
         events: list[Event] = []
         if self.pending or self.sent < len(self.text):
             events.append(self._delta(len(self.text)))
+        tool_calls = parse_tool_calls(self.text, self.request.tools) if self.request.tools else None
         self.done = Done(
             id=self.request.id,
-            finish_reason=reason,
+            finish_reason="tool_calls" if tool_calls and reason == "stop" else reason,
             text=self.text,
             usage=Usage(len(self.request.prompt_tokens), self.completion_tokens, self.cached_tokens),
             timing=self._timing(now),
             metadata=self.request.metadata,
+            tool_calls=tool_calls or None,
         )
         return [*events, self.done]
 

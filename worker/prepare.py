@@ -11,11 +11,12 @@ from client.keys import Keys
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
 from .backends import ModelInfo
-from .constraints import Grammars
+from .constraints import Grammars, format_grammar
 from .faults import NONE, Faults
 from .images import PreparedImage
 from .messages import EngineRequest, Resume, Route, SamplingParams
 from .settings import WorkerSettings
+from .tools import ToolFormat, ToolUse, forced_call_grammar
 
 
 class Preparer:
@@ -48,7 +49,8 @@ class Preparer:
         if body.ignore_eos and self.info.vision is not None:
             raise RequestRejected(f"ignore_eos: a vision model's batch ({self.info.name}) always stops at eos")
         self._check_token_ids(body)
-        constraint = self._constraint(body, resume)
+        tools = self._tool_use(body)
+        constraint = self._constraint(body, tools, resume)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
@@ -76,6 +78,7 @@ class Preparer:
             min_tokens=self._min_tokens(body, max_tokens),
             include_stop=body.include_stop_str_in_output,
             constraint=constraint,
+            tools=tools,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
@@ -95,7 +98,7 @@ class Preparer:
         token never spans more characters than the longest in the vocabulary)."""
         if self.longest_token is None:
             return
-        chars = len(body.prompt or "") + sum(len(m.content) for m in body.messages or [])
+        chars = len(body.prompt or "") + sum(len(m.content or "") for m in body.messages or [])
         most = self.prompt_token_limit * self.longest_token
         if chars > most:
             raise RequestRejected(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
@@ -121,17 +124,34 @@ class Preparer:
             raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
 
-    def _constraint(self, body: RequestBody, resume: Resume | None) -> Any:
-        """The request's compiled response_format (None without one)."""
-        if body.response_format is None:
+    def _tool_use(self, body: RequestBody) -> ToolUse | None:
+        """The tools the output may call (None without tools, or with tool_choice none)."""
+        if not body.tools or body.tool_choice == "none":
             return None
+        fmt = ToolFormat.of(self.info.tokenizer)
+        if fmt is None:
+            raise RequestRejected(f"tools: this model's chat template ({self.info.name}) has no tool-call format "
+                                 "mlx-lm can read")
+        return ToolUse(fmt, [tool.model_dump(exclude_none=True) for tool in body.tools])
+
+    def _constraint(self, body: RequestBody, tools: ToolUse | None, resume: Resume | None) -> Any:
+        """The request's compiled response_format, or the grammar of a forced tool call
+        (None for neither)."""
+        forced = tools is not None and body.tool_choice not in (None, "auto")
+        if body.response_format is None and not forced:
+            return None
+        what = "response_format" if body.response_format is not None else "tool_choice"
         if self.grammars is None:
-            raise RequestRejected(f"response_format: this worker's model ({self.info.name}) cannot be constrained yet")
+            raise RequestRejected(f"{what}: this worker's model ({self.info.name}) cannot be constrained yet")
         for field in ("ignore_eos", "min_tokens"):
             if getattr(body, field):
-                raise RequestRejected(f"{field} cannot be combined with response_format: the format decides where "
-                                     "the output ends")
-        return self.grammars.matcher(body.response_format, resume.tokens if resume else [])
+                raise RequestRejected(f"{field} cannot be combined with {what}: it decides where the output ends")
+        if body.response_format is not None:
+            grammar = format_grammar(body.response_format)
+        else:
+            assert tools is not None and body.tools is not None and body.tool_choice is not None
+            grammar = forced_call_grammar(tools.format, body.tools, body.tool_choice)  # type: ignore[arg-type]
+        return self.grammars.matcher(grammar, resume.tokens if resume else [])
 
     def _check_token_ids(self, body: RequestBody) -> None:
         for field, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids)):
@@ -170,13 +190,36 @@ class Preparer:
         if body.messages is not None:
             if not getattr(tokenizer, "has_chat_template", False):
                 raise RequestRejected("messages: this model has no chat template; send prompt or prompt_tokens")
-            messages = [m.model_dump() for m in body.messages]
-            return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+            return self._render_chat(body)
         assert body.prompt is not None
         tokens = list(tokenizer.encode(body.prompt))
         if not tokens:
             raise RequestRejected("prompt: encodes to no tokens")
         return tokens
+
+
+    def _render_chat(self, body: RequestBody) -> list[int]:
+        """The chat template's tokens for the messages, the tools (unless tool_choice is
+        none) and the request's chat_template_kwargs."""
+        kwargs = dict(body.chat_template_kwargs or {})
+        reserved = RESERVED_TEMPLATE_KWARGS & set(kwargs)
+        if reserved:
+            raise RequestRejected(f"chat_template_kwargs: {', '.join(sorted(reserved))} cannot be set by a request")
+        if body.tools and body.tool_choice != "none":
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+        try:
+            tokens = self.info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
+            raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
+        return list(tokens)
+
+
+# What apply_chat_template takes that would change what it returns, or whose template it runs.
+RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "tools",
+                                      "messages", "conversation", "chat_template", "documents", "padding",
+                                      "truncation", "max_length", "continue_final_message",
+                                      "return_assistant_tokens_mask"})
 
 
 def longest_token(tokenizer: Any) -> int | None:

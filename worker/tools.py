@@ -1,0 +1,79 @@
+"""Tool calls: the model's own tool format (from its chat template, as mlx-lm's tokenizer
+wrapper infers it), a grammar that forces a call (`tool_choice` `required` or a named
+function), and the parse of calls out of the finished text with mlx-lm's parser.
+
+Deltas stream the raw text, call markup included; the terminal event carries the parsed
+`tool_calls` (and `finish_reason` `tool_calls`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from llguidance import LLMatcher
+
+from client.protocol import FunctionCall, NamedToolChoice, Tool, ToolCall
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model writes a call: between `start` and `end`, read by `parse`."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]  # mlx-lm's tool parser: (call text, tools) -> {name, arguments}
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolFormat | None:
+        """The tokenizer's tool format, or None when its chat template has none mlx-lm reads."""
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What an engine request needs to report its calls."""
+
+    format: ToolFormat
+    tools: list[dict[str, Any]]  # as the request gave them, for the parser
+
+
+def forced_call_grammar(fmt: ToolFormat, tools: list[Tool], choice: str | NamedToolChoice) -> str:
+    """A Lark grammar for exactly one call of one of `tools` (or of the named one), its
+    arguments valid for that tool's parameters, in the model's own markup."""
+    if isinstance(choice, NamedToolChoice):
+        tools = [t for t in tools if t.function.name == choice.function.name]
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": t.function.name},
+                             "arguments": t.function.parameters or {"type": "object"}}} for t in tools]
+    schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False}}
+    opening, closing = json.dumps(fmt.start + "\n"), json.dumps("\n" + fmt.end)
+    return LLMatcher.grammar_from_lark(f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}")
+
+
+def parse_tool_calls(text: str, use: ToolUse) -> list[ToolCall]:
+    """The calls in the finished text, in order; a call the parser cannot read is left
+    out (its text stays in `text`)."""
+    calls = []
+    rest = text
+    while (start := rest.find(use.format.start)) >= 0:
+        end = rest.find(use.format.end, start + len(use.format.start))
+        if end < 0:
+            break
+        body = rest[start + len(use.format.start):end]
+        rest = rest[end + len(use.format.end):]
+        try:
+            parsed = use.format.parse(body, use.tools)
+        except Exception:  # noqa: BLE001 - a malformed call is text, not a crash
+            continue
+        for call in parsed if isinstance(parsed, list) else [parsed]:
+            if isinstance(call, dict) and isinstance(call.get("name"), str):
+                arguments = call.get("arguments", {})
+                calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+                    name=call["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))))
+    return calls
