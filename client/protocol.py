@@ -454,6 +454,7 @@ class Delta:
     text: str
     tokens: list[int]
     logprobs: list[TokenLogprob] | None = None
+    reasoning: str | None = None  # a thinking model's new reasoning text; never part of `text`
     type: Literal["delta"] = field(default="delta", repr=False)
 
 
@@ -509,6 +510,7 @@ class Done:
     timing: Timing
     metadata: dict[str, Any] | None = None
     tool_calls: list[ToolCall] | None = None
+    reasoning: str | None = None  # a thinking model's whole reasoning (the deltas' joined)
     type: Literal["done"] = field(default="done", repr=False)
 
     @property
@@ -560,7 +562,7 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
     """The stream entry fields of an output event; raises ValueError or TypeError if it cannot be encoded."""
     body = asdict(event)
     kind = body.pop("type")
-    for optional in ("logprobs", "tool_calls"):  # asked for only now and then: absent, not null
+    for optional in ("logprobs", "tool_calls", "reasoning"):  # only now and then: absent, not null
         if optional in body and body[optional] is None:
             del body[optional]
     return {"type": kind, encoding: _encode(body, encoding)}

@@ -238,11 +238,14 @@ def _add_demo_model(commands: Any) -> None:
                       help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
     demo.add_argument("--vision", action="store_true",
                       help="a tiny Qwen2-VL instead (~200k parameters, served through mlx-vlm)")
+    demo.add_argument("--thinking", action="store_true",
+                      help="a thinking variant: <think> </think> tokens, a template that opens the reasoning "
+                           "(enable_thinking: false closes it)")
     demo.set_defaults(run=_run_demo_model)
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    path = demo_model.build(args.path, size="vision" if args.vision else args.size)
+    path = demo_model.build(args.path, size="vision" if args.vision else "thinking" if args.thinking else args.size)
     print(f"demo model written to {path}")
     return 0
 

@@ -45,6 +45,16 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A thinking model: reasoning between <think> and </think> (single tokens, as mlx-lm's
+# tokenizer wrapper recognises them). As DeepSeek-R1's template does, the assistant turn
+# opens the reasoning block; `enable_thinking: false` closes it empty (as Qwen3's does).
+THINK_TOKENS = ["<think>", "</think>"]
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\n\n</think>\n\n' }}"
+    "{% else %}{{ '<think>\n' }}{% endif %}{% endif %}")
+
 MODEL_CONFIG = {
     "model_type": "qwen3",
     "architectures": ["Qwen3ForCausalLM"],
@@ -129,6 +139,9 @@ def build(path: Path, seed: int = 0, size: str = "demo") -> Path:
         if size == "vision":
             _write_tokenizer(staging, SPECIAL_TOKENS + VISION_TOKENS, VISION_CHAT_TEMPLATE)
             _write_vision_model(staging, seed)
+        elif size == "thinking":
+            _write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
+            _write_model(staging, seed, MODEL_CONFIG)
         else:
             _write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
             _write_model(staging, seed, SIZES[size])

@@ -28,6 +28,8 @@ from client.protocol import (
     RequestRejected,
 )
 
+from .messages import Thinking
+
 JSON_OPTIONS = {"whitespace_flexible": False}
 # Compiling a grammar is bounded by llguidance's own limits (fuel, grammar size), so a
 # hostile schema costs a bounded time at intake; past them the request is `too_large`.
@@ -93,26 +95,53 @@ class GuidedProcessor:
     """Masks the logits of one sequence to what its matcher accepts next. Engine thread.
 
     It sees the sequence's tokens (the prompt's `consumed` first) and feeds the matcher
-    those it has not seen. It never raises: a step that raised would fail the whole batch.
+    those it has not seen. On a thinking model the constraint waits for the reasoning to
+    end: free inside it (`thinking.open`), and before the first token it also allows the
+    reasoning to start. It never raises: a step that raised would fail the whole batch.
     A matcher in error (which the mask should make impossible) allows only eos, which
     ends the request."""
 
-    def __init__(self, matcher: LLMatcher, consumed: int, vocab_size: int, eos: list[int]) -> None:
+    def __init__(self, matcher: LLMatcher, consumed: int, vocab_size: int, eos: list[int],
+                 thinking: Thinking | None = None) -> None:
         self.matcher = matcher
         self.consumed = consumed
         self.bitmask = allocate_token_bitmask(1, vocab_size)
         self.eos = mx.array(eos)
+        self.thinking = thinking
+        self.phase = "answer" if thinking is None else "think" if thinking.open else "may think"
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if len(tokens) > self.consumed:
-            self.matcher.consume_tokens(tokens[self.consumed:].tolist())  # type: ignore[arg-type]
+            self._feed(tokens[self.consumed:].tolist())  # type: ignore[arg-type]
             self.consumed = len(tokens)
+        if self.phase == "think":
+            return logits
         if self.matcher.is_error() or self.matcher.is_stopped():
             only_eos = mx.full(logits.shape, -mx.inf, dtype=logits.dtype)
             only_eos[:, self.eos] = 0
             return only_eos
         fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        return apply_bitmask(logits, self.bitmask)
+        masked = apply_bitmask(logits, self.bitmask)
+        if self.phase == "may think" and self.thinking is not None:
+            masked[:, self.thinking.start] = logits[:, self.thinking.start]
+        return masked
+
+    def _feed(self, tokens: list[int]) -> None:
+        answer = []
+        for token in tokens:
+            if self.phase == "may think":
+                assert self.thinking is not None
+                self.phase = "think" if token == self.thinking.start else "answer"
+                if self.phase == "think":
+                    continue
+            if self.phase == "think":
+                assert self.thinking is not None
+                if token == self.thinking.end:
+                    self.phase = "answer"
+                continue
+            answer.append(token)
+        if answer:
+            self.matcher.consume_tokens(answer)
 
 
 def apply_bitmask(logits: mx.array, bitmask: Any) -> mx.array:

@@ -12,6 +12,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import structlog
 
@@ -250,7 +252,8 @@ class Engine:
         if request.deadline_at is not None and now > request.deadline_at:
             out.outgoing.append(deadline_exceeded(request))
             return
-        output = RequestOutput(request, self._loaded.new_detokenizer(), now)
+        output = RequestOutput(request, self._loaded.new_detokenizer(), now,
+                               self._loaded.new_detokenizer() if request.thinking else None)
         if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
             out.outgoing.extend(Outgoing(request.route, e) for e in output.finish("length", now))
             return
@@ -268,13 +271,28 @@ class Engine:
                                              request.min_tokens)
         if request.constraint is not None:  # last: it masks what the others left
             processors.append(GuidedProcessor(request.constraint, len(prompt), self._loaded.info.vocab_size,
-                                              sorted(request.stop_tokens)))
+                                              sorted(request.stop_tokens), self._thinking_left(request)))
         uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
                                    build_sampler(request.sampling), processors, cached, request.images)
         if cache is not None:
             cache.count(hit)
         output.cached_tokens = 0 if hit is None else hit.reused
         return uid
+
+    @staticmethod
+    def _thinking_left(request: EngineRequest) -> Any:
+        """Where a constrained thinking request stands before its first new token: still
+        reasoning (the prompt opened it, or a resumed output is inside it), or not."""
+        thinking = request.thinking
+        if thinking is None:
+            return None
+        tokens = request.resume.tokens if request.resume else []
+        if not tokens:
+            return thinking
+        opened = max((i for i, t in enumerate(tokens) if t == thinking.start), default=-1)
+        closed = max((i for i, t in enumerate(tokens) if t == thinking.end), default=-1)
+        inside = closed < opened or (thinking.open and closed < 0)
+        return replace(thinking, open=inside) if inside else None
 
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
         outputs = [self._running.pop(uid) for uid in uids]

@@ -41,6 +41,17 @@ class Resume:
     tokens: list[int]  # every token id in the deltas written
     text: str  # the deltas' joined text
     deltas: int  # how many deltas were written: the next delta's seq
+    reasoning: str = ""  # the deltas' joined reasoning
+
+
+@dataclass(frozen=True)
+class Thinking:
+    """A thinking model's reasoning markers (one token each), and whether the prompt left
+    a reasoning block open, so that the output starts inside it."""
+
+    start: int
+    end: int
+    open: bool
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,7 @@ class EngineRequest:
     include_stop: bool = False  # the stop string that ended the text stays in it
     constraint: Any = None  # an llguidance matcher for its response_format, advanced over `resume`'s tokens
     tools: Any = None  # `tools.ToolUse` when its output may call tools: they are parsed at the end
+    thinking: Thinking | None = None  # on a thinking model: reasoning goes apart from the text
 
     @property
     def id(self) -> str:

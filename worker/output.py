@@ -3,7 +3,8 @@
 Per request: mlx-lm's streaming detokenizer (never splits a UTF-8 sequence), stop
 strings found in the text and cut from it, text that could still become a stop string
 held back, and deltas coalesced every `stream_interval` tokens. The concatenated delta
-texts always equal the terminal `text`.
+texts always equal the terminal `text`. On a thinking model, the tokens between the
+reasoning markers go through a second detokenizer into `reasoning`, never into `text`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ def _ms(seconds: float) -> float:
 class RequestOutput:
     """The output side of one running request."""
 
-    def __init__(self, request: EngineRequest, detokenizer: Any, admitted_at: float) -> None:
+    def __init__(self, request: EngineRequest, detokenizer: Any, admitted_at: float,
+                 reasoning_detokenizer: Any = None) -> None:
         self.request = request
         self.detokenizer = detokenizer
+        self.reasoning_detokenizer = reasoning_detokenizer  # with `request.thinking`
+        self.in_thought = request.thinking is not None and request.thinking.open
+        self.answered = False  # a token of the answer came: a reasoning marker is text from now on
+        self.reasoning_sent = 0  # characters of the reasoning already in deltas
         self.admitted_at = admitted_at
         self.first_token_at: float | None = None
         self.text = ""  # visible text so far: the detokenized text, cut at a stop string
@@ -47,11 +53,33 @@ class RequestOutput:
         """Take up where an earlier delivery stopped: its tokens are in the detokenizer and
         the text it sent is not sent again (text it held back still may be)."""
         for token in resume.tokens:
-            self.detokenizer.add_token(token)
+            self._take(token)
         self.completion_tokens = len(resume.tokens)
         self.seq = resume.deltas
         self._update_text()
         self.sent = len(resume.text)
+        self.reasoning_sent = len(resume.reasoning)
+
+    def _take(self, token: int) -> None:
+        """Into the reasoning or the text; the reasoning markers into neither."""
+        thinking = self.request.thinking
+        if thinking is not None:
+            if self.in_thought:
+                if token == thinking.end:
+                    self.in_thought = False
+                else:
+                    self.reasoning_detokenizer.add_token(token)
+                return
+            if token == thinking.start and not self.answered:
+                self.in_thought = True
+                return
+        self.answered = True
+        self.detokenizer.add_token(token)
+
+    @property
+    def reasoning(self) -> str | None:
+        """The reasoning so far, on a thinking model."""
+        return None if self.request.thinking is None else self.reasoning_detokenizer.text
 
     def add(self, out: TokenOut, now: float, logprob: TokenLogprob | None = None) -> list[Event]:
         """Take one generated token (and its logprob, when asked for); returns the events it completes."""
@@ -63,13 +91,15 @@ class RequestOutput:
         # A stop token (eos, stop_token_ids) is not output; a vision batch stops at eos itself.
         stopped = out.finish_reason == "stop" or out.token in self.request.stop_tokens
         if not stopped:
-            self.detokenizer.add_token(out.token)
+            self._take(out.token)
             self.pending.append(out.token)
             if logprob is not None:
                 self.pending_logprobs.append(logprob)
             self.completion_tokens += 1
         if stopped or out.finish_reason is not None:
             self.detokenizer.finalize()
+            if self.reasoning_detokenizer is not None:
+                self.reasoning_detokenizer.finalize()
         if self._update_text() or stopped:
             return self.finish("stop", now)
         if out.finish_reason is not None:
@@ -81,7 +111,7 @@ class RequestOutput:
     def finish(self, reason: FinishReason, now: float) -> list[Event]:
         """End the request: flush what is left as a last delta, then `done`."""
         events: list[Event] = []
-        if self.pending or self.sent < len(self.text):
+        if self.pending or self.sent < len(self.text) or self.reasoning_sent < len(self.reasoning or ""):
             events.append(self._delta(len(self.text)))
         tool_calls = parse_tool_calls(self.text, self.request.tools) if self.request.tools else None
         self.done = Done(
@@ -92,6 +122,7 @@ class RequestOutput:
             timing=self._timing(now),
             metadata=self.request.metadata,
             tool_calls=tool_calls or None,
+            reasoning=self.reasoning,
         )
         return [*events, self.done]
 
@@ -118,8 +149,11 @@ class RequestOutput:
         return 0
 
     def _delta(self, upto: int) -> Delta:
+        reasoning = self.reasoning
         delta = Delta(id=self.request.id, seq=self.seq, text=self.text[self.sent:upto], tokens=self.pending,
-                      logprobs=None if self.request.logprobs is None else self.pending_logprobs)
+                      logprobs=None if self.request.logprobs is None else self.pending_logprobs,
+                      reasoning=None if reasoning is None else reasoning[self.reasoning_sent:])
+        self.reasoning_sent = len(reasoning or "")
         self.seq += 1
         self.sent = upto
         self.pending, self.pending_logprobs = [], []

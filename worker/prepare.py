@@ -14,7 +14,7 @@ from .backends import ModelInfo
 from .constraints import Grammars, format_grammar
 from .faults import NONE, Faults
 from .images import PreparedImage
-from .messages import EngineRequest, Resume, Route, SamplingParams
+from .messages import EngineRequest, Resume, Route, SamplingParams, Thinking
 from .settings import WorkerSettings
 from .tools import ToolFormat, ToolUse, forced_call_grammar
 
@@ -50,13 +50,14 @@ class Preparer:
             raise RequestRejected(f"ignore_eos: a vision model's batch ({self.info.name}) always stops at eos")
         self._check_token_ids(body)
         tools = self._tool_use(body)
-        constraint = self._constraint(body, tools, resume)
         if body.metadata is not None:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
         self._check_prompt_size(body)
         tokens, images = self._tokenize_with_images(body) if body.images else (self._tokenize(body), None)
         room = self._check_prompt_length(tokens)
+        thinking = self._thinking(tokens)
+        constraint = self._constraint(body, tools, _answer_tokens(resume, thinking))
         return EngineRequest(
             route=route,
             prompt_tokens=tokens,
@@ -79,6 +80,7 @@ class Preparer:
             include_stop=body.include_stop_str_in_output,
             constraint=constraint,
             tools=tools,
+            thinking=thinking,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
@@ -124,6 +126,21 @@ class Preparer:
             raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
 
+    def _thinking(self, prompt: list[int]) -> Thinking | None:
+        """The model's reasoning markers, if it has single-token ones, and whether the
+        prompt ends inside a reasoning block (a template that opens it)."""
+        tokenizer = self.info.tokenizer
+        if not getattr(tokenizer, "has_thinking", False):
+            return None
+        starts: tuple[int, ...] = tokenizer.think_start_tokens or ()
+        ends: tuple[int, ...] = tokenizer.think_end_tokens or ()
+        if len(starts) != 1 or len(ends) != 1:  # multi-token markers: not separated (yet)
+            return None
+        start, end = starts[0], ends[0]
+        last_start = max((i for i, t in enumerate(prompt) if t == start), default=-1)
+        last_end = max((i for i, t in enumerate(prompt) if t == end), default=-1)
+        return Thinking(start, end, open=last_start > last_end)
+
     def _tool_use(self, body: RequestBody) -> ToolUse | None:
         """The tools the output may call (None without tools, or with tool_choice none)."""
         if not body.tools or body.tool_choice == "none":
@@ -134,7 +151,7 @@ class Preparer:
                                  "mlx-lm can read")
         return ToolUse(fmt, [tool.model_dump(exclude_none=True) for tool in body.tools])
 
-    def _constraint(self, body: RequestBody, tools: ToolUse | None, resume: Resume | None) -> Any:
+    def _constraint(self, body: RequestBody, tools: ToolUse | None, answered: list[int]) -> Any:
         """The request's compiled response_format, or the grammar of a forced tool call
         (None for neither)."""
         forced = tools is not None and body.tool_choice not in (None, "auto")
@@ -151,7 +168,7 @@ class Preparer:
         else:
             assert tools is not None and body.tools is not None and body.tool_choice is not None
             grammar = forced_call_grammar(tools.format, body.tools, body.tool_choice)  # type: ignore[arg-type]
-        return self.grammars.matcher(grammar, resume.tokens if resume else [])
+        return self.grammars.matcher(grammar, answered)
 
     def _check_token_ids(self, body: RequestBody) -> None:
         for field, ids in (("logit_bias", list(body.logit_bias or {})), ("stop_token_ids", body.stop_token_ids)):
@@ -213,6 +230,17 @@ class Preparer:
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
             raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
         return list(tokens)
+
+
+def _answer_tokens(resume: Resume | None, thinking: Thinking | None) -> list[int]:
+    """The tokens of the answer (after any reasoning) an earlier delivery already streamed:
+    what a constraint's matcher must be advanced over."""
+    tokens = resume.tokens if resume else []
+    if thinking is None or not tokens:
+        return tokens
+    if thinking.end in tokens:
+        return tokens[tokens.index(thinking.end) + 1:]
+    return [] if thinking.open or tokens[0] == thinking.start else tokens
 
 
 # What apply_chat_template takes that would change what it returns, or whose template it runs.

@@ -345,7 +345,7 @@ class EarlierOutput:
         if not self.written:
             return None
         return Resume(tokens=[t for d in self.deltas for t in d.tokens], text="".join(d.text for d in self.deltas),
-                      deltas=self.written)
+                      deltas=self.written, reasoning="".join(d.reasoning or "" for d in self.deltas))
 
 
 @functools.cache

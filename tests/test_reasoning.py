@@ -1,0 +1,136 @@
+"""Reasoning: on a thinking model, the text between <think> and </think> goes to
+`reasoning` (deltas and done), never into `text`; a response_format applies to the
+answer after it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from support import ROOT, Outputs, check_stream, start_worker
+
+from client import Client, Delta, Done
+from worker.constraints import GuidedProcessor
+
+THINK, END_THINK = 3, 4  # the thinking demo model's <think> and </think> (checked below)
+ASK = [{"role": "user", "content": "Think first."}]
+
+
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "thinking"
+    built = subprocess.run([sys.executable, "-m", "mlxq", "demo-model", "--thinking", str(path)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr
+    return path
+
+
+@pytest.fixture(scope="module")
+def worker(valkey, thinking_model, logs_dir):
+    process = start_worker(valkey, thinking_model, f"think{uuid.uuid4().hex[:6]}", logs_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def client(worker):
+    with Client(worker.redis_url, queue=worker.queue) as c:
+        yield c
+
+
+def test_the_model_knows_its_think_tokens(thinking_model):
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(thinking_model)
+    assert tokenizer.has_thinking and tokenizer.think_start_tokens == (THINK,)
+    assert tokenizer.think_end_tokens == (END_THINK,)
+
+
+def test_reasoning_never_mixes_into_the_text(client, r):
+    """The template opens the reasoning: all the output is reasoning (</think> barred
+    here), streamed in deltas' `reasoning`, joined in done's; `text` stays empty."""
+    job = client.submit(messages=ASK, max_tokens=16, logit_bias={str(END_THINK): -100})
+    events = Outputs(r).of(job.id)
+    done = check_stream(events)
+    assert isinstance(done, Done) and done.text == "" and done.reasoning
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert all(d.text == "" for d in deltas)
+    assert "".join(d.reasoning for d in deltas) == done.reasoning
+
+
+def test_thinking_off_gives_an_answer_without_reasoning(client):
+    done = client.generate(messages=ASK, max_tokens=12, chat_template_kwargs={"enable_thinking": False},
+                           logit_bias={str(THINK): -100}, timeout=60)
+    assert done.text and done.reasoning == ""
+
+
+def test_a_format_applies_to_the_answer_after_the_reasoning(client):
+    """</think> pushed first (+100): the reasoning ends at once and the answer follows the
+    format, the bias notwithstanding."""
+    done = client.generate(messages=ASK, max_tokens=20, logit_bias={str(END_THINK): 100},
+                           response_format={"type": "choice", "choices": ["alpha", "beta"]}, timeout=60)
+    assert done.reasoning == "" and done.text in ("alpha", "beta") and done.finish_reason == "stop"
+
+
+def test_the_guided_processor_waits_for_the_reasoning_to_end(thinking_model):
+    """Unit: inside the reasoning the logits pass untouched; after </think> they are masked
+    to the format; before the first token, the reasoning may still start."""
+    import mlx.core as mx
+    from mlx_lm.utils import load_tokenizer
+
+    from client.protocol import ChoiceFormat
+    from worker.constraints import Grammars, format_grammar
+    from worker.messages import Thinking
+
+    grammars = Grammars(load_tokenizer(thinking_model), 1024)
+    choice = ChoiceFormat(type="choice", choices=["alpha"])
+    logits = mx.random.normal((1, 1024))
+    inside = GuidedProcessor(grammars.matcher(format_grammar(choice), []), 3, 1024, [0, 2],
+                             Thinking(THINK, END_THINK, open=True))
+    assert mx.array_equal(inside(mx.array([1, 2, 3, 50, 60]), logits), logits)
+    masked = inside(mx.array([1, 2, 3, 50, 60, END_THINK]), logits)
+    assert int(mx.isfinite(masked).sum().item()) < 1024
+    before = GuidedProcessor(grammars.matcher(format_grammar(choice), []), 3, 1024, [0, 2],
+                             Thinking(THINK, END_THINK, open=False))(mx.array([1, 2, 3]), logits)
+    assert before[0, THINK].item() == logits[0, THINK].item()
+    assert int(mx.isfinite(before).sum().item()) < 1024
+
+
+def test_a_resumed_output_keeps_reasoning_and_text_apart(thinking_model):
+    """Unit: tokens [r1 r2 </think> a1 a2] split into reasoning and text; a delivery that
+    resumes after [r1 r2 </think> a1] sends only what is new of each, and done has both whole."""
+    from mlx_lm.utils import load_tokenizer
+
+    from worker.backends import TokenOut
+    from worker.messages import EngineRequest, Resume, Route, SamplingParams, Thinking
+    from worker.output import RequestOutput
+
+    tokenizer = load_tokenizer(thinking_model)
+    r1, r2, a1, a2 = 300, 301, 400, 401
+    request = EngineRequest(route=Route("t", "1-0", "out", "json", "q"), prompt_tokens=[1, 2, THINK], max_tokens=10,
+                            sampling=SamplingParams(), stop=[], stream_interval=1, priority=0, arrived_at=0.0,
+                            deadline_at=None, thinking=Thinking(THINK, END_THINK, open=True))
+    whole = RequestOutput(request, tokenizer.detokenizer, 0.0, tokenizer.detokenizer)
+    events = [e for i, t in enumerate([r1, r2, END_THINK, a1, a2])
+              for e in whole.add(TokenOut(0, t, "length" if i == 4 else None), now=1.0)]
+    done = events[-1]
+    assert done.reasoning == detokenized(tokenizer, [r1, r2]) and done.text == detokenized(tokenizer, [a1, a2])
+    earlier = [e for e in events[:-1] if e.seq < 4]
+    resume = Resume(tokens=[t for d in earlier for t in d.tokens], text="".join(d.text for d in earlier), deltas=4,
+                    reasoning="".join(d.reasoning for d in earlier))
+    resumed = RequestOutput(replace(request, resume=resume), tokenizer.detokenizer, 0.0, tokenizer.detokenizer)
+    rest = resumed.add(TokenOut(0, a2, "length"), now=2.0)
+    assert "".join(d.text for d in [*earlier, *rest[:-1]]) == rest[-1].text == done.text
+    assert "".join(d.reasoning for d in [*earlier, *rest[:-1]]) == rest[-1].reasoning == done.reasoning
+
+
+def detokenized(tokenizer, tokens: list[int]) -> str:
+    detokenizer = tokenizer.detokenizer
+    for token in tokens:
+        detokenizer.add_token(token)
+    detokenizer.finalize()
+    return detokenizer.text
