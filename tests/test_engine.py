@@ -65,6 +65,9 @@ class FakeBackend:
                 del self.running[uid]
         return outs
 
+    def upcoming_tokens(self) -> dict[int, int]:
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -14,7 +14,6 @@ import pytest
 from support import ROOT, Outputs, check_stream, start_worker
 
 from client import Client, Delta, Done
-from worker.constraints import GuidedProcessor
 
 THINK, END_THINK = 3, 4  # the thinking demo model's <think> and </think> (checked below)
 ASK = [{"role": "user", "content": "Think first."}]
@@ -83,19 +82,19 @@ def test_the_guided_processor_waits_for_the_reasoning_to_end(thinking_model):
     from mlx_lm.utils import load_tokenizer
 
     from client.protocol import ChoiceFormat
-    from worker.constraints import Grammars, format_grammar
+    from worker.constraints import Grammars, Guides, format_grammar
     from worker.messages import Thinking
 
-    grammars = Grammars(load_tokenizer(thinking_model), 1024)
+    grammars, guides = Grammars(load_tokenizer(thinking_model), 1024), Guides(1024, 2)
     choice = ChoiceFormat(type="choice", choices=["alpha"])
     logits = mx.random.normal((1, 1024))
-    inside = GuidedProcessor(grammars.matcher(format_grammar(choice), []), 3, 1024, [0, 2],
-                             Thinking(THINK, END_THINK, open=True))
+    inside = guides.processor(grammars.matcher(format_grammar(choice), []), 3, [0, 2],
+                              Thinking(THINK, END_THINK, open=True))
     assert mx.array_equal(inside(mx.array([1, 2, 3, 50, 60]), logits), logits)
     masked = inside(mx.array([1, 2, 3, 50, 60, END_THINK]), logits)
     assert int(mx.isfinite(masked).sum().item()) < 1024
-    before = GuidedProcessor(grammars.matcher(format_grammar(choice), []), 3, 1024, [0, 2],
-                             Thinking(THINK, END_THINK, open=False))(mx.array([1, 2, 3]), logits)
+    before = guides.processor(grammars.matcher(format_grammar(choice), []), 3, [0, 2],
+                              Thinking(THINK, END_THINK, open=False))(mx.array([1, 2, 3]), logits)
     assert before[0, THINK].item() == logits[0, THINK].item()
     assert int(mx.isfinite(before).sum().item()) < 1024
 

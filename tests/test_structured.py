@@ -72,6 +72,16 @@ def test_a_mixed_burst_gives_valid_outputs_and_free_requests_as_alone(worker):
                 alone = client.generate(f"Constrained {i}", max_tokens=200, response_format=response_format,
                                         timeout=60)
                 assert alone.text == done.text
+        # The masks of the batch's constrained rows were filled together, step by step.
+        deadline = time.monotonic() + 30
+        while not (fills := _heartbeat(client, worker.consumer)["constraints"]["mask_fills"]):
+            assert time.monotonic() < deadline, "no batch fill of the masks"
+            time.sleep(0.2)
+        assert fills > 10
+
+
+def _heartbeat(client: Client, consumer: str) -> dict:
+    return json.loads(client.redis.get(f"mlxq:workers:{consumer}"))
 
 
 def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, demo_model):

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from typing import Any
 
 import mlx.core as mx
-from llguidance import LLMatcher, LLParserLimits, LLTokenizer
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+from llguidance import LLExecutor, LLMatcher, LLParserLimits, LLTokenizer
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask, fill_next_token_bitmask_par
 
 from client.protocol import (
     ChoiceFormat,
@@ -91,40 +92,103 @@ def _one_line(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()[:500]
 
 
+class Guides:
+    """The constrained sequences of the batch, on the engine thread: one shared bitmask
+    (a row each), filled for all of them in one call before a step (llguidance's
+    parallel fill, off the GIL), from each sequence's next input token as the backend
+    reports it. A sequence the backend could not report (its first step after prefill)
+    fills its own row when its processor runs."""
+
+    def __init__(self, vocab_size: int, rows: int) -> None:
+        self.vocab_size = vocab_size
+        self.bitmask = allocate_token_bitmask(rows, vocab_size)
+        self.executor = LLExecutor()
+        self._free = list(range(rows - 1, -1, -1))
+        self._by_uid: dict[int, GuidedProcessor] = {}
+        self.fills = 0  # batch fills done, and the seconds they took (the mask's cost)
+        self.fill_s = 0.0
+
+    def __bool__(self) -> bool:
+        return bool(self._by_uid)
+
+    def processor(self, matcher: LLMatcher, consumed: int, eos: list[int],
+                  thinking: Thinking | None) -> GuidedProcessor:
+        """A processor with a row of the shared bitmask; `attach` it once its sequence has a uid."""
+        return GuidedProcessor(matcher, consumed, self, self._free.pop(), eos, thinking)
+
+    def attach(self, uid: int, processor: GuidedProcessor) -> None:
+        self._by_uid[uid] = processor
+
+    def release(self, uid: int) -> None:
+        processor = self._by_uid.pop(uid, None)
+        if processor is not None:
+            self._free.append(processor.row)
+
+    def prefill(self, upcoming: dict[int, int]) -> None:
+        """Feed each guided sequence the token its next step appends, and fill every mask
+        that step needs in one call."""
+        targets = [(p.matcher, p.row) for uid, token in upcoming.items()
+                   if (p := self._by_uid.get(uid)) is not None and p.feed_ahead(token)]
+        if targets:
+            started = time.perf_counter()
+            fill_next_token_bitmask_par(self.executor, targets, self.bitmask)
+            self.fill_s += time.perf_counter() - started
+            self.fills += 1
+
+
 class GuidedProcessor:
     """Masks the logits of one sequence to what its matcher accepts next. Engine thread.
 
     It sees the sequence's tokens (the prompt's `consumed` first) and feeds the matcher
-    those it has not seen. On a thinking model the constraint waits for the reasoning to
-    end: free inside it (`thinking.open`), and before the first token it also allows the
-    reasoning to start. It never raises: a step that raised would fail the whole batch.
-    A matcher in error (which the mask should make impossible) allows only eos, which
-    ends the request."""
+    those it has not seen, unless `Guides.prefill` fed it and filled its row already. On
+    a thinking model the constraint waits for the reasoning to end: free inside it
+    (`thinking.open`), and before the first token it also allows the reasoning to start.
+    It never raises: a step that raised would fail the whole batch. A matcher in error
+    (which the mask should make impossible) allows only eos, which ends the request."""
 
-    def __init__(self, matcher: LLMatcher, consumed: int, vocab_size: int, eos: list[int],
+    def __init__(self, matcher: LLMatcher, consumed: int, guides: Guides, row: int, eos: list[int],
                  thinking: Thinking | None = None) -> None:
         self.matcher = matcher
         self.consumed = consumed
-        self.bitmask = allocate_token_bitmask(1, vocab_size)
+        self.guides = guides
+        self.row = row
+        self.ahead = False  # fed the next step's token already (that step has not run yet)
+        self.filled = False  # and the shared row holds the mask for it
         self.eos = mx.array(eos)
         self.thinking = thinking
         self.phase = "answer" if thinking is None else "think" if thinking.open else "may think"
+
+    def feed_ahead(self, token: int) -> bool:
+        """Take the token the next step appends (once); True if that step needs a mask filled."""
+        if self.ahead:
+            return False
+        self._feed([token])
+        self.consumed += 1
+        self.ahead = True
+        self.filled = self._masking()
+        return self.filled
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
         if len(tokens) > self.consumed:
             self._feed(tokens[self.consumed:].tolist())  # type: ignore[arg-type]
             self.consumed = len(tokens)
+            self.filled = False
+        filled, self.filled, self.ahead = self.filled, False, False
         if self.phase == "think":
             return logits
         if self.matcher.is_error() or self.matcher.is_stopped():
             only_eos = mx.full(logits.shape, -mx.inf, dtype=logits.dtype)
             only_eos[:, self.eos] = 0
             return only_eos
-        fill_next_token_bitmask(self.matcher, self.bitmask, 0)
-        masked = apply_bitmask(logits, self.bitmask)
+        if not filled:
+            fill_next_token_bitmask(self.matcher, self.guides.bitmask, self.row)
+        masked = apply_bitmask(logits, self.guides.bitmask[self.row:self.row + 1])
         if self.phase == "may think" and self.thinking is not None:
             masked[:, self.thinking.start] = logits[:, self.thinking.start]
         return masked
+
+    def _masking(self) -> bool:
+        return self.phase != "think" and not (self.matcher.is_error() or self.matcher.is_stopped())
 
     def _feed(self, tokens: list[int]) -> None:
         answer = []

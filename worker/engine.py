@@ -20,7 +20,7 @@ import structlog
 from client.protocol import ErrorCode
 
 from .backends import Coverage, Loaded, ModelInfo
-from .constraints import GuidedProcessor
+from .constraints import Guides
 from .faults import NONE, Faults
 from .logprobs import token_logprobs
 from .messages import (
@@ -71,6 +71,7 @@ class Engine:
         self._running: dict[int, RequestOutput] = {}
         self._uids: dict[str, int] = {}
         self._drain_until: float | None = None
+        self._guides: Guides  # made with the backend, once the model is loaded
         self._next_housekeeping = 0.0
 
 
@@ -123,6 +124,7 @@ class Engine:
         self._info = loaded.info
         self._loaded = loaded
         self._backend = loaded.make_backend()
+        self._guides = Guides(loaded.info.vocab_size, self._max_num_seqs)
         self._housekeeping()
         self._ready.set()
         try:
@@ -156,7 +158,8 @@ class Engine:
         caches: dict[str, CacheStats | None] = {"prefix_cache": None if cache is None else cache.stats()}
         caches.update(self._loaded.cache_stats())
         self._on_stats(EngineStats(running=len(self._running), waiting=len(self._scheduler),
-                                   memory=self._loaded.memory(), **caches))  # type: ignore[arg-type]
+                                   memory=self._loaded.memory(), mask_fills=self._guides.fills,
+                                   mask_fill_ms=self._guides.fill_s * 1000, **caches))  # type: ignore[arg-type]
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _busy(self) -> bool:
@@ -214,6 +217,8 @@ class Engine:
         if not self._running:
             return
         try:
+            if self._guides:  # every constrained row's mask for this step, in one fill
+                self._guides.prefill(self._backend.upcoming_tokens())
             tokens = self._backend.step()
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             self._fail_batch(e, out)
@@ -269,13 +274,17 @@ class Engine:
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         processors = build_logits_processors(request.sampling, len(request.prompt_tokens), request.stop_tokens,
                                              request.min_tokens)
+        guide = None
         if request.constraint is not None:  # last: it masks what the others left
-            processors.append(GuidedProcessor(request.constraint, len(prompt), self._loaded.info.vocab_size,
-                                              sorted(request.stop_tokens), self._thinking_left(request)))
+            guide = self._guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
+                                           self._thinking_left(request))
+            processors.append(guide)
         uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
                                    build_sampler(request.sampling), processors, cached, request.images)
         if cache is not None:
             cache.count(hit)
+        if guide is not None:
+            self._guides.attach(uid, guide)
         output.cached_tokens = 0 if hit is None else hit.reused
         return uid
 
@@ -296,8 +305,9 @@ class Engine:
 
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
         outputs = [self._running.pop(uid) for uid in uids]
-        for output in outputs:
+        for uid, output in zip(uids, outputs, strict=True):
             del self._uids[output.request.id]
+            self._guides.release(uid)
         return outputs
 
     def _fail_batch(self, error: Exception, out: StepOutput) -> None:

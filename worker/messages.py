@@ -165,8 +165,11 @@ class EngineStats:
     memory: dict[str, int]  # the framework's figures, in bytes
     prefix_cache: CacheStats | None = None
     vision_cache: CacheStats | None = None
+    mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
+    mask_fill_ms: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting, "memory": self.memory,
+                "constraints": {"mask_fills": self.mask_fills, "mask_fill_ms": round(self.mask_fill_ms, 1)},
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
                 "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json()}

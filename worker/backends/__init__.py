@@ -67,6 +67,11 @@ class BatchBackend(Protocol):
 
     def step(self) -> list[TokenOut]: ...
 
+    def upcoming_tokens(self) -> dict[int, int]:
+        """Each sequence's next input token, which the next `step` appends to what its
+        logits processors see (for filling their masks together); {} where unknown."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -52,6 +52,15 @@ class MlxBatchBackend:
                          logprobs=r.logprobs)
                 for r in generated]
 
+    def upcoming_tokens(self) -> dict[int, int]:
+        # mlx-lm keeps them in its generation batch; {} if a release moves them.
+        batch = getattr(self._generator, "_generation_batch", None)
+        uids, tokens = getattr(batch, "uids", None), getattr(batch, "_next_tokens", None)
+        if not uids or tokens is None:
+            return {}
+        values = tokens.tolist()
+        return dict(zip(uids, values, strict=True)) if len(values) == len(uids) else {}
+
     def close(self) -> None:
         self._generator.close()
 

@@ -133,6 +133,9 @@ class VisionBatchBackend:
         return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None))
                 for r in generated]
 
+    def upcoming_tokens(self) -> dict[int, int]:
+        return {}  # constraints are not served on the vision path yet
+
     def close(self) -> None:
         self._generator.close()
 

@@ -49,6 +49,9 @@ class SimBackend:
                 del self._running[uid]
         return outs
 
+    def upcoming_tokens(self) -> dict[int, int]:
+        return {}
+
     def close(self) -> None:
         self._running.clear()
 
