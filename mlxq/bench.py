@@ -35,6 +35,8 @@ class Workload:
     stream_interval: int = 1
     vocab: int = 1000  # prompt ids are drawn from [10, vocab): clear of special tokens
     seed: int = 0
+    response_format: str = "none"  # json, regex or none: what the constrained requests ask for
+    constrained: float = 1.0  # the share of requests that ask for it
 
     def plan(self) -> list[Planned]:
         """The requests, each with its send time (seconds after the start)."""
@@ -46,7 +48,9 @@ class Workload:
             shared = rng.random() < self.shared_prefix
             head = prefix[:length - 1] if shared else []
             tokens = head + [rng.randrange(10, self.vocab) for _ in range(length - len(head))]
-            planned.append(Planned(tokens, self._jittered(rng, self.output_len), at))
+            constrained = self.response_format != "none" and rng.random() < self.constrained
+            planned.append(Planned(tokens, self._jittered(rng, self.output_len), at,
+                                   RESPONSE_FORMATS[self.response_format] if constrained else None))
             if self.rate:
                 at += rng.expovariate(self.rate)
         return planned
@@ -55,11 +59,26 @@ class Workload:
         return max(1, round(mean * (1 + rng.uniform(-self.len_jitter, self.len_jitter))))
 
 
+# Formats that keep a request going until its max_tokens, so that constrained and free
+# requests generate alike: a JSON array that cannot close sooner (the JSON lexer's masks,
+# the realistic cost), and free lower-case words.
+RESPONSE_FORMATS: dict[str, dict[str, Any]] = {
+    "json": {"type": "json_schema", "json_schema": {"name": "rows", "schema": {
+        "type": "object", "required": ["items"], "additionalProperties": False,
+        "properties": {"items": {"type": "array", "minItems": 10_000, "items": {
+            "type": "object", "required": ["name", "score"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "maxLength": 12},
+                           "score": {"type": "integer", "minimum": 0, "maximum": 100}}}}}}}},
+    "regex": {"type": "regex", "pattern": "[a-z ]+"},
+}
+
+
 @dataclass(frozen=True)
 class Planned:
     prompt_tokens: list[int]
     max_tokens: int
     send_at: float
+    response_format: dict[str, Any] | None = None
 
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
@@ -82,7 +101,7 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
             async with limit:
                 timing = RequestTiming(submitted=time.monotonic())
                 job = await client.submit(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
-                                          stream_interval=stream_interval)
+                                          stream_interval=stream_interval, response_format=request.response_format)
                 async for delta in job.stream(timeout=timeout):
                     timing.token_times.append((time.monotonic(), len(delta.tokens)))
                 done = await job.result(timeout=timeout)

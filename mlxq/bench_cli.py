@@ -24,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     workload = Workload(requests=args.requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                         len_jitter=args.len_jitter, shared_prefix=args.shared_prefix, prefix_len=args.prefix_len,
                         stream_interval=args.stream_interval, vocab=args.vocab,
+                        response_format=args.response_format, constrained=args.constrained,
                         seed=random.randrange(2**31) if args.seed is None else args.seed)
     levels = [int(c) or None for c in args.concurrency.split(",")]
     model = args.model or _served_model(args)
@@ -66,6 +67,8 @@ def _describe(workload: Workload) -> str:
             f"tokens, seed {workload.seed}")
     if workload.shared_prefix:
         text += f", {workload.shared_prefix:.0%} sharing a {workload.prefix_len}-token prefix"
+    if workload.response_format != "none":
+        text += f", {workload.constrained:.0%} constrained ({workload.response_format})"
     return text
 
 

@@ -204,6 +204,10 @@ def _add_bench(commands: Any) -> None:
                        help="fraction of requests starting with one common prefix")
     bench.add_argument("--prefix-len", type=int, default=64, help="length of the common prefix")
     bench.add_argument("--stream-interval", type=int, default=1, help="tokens per delta")
+    bench.add_argument("--response-format", choices=["none", "json", "regex"], default="none",
+                       help="constrain requests: a JSON schema, or a regex (see mlxq/bench.py)")
+    bench.add_argument("--constrained", type=float, default=1.0,
+                       help="with --response-format, the share of requests constrained")
     bench.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     bench.add_argument("--seed", type=int, help="seed of the workload (default: random, so that prompts are new "
                                                "to the workers' prefix cache; the report has it)")
@@ -238,6 +242,9 @@ def _add_demo_model(commands: Any) -> None:
                       help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
     demo.add_argument("--vision", action="store_true",
                       help="a tiny Qwen2-VL instead (~200k parameters, served through mlx-vlm)")
+    demo.add_argument("--vocab", type=int, default=demo_model.VOCAB_SIZE,
+                      help="tokenizer vocabulary; above the default it is trained on the standard library's "
+                           "sources (e.g. 32768, for honest structured-output benchmarks)")
     demo.add_argument("--thinking", action="store_true",
                       help="a thinking variant: <think> </think> tokens, a template that opens the reasoning "
                            "(enable_thinking: false closes it)")
@@ -245,7 +252,8 @@ def _add_demo_model(commands: Any) -> None:
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
-    path = demo_model.build(args.path, size="vision" if args.vision else "thinking" if args.thinking else args.size)
+    size = "vision" if args.vision else "thinking" if args.thinking else args.size
+    path = demo_model.build(args.path, size=size, vocab=args.vocab)
     print(f"demo model written to {path}")
     return 0
 

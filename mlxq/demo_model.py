@@ -129,9 +129,11 @@ def ensure(path: Path) -> Path:
     return path
 
 
-def build(path: Path, seed: int = 0, size: str = "demo") -> Path:
-    """Build the demo model (`demo`), the `bench` size or the `vision` model into `path`,
-    written atomically: a crash leaves nothing half-built."""
+def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE) -> Path:
+    """Build the demo model (`demo`), the `bench` size, the `thinking` variant or the
+    `vision` model into `path`, written atomically: a crash leaves nothing half-built.
+    A `vocab` above the default trains the tokenizer on the standard library's sources,
+    for a realistic vocabulary (structured output's mask cost grows with it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
@@ -143,7 +145,7 @@ def build(path: Path, seed: int = 0, size: str = "demo") -> Path:
             _write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
             _write_model(staging, seed, MODEL_CONFIG)
         else:
-            _write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
+            _write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab)
             _write_model(staging, seed, SIZES[size])
         if path.exists():
             shutil.rmtree(path)
@@ -162,19 +164,32 @@ def _corpus() -> list[str]:
     return texts
 
 
-def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str) -> None:
+def _stdlib_sources(limit_bytes: int = 40_000_000) -> Any:
+    """The standard library's Python sources, up to `limit_bytes`: always on disk."""
+    import sysconfig
+
+    seen = 0
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py")):
+        text = path.read_text(errors="replace")
+        seen += len(text)
+        if seen > limit_bytes:
+            return
+        yield text
+
+
+def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, vocab: int = VOCAB_SIZE) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab,
         special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(_corpus() if vocab <= VOCAB_SIZE else _stdlib_sources(), trainer=trainer)
     tokenizer.save(str(out / "tokenizer.json"))
     eos_ids = [tokenizer.token_to_id(t) for t in EOS_TOKENS]
     (out / "tokenizer_config.json").write_text(json.dumps({
@@ -200,7 +215,8 @@ def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
     import mlx.core as mx
     from mlx_lm.models import qwen3
 
-    config = {**shape, "vocab_size": VOCAB_SIZE, "eos_token_id": _special_ids(out, EOS_TOKENS)}
+    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
+    config = {**shape, "vocab_size": max(VOCAB_SIZE, len(vocab)), "eos_token_id": _special_ids(out, EOS_TOKENS)}
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     _save(out, model, model.model.embed_tokens, _special_ids(out, SPECIAL_TOKENS), config)

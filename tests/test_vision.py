@@ -208,6 +208,10 @@ BAD_IMAGES = [
      "images: send them with prompt or messages"),
     ("logprobs", {"images": [b64(png(56, 56))], "logprobs": True}, "invalid_request",
      "logprobs: this worker's model"),  # not yet on mlx-vlm's batch: refused, never ignored
+    ("penalties", {"images": [b64(png(56, 56))], "frequency_penalty": 1.0}, "invalid_request",
+     "frequency_penalty: not available on a vision model"),
+    ("constrained", {"images": [b64(png(56, 56))], "response_format": {"type": "json_object"}}, "invalid_request",
+     "response_format: this worker's model"),
 ]
 
 
