@@ -103,19 +103,26 @@ def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, demo_model):
     assert matcher.consume_tokens(tokens), matcher.get_error()
 
 
-@pytest.mark.parametrize(("response_format", "extra", "message"), [
-    ({"type": "regex", "pattern": "a(b"}, {}, 'response_format: at 1(8): invalid regex "a(b"'),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, {},
+HUGE = {"type": "object", "properties": {f"k{i}": {"type": "string"} for i in range(20_000)},
+        "required": [f"k{i}" for i in range(20_000)]}
+
+
+@pytest.mark.parametrize(("response_format", "extra", "code", "message"), [
+    ({"type": "regex", "pattern": "a(b"}, {}, "invalid_request", 'response_format: at 1(8): invalid regex "a(b"'),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}}, {}, "invalid_request",
      "response_format: Invalid type: objectx"),
-    ({"type": "grammar", "lark": "start: ???"}, {}, "response_format: 1(8): Expected value"),
-    (REGEX, {"ignore_eos": True}, "ignore_eos cannot be combined with response_format"),
-    (REGEX, {"min_tokens": 2}, "min_tokens cannot be combined with response_format"),
-])
-def test_a_format_that_cannot_compile_is_refused_with_llguidances_reason(worker, response_format, extra, message):
+    ({"type": "grammar", "lark": "start: ???"}, {}, "invalid_request", "response_format: 1(8): Expected value"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": HUGE}}, {}, "too_large",
+     "response_format: schema too large"),
+    (REGEX, {"ignore_eos": True}, "invalid_request", "ignore_eos cannot be combined with response_format"),
+    (REGEX, {"min_tokens": 2}, "invalid_request", "min_tokens cannot be combined with response_format"),
+], ids=["regex", "schema", "lark", "too large", "ignore_eos", "min_tokens"])
+def test_a_format_that_cannot_compile_is_refused_with_llguidances_reason(worker, response_format, extra, code,
+                                                                          message):
     with Client(worker.redis_url, queue=worker.queue) as client:
         with pytest.raises(JobFailed) as failed:
             client.generate("x", max_tokens=5, response_format=response_format, timeout=60, **extra)
-        assert failed.value.code == "invalid_request"
+        assert failed.value.code == code
         assert failed.value.message.startswith(message), failed.value.message
         assert client.generate("x", max_tokens=3, response_format=CHOICE, timeout=60).text in CHOICE["choices"]
 
