@@ -153,6 +153,40 @@ def test_sampling_is_per_request_on_the_vision_path(worker, r, outputs, new_id):
     assert check_stream(outputs.of(other)).text != first
 
 
+def test_constrained_image_requests_give_valid_output(worker, r, outputs, new_id):
+    """response_format on the vision path: a schema, a regex and a choice, greedy and
+    sampled, with images and beside a free image request, each valid and ended by itself."""
+    import re
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
+                                               "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["color", "count"], "additionalProperties": False}
+    formats = [{"type": "json_schema", "json_schema": {"name": "seen", "schema": schema}},
+               {"type": "regex", "pattern": "[a-z]{2,6}-[0-9]{2}"},
+               {"type": "choice", "choices": ["cat", "dog", "neither"]}]
+    image = png(112, 112, 5)
+    ids = {}
+    for i, response_format in enumerate(formats):
+        for sampling in ({}, {"temperature": 1.0, "seed": 3}):
+            ids[new_id(f"vc{i}")] = response_format
+            ask(r, worker.queue, list(ids)[-1], "What is it?", [image], max_tokens=60,
+                response_format=response_format, **sampling)
+    free = new_id("free")
+    ask(r, worker.queue, free, "Look", [image], max_tokens=20)
+    for request_id, response_format in ids.items():
+        done = check_stream(outputs.of(request_id))
+        assert isinstance(done, Done) and done.finish_reason == "stop", done
+        if response_format["type"] == "json_schema":
+            jsonschema.validate(json.loads(done.text), schema)
+        elif response_format["type"] == "regex":
+            assert re.fullmatch(response_format["pattern"], done.text), done.text
+        else:
+            assert done.text in response_format["choices"]
+    assert check_stream(outputs.of(free)).text == alone(r, outputs, worker.queue, new_id, "Look", [image], 20)
+
+
 def test_a_repeated_image_skips_the_vision_tower(worker, r, outputs, new_id):
     """The second request with the same image bytes is a vision-cache hit and reads the same."""
     image = png(140, 84, 5)
@@ -210,8 +244,6 @@ BAD_IMAGES = [
      "logprobs: this worker's model"),  # not yet on mlx-vlm's batch: refused, never ignored
     ("penalties", {"images": [b64(png(56, 56))], "frequency_penalty": 1.0}, "invalid_request",
      "frequency_penalty: not available on a vision model"),
-    ("constrained", {"images": [b64(png(56, 56))], "response_format": {"type": "json_object"}}, "invalid_request",
-     "response_format: this worker's model"),
 ]
 
 

@@ -169,10 +169,23 @@ class GuidedProcessor:
         return self.filled
 
     def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        """mlx-lm's call: every token of the sequence so far."""
         if len(tokens) > self.consumed:
             self._feed(tokens[self.consumed:].tolist())  # type: ignore[arg-type]
             self.consumed = len(tokens)
             self.filled = False
+        return self._mask(logits)
+
+    def process_last_token(self, last_token: int, logits: mx.array) -> mx.array:
+        """mlx-vlm's call in decoding: the token just appended (its prefill calls `__call__`
+        with the prompt)."""
+        if not self.ahead:
+            self._feed([last_token])
+            self.consumed += 1
+            self.filled = False
+        return self._mask(logits)
+
+    def _mask(self, logits: mx.array) -> mx.array:
         filled, self.filled, self.ahead = self.filled, False, False
         if self.phase == "think":
             return logits

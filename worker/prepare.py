@@ -271,8 +271,8 @@ def longest_token(tokenizer: Any) -> int | None:
 
 
 def _grammars(info: ModelInfo) -> Grammars | None:
-    """What compiles response formats for this model: text models whose tokenizer is a
-    Hugging Face fast tokenizer; None for the others (vision, simulated), which refuse them."""
-    if info.vision is not None or not hasattr(info.tokenizer, "_tokenizer"):
+    """What compiles response formats for this model: one whose tokenizer is a Hugging
+    Face fast tokenizer; None for the others (simulated), which refuse them."""
+    if not hasattr(info.tokenizer, "_tokenizer"):
         return None
     return Grammars(info.tokenizer, info.vocab_size)
