@@ -122,7 +122,11 @@ class Guides:
     def release(self, uid: int) -> None:
         processor = self._by_uid.pop(uid, None)
         if processor is not None:
-            self._free.append(processor.row)
+            self.discard(processor)
+
+    def discard(self, processor: GuidedProcessor) -> None:
+        """Give back the row of a processor whose sequence ended (or never started)."""
+        self._free.append(processor.row)
 
     def prefill(self, upcoming: dict[int, int]) -> None:
         """Feed each guided sequence the token its next step appends, and fill every mask

@@ -279,8 +279,14 @@ class Engine:
             guide = self._guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
                                            self._thinking_left(request))
             processors.append(guide)
-        uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt, request.tokens_to_generate,
-                                   build_sampler(request.sampling), processors, cached, request.images)
+        try:
+            uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt,
+                                       request.tokens_to_generate, build_sampler(request.sampling), processors,
+                                       cached, request.images)
+        except Exception:
+            if guide is not None:
+                self._guides.discard(guide)  # its bitmask row goes back
+            raise
         if cache is not None:
             cache.count(hit)
         if guide is not None:
