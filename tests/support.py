@@ -56,6 +56,14 @@ class WorkerProcess:
                 self.process.wait(5)
 
 
+def build_demo_model(path: Path, *flags: str) -> Path:
+    """A demo model built the way a user builds it: `mlxq demo-model FLAGS PATH`."""
+    built = subprocess.run([*MLXQ, "demo-model", *flags, str(path)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+    assert built.returncode == 0, built.stderr
+    return path
+
+
 def free_port() -> int:
     """A loopback port nobody listens on right now (the kernel's pick, not a fixed favourite)."""
     with socket.socket() as s:

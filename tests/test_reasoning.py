@@ -4,14 +4,12 @@ answer after it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import uuid
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from support import ROOT, Outputs, check_stream, start_worker
+from support import Outputs, build_demo_model, check_stream, start_worker
 
 from client import Client, Delta, Done
 
@@ -21,11 +19,8 @@ ASK = [{"role": "user", "content": "Think first."}]
 
 @pytest.fixture(scope="module")
 def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "thinking"
-    built = subprocess.run([sys.executable, "-m", "mlxq", "demo-model", "--thinking", str(path)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-    assert built.returncode == 0, built.stderr
-    return path
+    """The thinking variant, built the way a user builds it: `mlxq demo-model --thinking PATH`."""
+    return build_demo_model(tmp_path_factory.mktemp("model") / "thinking", "--thinking")
 
 
 @pytest.fixture(scope="module")
