@@ -33,7 +33,7 @@ def render(fleet: Fleet) -> str:
     summary = ", ".join(f"{states.count(s)} {s}" for s in ("ready", "draining", "stopped", "gone") if s in states)
     lines = [f"mlxq status at {time.strftime('%Y-%m-%d %H:%M:%S')}: {summary or 'no workers seen in the last hour'}",
              ""]
-    lines += _table(["QUEUE", "LANE", "WAITING", "OLDEST", "IN FLIGHT", "DEAD", "BOUND"],
+    lines += _table(["QUEUE", "LANE", "LENGTH", "WAITING", "OLDEST", "IN FLIGHT", "DEAD", "BOUND"],
                     [_stream_row(s) for s in fleet.streams]) or ["(no queues)"]
     lines.append("")
     lines += _table(["WORKER", "STATE", "HOST", "QUEUE", "MODEL", "RUN/WAIT", "TOK/S", "REQUESTS", "TOKENS",
@@ -47,8 +47,8 @@ def render(fleet: Fleet) -> str:
 
 
 def _stream_row(s: StreamView) -> list[str]:
-    return [s.queue, s.lane or "-", str(s.waiting), _ago(s.oldest_waiting_s), str(s.pending), str(s.dead),
-            "-" if not s.max_len else str(s.max_len)]
+    return [s.queue, s.lane or "-", str(s.length), str(s.waiting), _ago(s.oldest_waiting_s), str(s.pending),
+            str(s.dead), "-" if not s.max_len else str(s.max_len)]
 
 
 def _worker_row(w: WorkerView) -> list[str]:
