@@ -217,6 +217,8 @@ def test_a_dead_letter_requeued_completes(valkey, demo_model, logs_dir):
         r.xadd(f"mlxq:q:{queue}", {"json": json.dumps({"prompt": "Back from the dead", "max_tokens": 4})})
         dead = wait_for(lambda: r.xrange(f"mlxq:q:{queue}:dead"), what="a dead letter")
         entry = dead[0][0].decode()
+        wait_for(lambda: json.loads(r.get(f"mlxq:workers:{worker.consumer}"))["totals"]["dead_letters"] == 1,
+                 what="the dead letter counted in the worker's totals")
         listed = mlxq("dead", "list", "--redis-url", valkey, "--queue", queue)
         assert entry in listed.stdout and "missing field 'id'" in listed.stdout
         shown = mlxq("dead", "show", entry, "--redis-url", valkey, "--queue", queue)
