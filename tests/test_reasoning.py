@@ -128,3 +128,17 @@ def detokenized(tokenizer, tokens: list[int]) -> str:
         detokenizer.add_token(token)
     detokenizer.finalize()
     return detokenizer.text
+
+
+@pytest.mark.parametrize(("opened", "tokens", "inside", "answer"), [
+    (True, [300, 301], True, []),
+    (True, [300, END_THINK, 400], False, [400]),
+    (False, [THINK, 300], True, []),
+    (False, [400, THINK, 401], False, [400, THINK, 401]),  # after the answer starts, a marker is text
+    (False, [THINK, 300, END_THINK, 400, END_THINK], False, [400, END_THINK]),
+])
+def test_where_a_resumed_output_stands(opened, tokens, inside, answer):
+    """Unit: the rule the intake's matcher and the engine's mask share (the output follows it token by token)."""
+    from worker.messages import Thinking
+
+    assert Thinking(THINK, END_THINK, open=opened).after(tokens) == (inside, answer)

@@ -127,9 +127,13 @@ class Worker:
         return None
 
     def _on_published(self, event: Event) -> None:
-        self.totals.observe(event)
-        if self.metrics is not None:
-            self.metrics.observe(event)
+        """Count a written event; counting is upkeep: whatever fails in it must not stop publishing."""
+        try:
+            self.totals.observe(event)
+            if self.metrics is not None:
+                self.metrics.observe(event)
+        except Exception as e:  # noqa: BLE001
+            log.error("could not count a published event", request_id=event.id, error=repr(e))
 
     def _intake(self, info: ModelInfo, clock_offset_s: float) -> Intake:
         reclaimer = Reclaimer(self.redis_queue, self.settings.reclaim_interval_s,

@@ -304,10 +304,8 @@ class Engine:
         tokens = request.resume.tokens if request.resume else []
         if not tokens:
             return thinking
-        opened = max((i for i, t in enumerate(tokens) if t == thinking.start), default=-1)
-        closed = max((i for i, t in enumerate(tokens) if t == thinking.end), default=-1)
-        inside = closed < opened or (thinking.open and closed < 0)
-        return replace(thinking, open=inside) if inside else None
+        inside, _ = thinking.after(tokens)
+        return replace(thinking, open=True) if inside else None
 
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
         outputs = [self._running.pop(uid) for uid in uids]

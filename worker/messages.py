@@ -53,6 +53,19 @@ class Thinking:
     end: int
     open: bool
 
+    def after(self, tokens: list[int]) -> tuple[bool, list[int]]:
+        """Where an output made of `tokens` stands: still inside the reasoning, and the
+        answer's tokens. The markers count only until the answer starts (then they are text)."""
+        inside, answer = self.open, list[int]()
+        for token in tokens:
+            if inside:
+                inside = token != self.end
+            elif token == self.start and not answer:
+                inside = True
+            else:
+                answer.append(token)
+        return inside, answer
+
 
 @dataclass(frozen=True)
 class EngineRequest:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import structlog
+
 from client.keys import Keys
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
@@ -17,6 +19,8 @@ from .images import PreparedImage
 from .messages import EngineRequest, Resume, Route, SamplingParams, Thinking
 from .settings import WorkerSettings
 from .tools import ToolFormat, ToolUse, forced_call_grammar
+
+log = structlog.get_logger("mlxq.worker")
 
 
 class Preparer:
@@ -243,11 +247,7 @@ def _answer_tokens(resume: Resume | None, thinking: Thinking | None) -> list[int
     """The tokens of the answer (after any reasoning) an earlier delivery already streamed:
     what a constraint's matcher must be advanced over."""
     tokens = resume.tokens if resume else []
-    if thinking is None or not tokens:
-        return tokens
-    if thinking.end in tokens:
-        return tokens[tokens.index(thinking.end) + 1:]
-    return [] if thinking.open or tokens[0] == thinking.start else tokens
+    return tokens if thinking is None else thinking.after(tokens)[1]
 
 
 # What apply_chat_template takes that would change what it returns, or whose template it runs.
@@ -275,4 +275,9 @@ def _grammars(info: ModelInfo) -> Grammars | None:
     Face fast tokenizer; None for the others (simulated), which refuse them."""
     if not hasattr(info.tokenizer, "_tokenizer"):
         return None
-    return Grammars(info.tokenizer, info.vocab_size)
+    try:
+        return Grammars(info.tokenizer, info.vocab_size)
+    except Exception as e:  # noqa: BLE001 - a tokenizer llguidance cannot read costs constraints, not the worker
+        log.warning("response_format and forced tool calls are off: llguidance cannot read this tokenizer",
+                    model=info.name, error=repr(e))
+        return None

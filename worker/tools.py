@@ -56,6 +56,12 @@ def forced_call_grammar(fmt: ToolFormat, tools: list[Tool], choice: str | NamedT
     return LLMatcher.grammar_from_lark(f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}")
 
 
+def _tool_call(call: dict[str, Any]) -> ToolCall:
+    arguments = call.get("arguments", {})
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+        name=call["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+
+
 def parse_tool_calls(text: str, use: ToolUse) -> list[ToolCall]:
     """The calls in the finished text, in order; a call the parser cannot read is left
     out (its text stays in `text`)."""
@@ -69,11 +75,8 @@ def parse_tool_calls(text: str, use: ToolUse) -> list[ToolCall]:
         rest = rest[end + len(use.format.end):]
         try:
             parsed = use.format.parse(body, use.tools)
+            calls += [_tool_call(call) for call in (parsed if isinstance(parsed, list) else [parsed])
+                      if isinstance(call, dict) and isinstance(call.get("name"), str)]
         except Exception:  # noqa: BLE001 - a malformed call is text, not a crash
             continue
-        for call in parsed if isinstance(parsed, list) else [parsed]:
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = call.get("arguments", {})
-                calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
-                    name=call["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))))
     return calls
