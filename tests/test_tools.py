@@ -11,6 +11,7 @@ import pytest
 from support import worker_fixture
 
 from client import Client, JobFailed, RequestRejected
+from worker.tools import MAX_FORCED_CALLS
 
 worker = worker_fixture()
 
@@ -40,14 +41,18 @@ def client(worker):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_required_gives_one_call_that_matches_its_tool(client, temperature):
-    done = client.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+def test_required_gives_calls_that_match_their_tools(client, temperature):
+    """`required` forces one call or more (OpenAI's parallel calls), each valid for its tool."""
+    done = client.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=600,
                            temperature=temperature, seed=5, timeout=60)
     assert done.finish_reason == "tool_calls"
-    (call,) = done.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    assert call.function.name in ("get_weather", "add")
-    jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
+    assert 1 <= len(done.tool_calls) <= MAX_FORCED_CALLS
+    assert done.text.count("<tool_call>") == len(done.tool_calls)
+    for call in done.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in ("get_weather", "add")
+        jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
+    assert len({call.id for call in done.tool_calls}) == len(done.tool_calls)
 
 
 def test_a_named_function_is_the_one_called(client):
@@ -99,5 +104,5 @@ def test_bad_tool_requests_are_refused_precisely(client, worker):
     assert failed.value.code == "invalid_request" and failed.value.message.startswith("tools: Input should be a")
     with pytest.raises(JobFailed, match="chat_template_kwargs: tokenize cannot be set by a request"):
         client.generate(messages=ASK, chat_template_kwargs={"tokenize": False}, timeout=60)
-    assert client.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120,
+    assert client.generate(messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=600,
                            timeout=60).finish_reason == "tool_calls"

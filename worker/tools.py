@@ -43,9 +43,13 @@ class ToolUse:
     tools: list[dict[str, Any]]  # as the request gave them, for the parser
 
 
+MAX_FORCED_CALLS = 8  # `required` lets the model call several tools (OpenAI's parallel calls), up to this
+
+
 def forced_call_grammar(fmt: ToolFormat, tools: list[Tool], choice: str | NamedToolChoice) -> str:
-    """A Lark grammar for exactly one call of one of `tools` (or of the named one), its
-    arguments valid for that tool's parameters, in the model's own markup."""
+    """A Lark grammar for the calls `choice` forces, in the model's own markup, each call's
+    arguments valid for its tool's parameters: one to MAX_FORCED_CALLS calls of any of
+    `tools` for `required`, exactly one call for a named function."""
     if isinstance(choice, NamedToolChoice):
         tools = [t for t in tools if t.function.name == choice.function.name]
     calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
@@ -53,7 +57,10 @@ def forced_call_grammar(fmt: ToolFormat, tools: list[Tool], choice: str | NamedT
                              "arguments": t.function.parameters or {"type": "object"}}} for t in tools]
     schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False}}
     opening, closing = json.dumps(fmt.start + "\n"), json.dumps("\n" + fmt.end)
-    return LLMatcher.grammar_from_lark(f"start: {opening} call {closing}\ncall: %json {json.dumps(schema)}")
+    more = 0 if isinstance(choice, NamedToolChoice) else MAX_FORCED_CALLS - 1
+    return LLMatcher.grammar_from_lark(f"start: block (\"\\n\" block)~0..{more}\n"
+                                       f"block: {opening} call {closing}\n"
+                                       f"call: %json {json.dumps(schema)}")
 
 
 def _tool_call(call: dict[str, Any]) -> ToolCall:
