@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "the mlxq worker needs Python 3.11+ (mlx-lm 0.32 does); try: make PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[worker,vision,embedded,bench,dev]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,vision,gateway,embedded,bench,dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

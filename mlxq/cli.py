@@ -73,7 +73,8 @@ class _Formatter(argparse.HelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_worker, _add_submit, _add_status, _add_dead, _add_redis, _add_bench, _add_demo_model):
+    for add in (_add_worker, _add_gateway, _add_submit, _add_status, _add_dead, _add_redis, _add_bench,
+                _add_demo_model):
         add(commands)
     return parser
 
@@ -118,6 +119,32 @@ def _run_worker(args: argparse.Namespace) -> int:
     except ImportError as e:
         return _missing_extra("worker", e, args)
     return worker_command.run(args)
+
+
+def _add_gateway(commands: Any) -> None:
+    """`mlxq gateway`: one flag per gateway setting (none without the gateway extra)."""
+    gateway = _command(commands, "gateway", "serve the OpenAI API in front of the queues",
+                       "An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models) that "
+                       "enqueues each request and streams its output back. Flags override MLXQ_GATEWAY_* "
+                       "variables, which override the --config file, which overrides the defaults.")
+    gateway.add_argument("--config", type=Path, help="TOML file of settings (see config/gateway.toml)")
+    try:
+        import starlette  # noqa: F401 - the extra's packages, so that --help says what is missing
+        import uvicorn  # noqa: F401
+
+        from gateway.settings import ENV_PREFIX, GatewaySettings
+    except ImportError as e:
+        gateway.set_defaults(run=partial(_missing_extra, "gateway", e))
+    else:
+        for name, field in GatewaySettings.model_fields.items():
+            _add_setting(gateway, name, field, ENV_PREFIX)
+        gateway.set_defaults(run=_run_gateway)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from . import gateway_command
+
+    return gateway_command.run(args)
 
 
 def _add_submit(commands: Any) -> None:
@@ -258,13 +285,15 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any) -> None:
+def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any, env_prefix: str = "MLXQ_") -> None:
     kind, choices = _flag_type(field.annotation)
     default = field.get_default(call_default_factory=True)
     default = "unset" if default is None else default
+    several = get_origin(field.annotation) in (list, dict)
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
-                        nargs="+" if get_origin(field.annotation) is list else None,
-                        help=f"{field.description} (default: {default or 'none'}; env MLXQ_{name.upper()})"
+                        nargs="+" if several else None, metavar="NAME=QUEUE" if get_origin(field.annotation) is dict
+                        else None,
+                        help=f"{field.description} (default: {default or 'none'}; env {env_prefix}{name.upper()})"
                         .replace("%", "%%"))
 
 
@@ -279,8 +308,9 @@ def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
 
 
 def _missing_extra(command: str, error: ImportError, args: argparse.Namespace) -> int:
-    print(f"mlxq {command}: this install has only the client ({error.name} is missing); for workers: "
-          f"{WORKER_EXTRA}", file=sys.stderr)
+    extra = "pip install '.[gateway]' in the mlxq checkout" if command == "gateway" else WORKER_EXTRA
+    print(f"mlxq {command}: this install lacks the {command} extra ({error.name} is missing): {extra}",
+          file=sys.stderr)
     return 2
 
 

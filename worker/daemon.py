@@ -42,6 +42,7 @@ from .redis_queue import RedisQueue
 from .requests import RequestTable
 from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+from .tools import ToolFormat
 from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
@@ -94,8 +95,9 @@ class Worker:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         self._install_signal_handlers(self._loop)
+        tools = ToolFormat.of(info.tokenizer)
         leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name, self.totals,
-                                       self.blas)
+                                       self.blas, (tools.start, tools.end) if tools else None)
         if self._stats is not None:
             leases.update(self._stats)
         try:

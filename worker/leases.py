@@ -44,11 +44,12 @@ class Leases:
     """Claims a consumer name, then keeps it, the heartbeat and the entries' leases alive."""
 
     def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
-                 model_name: str, totals: Totals, blas: str) -> None:
+                 model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None) -> None:
         self.settings = settings
         self.redis_queue = redis_queue
         self.requests = requests
         self.model_name = model_name
+        self.tool_call = tool_call  # the model's tool-call markers, for readers that split calls from text
         self.totals = totals
         self.blas = blas
         self.state = "ready"  # then "draining", then "stopped"
@@ -129,7 +130,8 @@ class Leases:
         """What this worker tells the fleet about itself (`mlxq:workers:<consumer>`)."""
         return json.dumps({
             "consumer": self.consumer, "instance": self.instance, "state": self.state, "queue": self.settings.queue,
-            "lanes": self.settings.lanes, "model": self.model_name, "host": socket.gethostname(), "pid": os.getpid(),
+            "lanes": self.settings.lanes, "model": self.model_name, "tool_call": self.tool_call,
+            "host": socket.gethostname(), "pid": os.getpid(),
             "started_at": self.started_at, "version": self.version, "blas": self.blas,
             "in_flight": len(self.requests), "max_num_seqs": self.settings.max_num_seqs,
             "tok_s": self.totals.tok_s(), "totals": self.totals.as_fields(), "last_error": self.totals.last_error,

@@ -2,26 +2,20 @@
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-import tomllib
 from pydantic import Field, field_validator
-from pydantic_settings import (
-    BaseSettings,
-    PydanticBaseSettingsSource,
-    SettingsConfigDict,
-    TomlConfigSettingsSource,
-)
+from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.diagnose import redis_url_problem
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from mlxq.settings_layers import LayeredSettings, load_layered
+from mlxq.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
@@ -30,7 +24,7 @@ OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS")
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
 
 
-class WorkerSettings(BaseSettings):
+class WorkerSettings(LayeredSettings):
     """Everything a worker can be told. Field descriptions are the CLI help and the README table."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
@@ -130,60 +124,9 @@ class WorkerSettings(BaseSettings):
         ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         return int(ram * self.cache_memory_percent / 100)
 
-    @classmethod
-    def settings_customise_sources(
-        cls,
-        settings_cls: type[BaseSettings],
-        init_settings: PydanticBaseSettingsSource,
-        env_settings: PydanticBaseSettingsSource,
-        dotenv_settings: PydanticBaseSettingsSource,
-        file_secret_settings: PydanticBaseSettingsSource,
-    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls)
-
-
-class SettingsError(ValueError):
-    """A settings file or variable that cannot be used; the message names it and what to do."""
-
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:
     """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML).
     Raises `SettingsError` for a file that cannot be read or an unknown setting (file key
     or `MLXQ_*` variable), and pydantic's `ValidationError` for a bad value."""
-    if config_file is not None:
-        _check_file(Path(config_file))
-    _check_environment(os.environ)
-
-    class FromFile(WorkerSettings):
-        model_config = SettingsConfigDict(toml_file=config_file)
-
-    return FromFile(**{k: v for k, v in overrides.items() if v is not None})
-
-
-def _check_file(path: Path) -> None:
-    try:
-        table = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SettingsError(f"config file not found: {path}") from None
-    except OSError as e:
-        raise SettingsError(f"config file {path}: {e.strerror}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise SettingsError(f"config file {path}: TOML syntax error: {e}") from e
-    for key in table:
-        if key not in WorkerSettings.model_fields:
-            raise SettingsError(f"config file {path}: unknown setting {key!r}{_suggest(key)}")
-
-
-def _check_environment(environ: Mapping[str, str]) -> None:
-    """`MLXQ_*` variables must name settings: a misspelt one would silently do nothing."""
-    for variable in environ:
-        name = variable.removeprefix(ENV_PREFIX).lower()
-        if (variable.startswith(ENV_PREFIX) and name not in WorkerSettings.model_fields
-                and not variable.startswith(OTHER_VARIABLES)):
-            raise SettingsError(f"environment variable {variable} is not a worker setting"
-                                f"{_suggest(name, ENV_PREFIX)}; unset it")
-
-
-def _suggest(name: str, prefix: str = "") -> str:
-    close = difflib.get_close_matches(name.lower(), list(WorkerSettings.model_fields), n=1, cutoff=0.6)
-    return f" (did you mean {prefix}{close[0].upper() if prefix else close[0]}?)" if close else ""
+    return load_layered(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)

@@ -1,0 +1,136 @@
+"""The gateway's HTTP routes (Starlette: FastAPI would add only what we do not use).
+
+    POST /v1/chat/completions   POST /v1/completions    (streaming or not)
+    GET  /v1/models             GET  /v1/models/{model}
+    GET  /health                GET  /metrics
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Literal
+
+import structlog
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from client import AsyncClient
+from client.diagnose import describe
+
+from .errors import ApiError
+from .metrics import GatewayMetrics
+from .models import ModelDirectory
+from .relay import Relay
+from .requests import read_call
+from .settings import GatewaySettings
+
+log = structlog.get_logger("mlxq.gateway")
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class Gateway:
+    """The gateway's state: its Redis client, the model directory, the relay, the metrics."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.client = AsyncClient(settings.redis_url, prefix=settings.prefix)
+        self.metrics = GatewayMetrics()
+        self.directory = ModelDirectory(self.client.redis, self.client.keys, settings.models)
+        self.relay = Relay(self.client, self.directory, self.metrics, timeout_s=settings.request_timeout_s,
+                           keepalive_s=settings.keepalive_s)
+        self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
+
+    def authorize(self, request: Request) -> None:
+        """Raise 401 unless the request carries one of the keys (with none configured, everyone may)."""
+        if not self._keys:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.encode(), key) for key in self._keys):
+            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with one of the "
+                           "gateway's api_keys", "invalid_request_error", "invalid_api_key")
+
+    async def completions(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
+        started = time.monotonic()
+        self.authorize(request)
+        call = read_call(kind, await self._json(request))
+        return await self.relay.serve(request, call, started)
+
+    async def _json(self, request: Request) -> object:
+        declared = request.headers.get("content-length")
+        limit = self.settings.max_body_bytes
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"the request body is {declared} bytes; this gateway's max_body_bytes is {limit}",
+                           "invalid_request_error", "too_large")
+        body = await request.body()
+        if len(body) > limit:
+            raise ApiError(413, f"the request body is above this gateway's max_body_bytes ({limit})",
+                           "invalid_request_error", "too_large")
+        try:
+            return json.loads(body)
+        except ValueError as e:
+            raise ApiError.invalid(f"We could not parse the JSON body of your request ({e})") from e
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": await self.directory.listing()})
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        name = request.path_params["model"]
+        await self.directory.resolve(name)  # 404 or 503
+        entry = next((m for m in await self.directory.listing() if m["id"] == name), None)
+        return JSONResponse(entry or {"id": name, "object": "model", "created": 0, "owned_by": "mlxq"})
+
+    async def health(self, _: Request) -> Response:
+        await self.client.redis.ping()
+        return JSONResponse({"status": "ok", "models": self.directory.names()})
+
+    async def scrape(self, _: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def route(self, name: str, handler: Handler) -> Handler:
+        """`handler` with errors in OpenAI's shape, and its answers counted."""
+        async def answer(request: Request) -> Response:
+            try:
+                response = await handler(request)
+            except ApiError as e:
+                response = e.response()
+            except (RedisError, OSError) as e:
+                log.warning("Redis unreachable", error=describe(e))
+                response = ApiError(503, f"the queue's Redis cannot be reached: {describe(e)}", "server_error",
+                                    "redis_unavailable", headers={"Retry-After": "5"}).response()
+            self.metrics.answered(name, response.status_code)
+            return response
+        return answer
+
+
+def create_app(settings: GatewaySettings) -> Starlette:
+    """The ASGI app of one gateway."""
+    gateway = Gateway(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        yield
+        await gateway.client.aclose()
+
+    routes = [
+        Route("/v1/chat/completions", gateway.route("chat", lambda r: gateway.completions(r, "chat")),
+              methods=["POST"]),
+        Route("/v1/completions", gateway.route("completion", lambda r: gateway.completions(r, "completion")),
+              methods=["POST"]),
+        Route("/v1/models", gateway.route("models", gateway.models)),
+        Route("/v1/models/{model:path}", gateway.route("models", gateway.model)),
+        Route("/health", gateway.route("health", gateway.health)),
+        Route("/metrics", gateway.scrape),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.gateway = gateway
+    return app

@@ -1,0 +1,112 @@
+"""Which queue serves a model, from the workers' heartbeats (and the configured map).
+
+A request's `model` is a configured name, the model a live worker serves (its path or
+Hugging Face id, as `/v1/models` lists it), or a queue's name. The heartbeats are read
+at most once a second, however many requests arrive.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from client.keys import Keys
+from client.replies import as_text
+
+from .errors import ApiError
+
+REFRESH_S = 1.0
+RECENT_S = 3600  # a model seen this recently, with no live worker now, is a 503, not a 404
+
+
+@dataclass(frozen=True)
+class Served:
+    """A model as live workers serve it on one queue."""
+
+    model: str
+    queue: str
+    since: int  # when its longest-running worker started (unix seconds)
+    tool_call: tuple[str, str] | None  # how its model marks a tool call (start, end), when it has a format
+
+
+class ModelDirectory:
+    """The models live workers serve, read from their heartbeats."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, aliases: dict[str, str]) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.aliases = aliases
+        self._read_at = -REFRESH_S
+        self._live: list[Served] = []
+        self._recent: set[str] = set()  # models and queues of workers seen in the last hour
+
+    async def resolve(self, model: str) -> Served:
+        """The queue to send a request for `model` to; raises `ApiError` 404 or 503."""
+        await self._refresh()
+        queue = self.aliases.get(model)
+        for served in self._live:
+            if served.queue == queue or (queue is None and model in (served.model, served.queue)):
+                return served
+        if queue is not None or model in self._recent:
+            where = f"queue {queue!r}" if queue else f"model {model!r}"
+            raise ApiError(503, f"no live worker serves {where}; start one, or retry", "server_error",
+                           "no_worker", headers={"Retry-After": "5"})
+        raise ApiError(404, f"The model `{model}` does not exist (served now: {', '.join(self.names()) or 'none'})",
+                       "invalid_request_error", "model_not_found", "model")
+
+    async def listing(self) -> list[dict[str, Any]]:
+        """`/v1/models`: each live model, and each configured name whose queue has live workers."""
+        await self._refresh()
+        by_queue = {s.queue: s for s in self._live}
+        entries = {s.model: s.since for s in self._live}
+        entries.update({name: by_queue[queue].since for name, queue in self.aliases.items() if queue in by_queue})
+        return [{"id": name, "object": "model", "created": since, "owned_by": "mlxq"}
+                for name, since in sorted(entries.items())]
+
+    def names(self) -> list[str]:
+        return sorted({s.model for s in self._live} | {n for n, q in self.aliases.items()
+                                                        if any(s.queue == q for s in self._live)})
+
+    async def _refresh(self) -> None:
+        if time.monotonic() - self._read_at < REFRESH_S:
+            return
+        members = [as_text(m) for m in await self.redis.zrangebyscore(self.keys.fleet, time.time() - RECENT_S, "+inf")]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in members:
+                pipe.get(self.keys.worker(name))  # gone 3 heartbeats after the worker stopped
+                pipe.hget(self.keys.stats(name), "heartbeat")  # its last heartbeat, kept for days
+            replies = await pipe.execute()
+        live = [beat for beat in map(_json, replies[::2]) if beat and beat.get("state") == "ready"]
+        self._live = _served(live)
+        self._recent = {str(b.get(k)) for b in map(_json, replies[1::2]) if b for k in ("model", "queue")}
+        self._read_at = time.monotonic()
+
+
+def _served(heartbeats: list[dict[str, Any]]) -> list[Served]:
+    """One entry per (model, queue), its oldest worker's start; ordered by queue."""
+    found: dict[tuple[str, str], Served] = {}
+    for beat in heartbeats:
+        model, queue = beat.get("model"), beat.get("queue")
+        if not isinstance(model, str) or not isinstance(queue, str):
+            continue
+        markers = beat.get("tool_call")
+        tool_call = (markers[0], markers[1]) if isinstance(markers, list) and len(markers) == 2 else None
+        since = int(beat.get("started_at") or 0)
+        known = found.get((model, queue))
+        if known is None or since < known.since:
+            found[(model, queue)] = Served(model, queue, since, tool_call)
+    return sorted(found.values(), key=lambda s: s.queue)
+
+
+def _json(raw: bytes | None) -> dict[str, Any] | None:
+    if not raw:
+        return None
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

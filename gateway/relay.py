@@ -1,0 +1,193 @@
+"""One HTTP request through the queue: submit, follow the output stream, answer.
+
+A streaming call waits up to `keepalive_s` for its request's first event before it
+commits to a 200, so that an error the worker finds at intake (a bad schema, a prompt
+too long) still gets its proper status; a request that waits longer in the queue gets
+its stream started and an SSE comment every `keepalive_s`. A client that goes away, at
+any point, cancels its request through the cancel key and channel.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import anyio
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from client import AsyncClient, AsyncJob, QueueFull, RequestRejected
+from client.protocol import Delta, Done, Error, Event, TokenLogprob
+
+from .errors import ApiError
+from .metrics import GatewayMetrics
+from .models import ModelDirectory
+from .requests import Call
+from .responses import Shaper
+
+log = structlog.get_logger("mlxq.gateway")
+T = TypeVar("T")
+CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection: logged, never seen by anyone
+DONE_LINE = b"data: [DONE]\n\n"
+KEEPALIVE_LINE = b": keep-alive\n\n"
+
+
+def sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+class Disconnect:
+    """Watches for the client going away while the request is relayed."""
+
+    def __init__(self, request: Request) -> None:
+        self._task = asyncio.ensure_future(self._wait(request))
+
+    @staticmethod
+    async def _wait(request: Request) -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    async def race(self, work: Awaitable[T]) -> T | None:
+        """`work`'s result, or None (and `work` cancelled) if the client went away first."""
+        task = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({task, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+
+    def stop(self) -> None:
+        """Stop watching (the streaming response watches from here on)."""
+        self._task.cancel()
+
+
+class Relay:
+    """Serves calls: the one place that submits and follows requests."""
+
+    def __init__(self, client: AsyncClient, directory: ModelDirectory, metrics: GatewayMetrics, *,
+                 timeout_s: float, keepalive_s: float) -> None:
+        self.client = client
+        self.directory = directory
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+
+    async def serve(self, request: Request, call: Call, started: float) -> Response:
+        """Submit `call` and answer it; raises `ApiError`."""
+        served = await self.directory.resolve(call.model)
+        deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
+        try:
+            job = await self.client.submit(queue=served.queue, encoding="msgpack", deadline_ms=deadline_ms,
+                                           **call.body)
+        except (RequestRejected, QueueFull) as e:
+            raise ApiError.from_mlxq(e) from e
+        log.debug("submitted", request_id=job.id, queue=served.queue, stream=call.stream)
+        shaper = Shaper(call, job.id, served.tool_call)
+        watch = Disconnect(request)
+        try:
+            if call.stream:
+                return await self._stream(job, shaper, watch, started)
+            return await self._whole(job, shaper, watch, started, call.body.get("logprobs", False))
+        except BaseException:
+            watch.stop()
+            raise
+
+    async def _whole(self, job: AsyncJob, shaper: Shaper, watch: Disconnect, started: float,
+                     logprobs: bool) -> Response:
+        entries: list[TokenLogprob] | None = [] if logprobs else None
+        ends_at = time.monotonic() + self.timeout_s
+        while True:
+            events = await watch.race(job.read(ends_at - time.monotonic()))
+            if events is None:
+                return await self._gone(job)
+            for event in events:
+                if isinstance(event, Delta) and entries is not None and event.logprobs:
+                    entries += event.logprobs
+                elif isinstance(event, Done):
+                    watch.stop()
+                    self.metrics.first_byte(shaper.call.kind, started)
+                    return JSONResponse(shaper.whole(event, entries), headers={"x-request-id": job.id})
+                elif isinstance(event, Error):
+                    raise ApiError.from_code(event.code, event.message)
+            if time.monotonic() >= ends_at:
+                await self._cancel(job)
+                raise self._timed_out(job)
+
+    async def _stream(self, job: AsyncJob, shaper: Shaper, watch: Disconnect, started: float) -> Response:
+        first: list[Event] = []
+        commit_at = time.monotonic() + self.keepalive_s
+        while not first and time.monotonic() < commit_at:
+            events = await watch.race(job.read(commit_at - time.monotonic()))
+            if events is None:
+                return await self._gone(job)
+            first = events
+        if first and isinstance(first[0], Error):
+            raise ApiError.from_code(first[0].code, first[0].message)
+        watch.stop()
+        headers = {"x-request-id": job.id, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        return StreamingResponse(self._events(job, shaper, first, started), media_type="text/event-stream",
+                                 headers=headers)
+
+    async def _events(self, job: AsyncJob, shaper: Shaper, first: list[Event], started: float) -> AsyncIterator[bytes]:
+        """The SSE body; Starlette cancels it when the client goes away, and that cancels the request."""
+        self.metrics.open_streams.inc()
+        self.metrics.first_byte(shaper.call.kind, started)
+        ends_at = started + self.timeout_s
+        try:
+            for chunk in shaper.opening():
+                yield sse(chunk)
+            events, quiet_since = first, time.monotonic()
+            while True:
+                for event in events:
+                    for line in self._lines(shaper, event):
+                        yield line
+                if job.finished:
+                    return
+                if time.monotonic() >= ends_at:
+                    await self._cancel(job)
+                    yield sse(self._timed_out(job).body())
+                    yield DONE_LINE
+                    return
+                events = await job.read(min(self.keepalive_s, ends_at - time.monotonic()))
+                if events:
+                    quiet_since = time.monotonic()
+                elif time.monotonic() - quiet_since >= self.keepalive_s:
+                    yield KEEPALIVE_LINE
+                    quiet_since = time.monotonic()
+        finally:
+            self.metrics.open_streams.dec()
+            if not job.finished:
+                with anyio.CancelScope(shield=True):  # the response's task is being cancelled: finish this first
+                    await self._cancel(job)
+
+    @staticmethod
+    def _lines(shaper: Shaper, event: Event) -> list[bytes]:
+        if isinstance(event, Delta):
+            return [sse(chunk) for chunk in shaper.delta(event)]
+        if isinstance(event, Done):
+            return [*(sse(chunk) for chunk in shaper.ending(event)), DONE_LINE]
+        return [sse(ApiError.from_code(event.code, event.message).body()), DONE_LINE]
+
+    async def _gone(self, job: AsyncJob) -> Response:
+        """The client closed the connection before the answer: cancel, answer nobody."""
+        await self._cancel(job)
+        return Response(status_code=CLIENT_CLOSED)
+
+    async def _cancel(self, job: AsyncJob) -> None:
+        try:
+            await job.cancel()
+            log.info("request cancelled: the client went away or it timed out", request_id=job.id)
+        except Exception as e:  # noqa: BLE001 - Redis gone: the request runs on, unread; nothing else to do
+            log.warning("could not cancel a request", request_id=job.id, error=str(e))
+
+    def _timed_out(self, job: AsyncJob) -> ApiError:
+        return ApiError.from_code("timeout", f"request {job.id} did not finish within {self.timeout_s:g} s "
+                                  "(the gateway's request_timeout_s); it was cancelled")
+

@@ -1,0 +1,269 @@
+"""OpenAI's request bodies, read strictly, and turned into mlxq request bodies.
+
+Every field OpenAI's API defines is either mapped onto the mlxq body or refused with a
+400 that names it: nothing is silently ignored. vLLM's extra sampling fields (the ones
+the OpenAI SDKs pass through `extra_body`) are accepted where mlxq has them. The values
+themselves are checked by mlxq's own protocol (`client.protocol`) when submitted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ApiError
+
+# What a request may carry beyond OpenAI's fields, as vLLM names them (extra_body).
+_EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                   "include_stop_str_in_output", "priority")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    """The fields chat and completions share."""
+
+    model: str = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extras (extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    priority: int | None = None
+
+    def _common_body(self) -> dict[str, Any]:
+        if self.n not in (None, 1):
+            raise ApiError.invalid(f"n: {self.n} choices asked for; mlxq generates one choice per request "
+                                   "(send n requests)", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise ApiError.invalid("stream_options: only with stream: true", param="stream_options")
+        body: dict[str, Any] = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "seed", "presence_penalty", "frequency_penalty", "logit_bias", *_EXTRA_SAMPLING)}
+        body["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        body["max_tokens"] = self.max_tokens
+        if self.user is not None:
+            body["metadata"] = {"user": self.user}
+        return body
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ImageUrl(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class ContentPart(_Strict):
+    type: Literal["text", "image_url"]
+    text: str | None = None
+    image_url: ImageUrl | None = None
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None  # a thinking model's earlier reasoning: not sent back to it
+    refusal: str | None = None
+
+
+class ChatRequest(_Sampling):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    # OpenAI fields mlxq cannot honour: accepted only at their "off" values, so that the 400 names them
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    service_tier: str | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        """The mlxq body; raises `ApiError` (400) for what mlxq cannot do."""
+        self._refuse_unsupported()
+        body = self._common_body()
+        messages, images = _messages(self.messages)
+        body.update(messages=messages, images=images or None, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
+                    tools=self.tools, tool_choice=self.tool_choice, chat_template_kwargs=self.chat_template_kwargs)
+        body["max_tokens"] = self.max_completion_tokens or self.max_tokens
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            body["response_format"] = self.response_format
+        if self.metadata:
+            body["metadata"] = {**self.metadata, **body.get("metadata", {})}
+        return body
+
+    def _refuse_unsupported(self) -> None:
+        unsupported = {
+            "audio": "audio output", "prediction": "predicted outputs", "reasoning_effort": "reasoning effort "
+            "(use chat_template_kwargs, e.g. enable_thinking)", "web_search_options": "web search",
+            "service_tier": "service tiers (use priority)", "functions": "functions (use tools)",
+            "function_call": "function_call (use tool_choice)"}
+        for name, what in unsupported.items():
+            if getattr(self, name) is not None:
+                raise ApiError.invalid(f"{name}: mlxq has no {what}", param=name)
+        if self.modalities not in (None, ["text"]):
+            raise ApiError.invalid(f"modalities: mlxq generates text only, not {self.modalities}", param="modalities")
+        if self.store:
+            raise ApiError.invalid("store: mlxq keeps no completions", param="store")
+        if self.parallel_tool_calls is False:
+            raise ApiError.invalid("parallel_tool_calls: false cannot be enforced (a named tool_choice forces "
+                                   "exactly one call)", param="parallel_tool_calls")
+
+
+class CompletionRequest(_Sampling):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    response_format: dict[str, Any] | None = None  # vLLM's extra: structured output on completions too
+
+    def to_body(self) -> dict[str, Any]:
+        """The mlxq body; raises `ApiError` (400) for what mlxq cannot do."""
+        if self.echo:
+            raise ApiError.invalid("echo: mlxq does not return the prompt", param="echo")
+        if self.suffix:
+            raise ApiError.invalid("suffix: mlxq has no fill-in-the-middle", param="suffix")
+        if self.best_of not in (None, 1):
+            raise ApiError.invalid(f"best_of: {self.best_of}; mlxq generates one choice per request", param="best_of")
+        body = self._common_body()
+        body.update(_prompt(self.prompt))
+        if self.logprobs is not None:
+            body.update(logprobs=True, top_logprobs=self.logprobs)
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            body["response_format"] = self.response_format
+        return body
+
+
+def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[str, Any]:
+    """One prompt: text, or token ids; a list of several prompts is refused."""
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return {"prompt_tokens": prompt}
+    if len(prompt) != 1:
+        raise ApiError.invalid(f"prompt: {len(prompt)} prompts in one request; mlxq takes one (send one request "
+                               "each)", param="prompt")
+    only = prompt[0]
+    return {"prompt": only} if isinstance(only, str) else {"prompt_tokens": only}
+
+
+def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """mlxq's messages (text content) and the images of their image_url parts, in order."""
+    out, images = [], []
+    for i, message in enumerate(messages):
+        text = message.content
+        if isinstance(message.content, list):
+            parts = [p.text or "" for p in message.content if p.type == "text"]
+            images += [_image(i, j, p.image_url) for j, p in enumerate(message.content) if p.type == "image_url"]
+            text = "\n".join(parts)
+        role = "system" if message.role == "developer" else message.role
+        out.append({k: v for k, v in {"role": role, "content": text, "name": message.name,
+                                      "tool_calls": message.tool_calls,
+                                      "tool_call_id": message.tool_call_id}.items() if v is not None})
+    return out, images
+
+
+def _image(message: int, part: int, image_url: ImageUrl | None) -> bytes:
+    """An image_url part's bytes: only `data:` URLs; nothing is ever fetched."""
+    where = f"messages.{message}.content.{part}.image_url"
+    if image_url is None:
+        raise ApiError.invalid(f"{where}: missing", param=where)
+    head, comma, data = image_url.url.partition(",")
+    if not head.startswith("data:") or not comma:
+        shown = image_url.url[:40] + ("..." if len(image_url.url) > 40 else "")
+        raise ApiError.invalid(f"{where}: only data: URLs are accepted (nothing is fetched), not {shown!r}",
+                               param=where)
+    if not head.endswith(";base64"):
+        raise ApiError.invalid(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param=where)
+    try:
+        return base64.b64decode(data, validate=True)
+    except binascii.Error as e:
+        raise ApiError.invalid(f"{where}: not valid base64 ({e})", param=where) from e
+
+
+@dataclass(frozen=True)
+class Call:
+    """One HTTP request, read: what to submit and how to answer."""
+
+    kind: Literal["chat", "completion"]
+    model: str
+    body: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    created: int
+    offers_tools: bool
+
+
+def read_call(kind: Literal["chat", "completion"], raw: Any) -> Call:
+    """Validate an HTTP body as OpenAI's request of `kind`; raises `ApiError` (400)."""
+    if not isinstance(raw, dict):
+        raise ApiError.invalid("the request body must be a JSON object")
+    model_type = ChatRequest if kind == "chat" else CompletionRequest
+    try:
+        request = model_type.model_validate(raw)
+    except ValidationError as e:
+        raise ApiError.invalid(*_describe(e)) from e
+    body = {k: v for k, v in request.to_body().items() if v is not None}
+    offers_tools = isinstance(request, ChatRequest) and bool(request.tools) and request.tool_choice != "none"
+    return Call(kind, request.model, body, request.stream, request.include_usage, int(time.time()), offers_tools)
+
+
+def _describe(error: ValidationError) -> tuple[str, str | None]:
+    """One line for every problem, OpenAI's wording for an unknown field; and the first field's name."""
+    problems = error.errors(include_url=False)
+    parts = []
+    for problem in problems:
+        where = ".".join(str(p) for p in problem["loc"])
+        if problem["type"] == "extra_forbidden":
+            parts.append(f"Unrecognized request argument supplied: {where}")
+        else:
+            parts.append(f"{where}: {problem['msg']}")
+    first = ".".join(str(p) for p in problems[0]["loc"]) if problems else None
+    return "; ".join(parts), first

@@ -1,0 +1,64 @@
+"""Gateway settings: CLI flags > `MLXQ_GATEWAY_*` environment > TOML file (`--config`) > defaults."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from client import DEFAULT_URL
+from client.diagnose import redis_url_problem
+from client.keys import DEFAULT_PREFIX
+from mlxq.settings_layers import LayeredSettings, load_layered
+
+ENV_PREFIX = "MLXQ_GATEWAY_"
+
+
+class GatewaySettings(LayeredSettings):
+    """Everything a gateway can be told. Field descriptions are the CLI help."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
+
+    redis_url: str = Field(default_factory=lambda: os.environ.get("MLXQ_REDIS_URL") or DEFAULT_URL,
+                           description="Redis URL of the workers' queues (unset: $MLXQ_REDIS_URL, else the "
+                           "embedded Valkey's)")
+    prefix: str = Field(DEFAULT_PREFIX, description="key prefix of the workers")
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
+    port: int = Field(8000, ge=0, le=65535, description="port to listen on")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="bearer keys accepted on /v1 (none: "
+                                      "open to anyone who can connect)")
+    models: dict[str, str] = Field(default_factory=dict, description="model name -> queue (TOML table, or JSON "
+                                   "in the variable); unset names: the models live workers serve, and queue names")
+    request_timeout_s: float = Field(600.0, gt=0, description="longest a request may take, queue wait included; "
+                                     "then it is cancelled and answered 504")
+    keepalive_s: float = Field(10.0, gt=0, description="a stream whose request has no output yet starts after "
+                                "this long and then gets an SSE comment every this long, so that proxies keep it "
+                                "and a gone client is noticed")
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="largest HTTP request body (base64 images "
+                                "included); larger ones are answered 413")
+    log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str) -> str:
+        problem = redis_url_problem(url)
+        if problem:
+            raise ValueError(problem)
+        return url
+
+    @field_validator("models")
+    @classmethod
+    def _queue_names(cls, models: dict[str, str]) -> dict[str, str]:
+        for model, queue in models.items():
+            if not queue or not all(c.isalnum() or c in "_.-" for c in queue):
+                raise ValueError(f"model {model!r}: queue {queue!r} is not a queue name (A-Za-z0-9_.-)")
+        return models
+
+
+def load_gateway_settings(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
+    """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML)."""
+    return load_layered(GatewaySettings, config_file, (), "gateway setting", **overrides)

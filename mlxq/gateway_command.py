@@ -1,0 +1,66 @@
+"""`mlxq gateway`: settings, the listening socket, uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from typing import Any
+
+from .errors import CommandError
+
+
+def run(args: argparse.Namespace) -> int:
+    import structlog
+    import uvicorn
+    from pydantic import ValidationError
+
+    from client.protocol import describe_validation_error
+    from gateway.app import create_app
+    from gateway.settings import GatewaySettings, load_gateway_settings
+    from mlxq.settings_layers import SettingsError
+    from worker import logs
+
+    overrides: dict[str, Any] = {name: getattr(args, name) for name in GatewaySettings.model_fields}
+    overrides["models"] = _pairs(args.models)
+    try:
+        settings = load_gateway_settings(args.config, **overrides)
+    except SettingsError as e:
+        raise CommandError(str(e), status=2) from e
+    except ValidationError as e:
+        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
+    logs.configure(settings.log_format, settings.log_level)
+    log = structlog.get_logger("mlxq.gateway")
+    sock = _listen(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    if not settings.api_keys:
+        log.warning("no api_keys are configured: anyone who can connect may use the queue", listening=f"{host}:{port}")
+    log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=settings.redis_url,
+             models=settings.models or "from the workers' heartbeats")
+    config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+def _pairs(items: list[str] | None) -> dict[str, str] | None:
+    """`--models name=queue ...` as a map."""
+    if not items:
+        return None
+    pairs = {}
+    for item in items:
+        name, equals, queue = item.partition("=")
+        if not equals or not name:
+            raise CommandError(f"--models {item!r}: give MODEL=QUEUE", status=2)
+        pairs[name] = queue
+    return pairs
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The socket, bound now so that a busy port is one clear line, not uvicorn's exit."""
+    try:
+        sock = socket.create_server((host, port))
+    except OSError as e:
+        raise CommandError(f"cannot listen on {host}:{port}: {e.strerror}; set --port (MLXQ_GATEWAY_PORT)",
+                           status=2) from e
+    sock.set_inheritable(True)
+    return sock
