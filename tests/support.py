@@ -172,3 +172,49 @@ def worker_fixture(**settings: Any) -> Any:
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"
 
     return fixture
+
+
+@dataclass
+class GatewayProcess:
+    """A real `mlxq gateway` process."""
+
+    url: str  # http://127.0.0.1:<port>
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        return self.process.returncode
+
+
+def start_gateway(redis_url: str, log_dir: Path, *args: str, ready_timeout: float = 30) -> GatewayProcess:
+    """Start `python -m mlxq gateway` on a free port and wait until /health answers 200."""
+    import httpx
+
+    port = free_port()
+    log_path = log_dir / f"gateway-{port}.log"
+    with open(log_path, "ab") as log_file:
+        process = subprocess.Popen([*MLXQ, "gateway", "--redis-url", redis_url, "--port", str(port), *args],
+                                   cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    gateway = GatewayProcess(f"http://127.0.0.1:{port}", process, log_path)
+    deadline = time.monotonic() + ready_timeout
+    while True:
+        try:
+            if httpx.get(f"{gateway.url}/health", timeout=2).status_code == 200:
+                return gateway
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            gateway.stop()
+            raise RuntimeError(f"gateway did not start:\n{gateway.log()}")
+        time.sleep(0.1)

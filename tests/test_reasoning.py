@@ -6,21 +6,14 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
-from support import Outputs, build_demo_model, check_stream, start_worker
+from support import Outputs, check_stream, start_worker
 
 from client import Client, Delta, Done
 
 THINK, END_THINK = 3, 4  # the thinking demo model's <think> and </think> (checked below)
 ASK = [{"role": "user", "content": "Think first."}]
-
-
-@pytest.fixture(scope="module")
-def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The thinking variant, built the way a user builds it: `mlxq demo-model --thinking PATH`."""
-    return build_demo_model(tmp_path_factory.mktemp("model") / "thinking", "--thinking")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 from PIL import Image
-from support import ROOT, WorkerProcess, build_demo_model, check_stream, start_worker, xadd_json
+from support import ROOT, WorkerProcess, check_stream, start_worker, xadd_json
 
 from client import Client, Done, Error, decode_event
 
@@ -32,14 +32,6 @@ def png(width: int, height: int, seed: int = 0) -> bytes:
 
 def b64(data: bytes) -> str:
     return base64.b64encode(data).decode()
-
-
-@pytest.fixture(scope="session")
-def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen2-VL, built the way a user builds it: `mlxq demo-model --vision PATH`."""
-    path = build_demo_model(tmp_path_factory.mktemp("model") / "vision", "--vision")
-    assert json.loads((path / "config.json").read_text())["model_type"] == "qwen2_vl"
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,456 @@
+"""`mlxq gateway` through the official OpenAI SDK, httpx and curl, against a real gateway
+process, real Valkey and real workers on the demo models."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import redis
+from support import ROOT, Outputs, start_gateway, start_worker
+from test_vision import png
+
+from client import Client, Done
+
+KEY = "sk-mlxq-test"
+ASK = [{"role": "user", "content": "Tell me about queues."}]
+LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~4 s on the demo model: outlives what a test does meanwhile
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                         "unit": {"enum": ["celsius", "fahrenheit"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+
+
+@pytest.fixture(scope="module")
+def worker(valkey, demo_model, logs_dir):
+    process = start_worker(valkey, demo_model, f"gw{uuid.uuid4().hex[:6]}", logs_dir)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def one_slot(valkey, demo_model, logs_dir):
+    """A worker that runs one request at a time and reads nothing ahead; its queue holds 2 waiting."""
+    process = start_worker(valkey, demo_model, f"one{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=1, prefetch=0,
+                           max_queue_len=2)
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(valkey, worker, logs_dir):
+    """The gateway most tests use: API keys on, `small` named for the worker's queue, a
+    `ghost` model whose queue no worker serves, keep-alives every second."""
+    process = start_gateway(valkey, logs_dir, "--api-keys", KEY, "--models", f"small={worker.queue}",
+                            "ghost=nowhere", "--keepalive-s", "1")
+    yield process
+    assert process.stop() in (0, -signal.SIGTERM), process.log()
+
+
+@pytest.fixture(scope="module")
+def open_gateway(valkey, worker, logs_dir):
+    """A second gateway beside the first, with no API keys."""
+    process = start_gateway(valkey, logs_dir)
+    yield process
+    assert process.stop() in (0, -signal.SIGTERM), process.log()
+
+
+@pytest.fixture
+def sdk(gateway):
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def mlxq(worker):
+    with Client(worker.redis_url, queue=worker.queue) as client:
+        yield client
+
+
+def test_chat_reads_as_the_queue_does(sdk, mlxq):
+    response = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12)
+    done = mlxq.generate(messages=ASK, max_tokens=12, timeout=60)
+    (choice,) = response.choices
+    assert choice.message.content == done.text and choice.message.role == "assistant"
+    assert choice.finish_reason == done.finish_reason == "length"
+    assert response.model == "small" and response.id.startswith("chatcmpl-")
+    assert response.usage.prompt_tokens == done.usage.prompt_tokens
+    assert response.usage.completion_tokens == 12 and response.usage.total_tokens == done.usage.prompt_tokens + 12
+
+
+def test_a_chat_stream_joins_to_the_same_text_and_ends_with_the_usage(sdk):
+    whole = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12).choices[0].message.content
+    chunks = list(sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+
+def test_completions_stream_and_not(sdk, mlxq, worker):
+    """A queue's name is a model name too."""
+    done = mlxq.generate("Once upon a time", max_tokens=10, timeout=60)
+    whole = sdk.completions.create(model=worker.queue, prompt="Once upon a time", max_tokens=10)
+    assert whole.choices[0].text == done.text and whole.object == "text_completion"
+    chunks = list(sdk.completions.create(model=worker.queue, prompt="Once upon a time", max_tokens=10, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == done.text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    from_ids = sdk.completions.create(model=worker.queue, prompt=[5, 6, 7], max_tokens=3)
+    assert from_ids.usage.prompt_tokens == 3 and from_ids.usage.completion_tokens == 3
+
+
+def test_stop_ends_the_text_before_the_stop_string(sdk, worker):
+    full = sdk.completions.create(model=worker.queue, prompt="The queue", max_tokens=24).choices[0].text
+    start = next(i for i in range(6, len(full) - 3) if full[i:i + 3].isprintable() and "\ufffd" not in full[i:i + 3])
+    stop = full[start:start + 3]
+    stopped = sdk.completions.create(model=worker.queue, prompt="The queue", max_tokens=24, stop=[stop]).choices[0]
+    assert stopped.text == full[:full.find(stop)] and stopped.finish_reason == "stop"
+
+
+def test_a_seed_repeats_a_sampled_output(sdk, worker):
+    def sample(seed: int) -> str:
+        return sdk.completions.create(model=worker.queue, prompt="Once", max_tokens=16, temperature=1.0,
+                                      seed=seed).choices[0].text
+
+    first = sample(7)
+    assert sample(7) == first
+    assert {sample(seed) for seed in (8, 9, 10)} != {first}
+
+
+def test_a_json_schema_response_format_validates(sdk):
+    schema = {"type": "object", "additionalProperties": False, "required": ["label", "score", "tags"],
+              "properties": {"label": {"enum": ["spam", "ham"]}, "score": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 9},
+                             "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
+    response = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=200, temperature=0.8, seed=3,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "verdict", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+    assert response.choices[0].finish_reason == "stop"
+
+
+def parameters(name: str) -> dict:
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_forced_tool_calls_come_back_as_tool_calls(sdk):
+    response = sdk.chat.completions.create(model="small", messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=1500)
+    (choice,) = response.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
+    named = sdk.chat.completions.create(model="small", messages=ASK, tools=TOOLS, max_tokens=200,
+                                        tool_choice={"type": "function", "function": {"name": "add"}})
+    (call,) = named.choices[0].message.tool_calls
+    assert call.function.name == "add"
+
+
+def test_a_streamed_tool_call_arrives_as_a_tool_call_not_as_markup(sdk):
+    chunks = list(sdk.chat.completions.create(model="small", messages=ASK, tools=TOOLS, tool_choice="required",
+                                              max_tokens=1500, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [call for c in chunks if c.choices for call in c.choices[0].delta.tool_calls or []]
+    assert "<tool_call>" not in content and calls
+    assert [call.index for call in calls] == list(range(len(calls)))
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), parameters(call.function.name))
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_logprobs_rank_the_alternatives_and_greedy_takes_the_top(sdk):
+    response = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=6, logprobs=True, top_logprobs=3)
+    entries = response.choices[0].logprobs.content
+    assert len(entries) == 6
+    for entry in entries:
+        values = [alt.logprob for alt in entry.top_logprobs]
+        assert len(values) == 3 and values == sorted(values, reverse=True)
+        assert entry.token == entry.top_logprobs[0].token and entry.logprob == pytest.approx(values[0])
+        assert entry.bytes == list(entry.token.encode())
+
+
+def status_of(call) -> tuple[int, dict]:
+    with pytest.raises(openai.APIStatusError) as failed:
+        call()
+    return failed.value.status_code, failed.value.body
+
+
+def test_errors_have_openai_shape_and_status(sdk, gateway):
+    def chat(**fields):
+        return lambda: sdk.chat.completions.create(**{"model": "small", "messages": ASK, "max_tokens": 4, **fields})
+
+    assert status_of(chat(n=2)) == (400, {"message": "n: 2 choices asked for; mlxq generates one choice per request "
+                                          "(send n requests)", "type": "invalid_request_error", "param": "n",
+                                          "code": "invalid_request"})
+    status, body = status_of(chat(extra_body={"frobnicate": 1}))
+    assert status == 400 and body["message"] == "Unrecognized request argument supplied: frobnicate"
+    status, body = status_of(chat(messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}]}]))
+    assert status == 400 and "only data: URLs are accepted (nothing is fetched)" in body["message"]
+    status, body = status_of(chat(model="nope"))
+    assert status == 404 and body["code"] == "model_not_found" and body["message"].startswith("The model `nope`")
+    status, body = status_of(chat(max_tokens=100000))
+    assert status == 413 and body["message"] == "max_tokens: 100000 is above this worker's max_tokens_limit (4096)"
+    status, body = status_of(chat(model="ghost"))
+    assert status == 503 and body["code"] == "no_worker"
+    status, body = status_of(chat(stream=True, response_format={"type": "json_schema", "json_schema": {
+        "name": "bad", "schema": {"type": "nope"}}}))  # found by the worker, before the stream starts
+    assert status == 400 and body["message"].startswith("response_format:")
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="wrong", max_retries=0) as stranger:
+        with pytest.raises(openai.AuthenticationError):
+            stranger.models.list()
+    assert httpx.post(f"{gateway.url}/v1/completions", json={"model": "small", "prompt": "x"}).status_code == 401
+    assert sdk.chat.completions.create(model="small", messages=ASK, max_tokens=2).choices[0].finish_reason
+
+
+def test_a_timeout_is_504_and_a_full_queue_429(gateway, one_slot, valkey, logs_dir, r):
+    """With one request running on the one-slot worker, a request through a gateway with a
+    1 s timeout waits, is cancelled and answered 504; with two waiting (the queue's bound),
+    the next is 429."""
+    with Client(valkey, queue=one_slot.queue) as mlxq:
+        jobs = [mlxq.submit("block", **LONG)]
+        assert wait_for(lambda: in_flight(r, one_slot.consumer) == 1)
+        impatient = start_gateway(valkey, logs_dir, "--request-timeout-s", "1")
+        try:
+            with openai.OpenAI(base_url=f"{impatient.url}/v1", api_key="none", max_retries=0) as sdk:
+                status, body = status_of(lambda: sdk.completions.create(model=one_slot.queue, prompt="x",
+                                                                        max_tokens=2))
+        finally:
+            assert impatient.stop() in (0, -signal.SIGTERM)
+        assert status == 504 and body["code"] == "timeout" and "did not finish within 1 s" in body["message"]
+        timed_out = re.search(r"request (\w+) did not finish", body["message"]).group(1)
+        jobs.append(mlxq.submit("wait", max_tokens=2))  # two waiting now, with the timed-out one
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+            with pytest.raises(openai.RateLimitError, match="is full: 2 requests waiting"):
+                sdk.completions.create(model=one_slot.queue, prompt="x", max_tokens=2)
+        for job in jobs:
+            job.cancel()
+        ending = Outputs(r).of(timed_out, timeout=30)[-1]
+        assert (isinstance(ending, Done) and ending.finish_reason == "cancelled"
+                and ending.usage.completion_tokens == 0) or ending.code == "deadline_exceeded"  # never computed
+    assert settles_idle(r, one_slot.consumer)
+
+
+def wait_for(condition, within: float = 10) -> bool:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def in_flight(r: redis.Redis, consumer: str) -> int:
+    return json.loads(r.get(f"mlxq:workers:{consumer}"))["in_flight"]
+
+
+def settles_idle(r: redis.Redis, consumer: str) -> bool:
+    """No slot stays busy: the worker's heartbeat soon says it holds nothing."""
+    return wait_for(lambda: in_flight(r, consumer) == 0)
+
+
+def test_a_disconnect_mid_stream_cancels_the_request(gateway, worker, r):
+    body = {"model": "small", "messages": ASK, "stream": True, **LONG}
+    with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {KEY}"}) as response:
+        request_id = response.headers["x-request-id"]
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(6)][0].startswith("data: ")  # some output, then the client leaves
+    events = Outputs(r).of(request_id, timeout=30)
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "cancelled"
+    assert done.usage.completion_tokens < 1000  # stopped well before its 2000 tokens
+    assert settles_idle(r, worker.consumer)
+
+
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """A POST whose connection the test closes when it likes (a client going away)."""
+    host, port = urlsplit(url).hostname, urlsplit(url).port
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Authorization: Bearer {KEY}\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    return sock
+
+
+def newest_request(r: redis.Redis, queue: str) -> str:
+    ((_, fields),) = r.xrevrange(f"mlxq:q:{queue}", count=1)
+    return fields[b"id"].decode()
+
+
+@pytest.mark.parametrize("wait_s", [0.3, 2.5])
+def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, wait_s):
+    """The client goes away while its request waits behind another: before the stream has
+    started (0.3 s), and after, with keep-alive comments flowing (2.5 s, keep-alive 1 s)."""
+    with Client(one_slot.redis_url, queue=one_slot.queue) as mlxq:
+        blocker = mlxq.submit("block", **LONG)
+        sock = raw_post(gateway.url, "/v1/chat/completions", {"model": one_slot.queue, "messages": ASK,
+                                                               "stream": True, "max_tokens": 8})
+        time.sleep(wait_s)
+        sock.settimeout(0.5)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+        sock.close()
+        request_id = newest_request(r, one_slot.queue)
+        assert (b": keep-alive\n\n" in received) == (wait_s > 1)
+        time.sleep(0.5)
+        blocker.cancel()
+        done = Outputs(r).of(request_id, timeout=30)[-1]
+        assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
+    assert settles_idle(r, one_slot.consumer)
+
+
+def test_curl_sees_exact_sse_bytes(gateway):
+    body = json.dumps({"model": "small", "messages": ASK, "max_tokens": 3, "stream": True})
+    out = subprocess.run(["curl", "-sN", f"{gateway.url}/v1/chat/completions", "-H", f"Authorization: Bearer {KEY}",
+                          "-H", "Content-Type: application/json", "-d", body], capture_output=True, timeout=60,
+                         check=True).stdout
+    assert out.endswith(b"data: [DONE]\n\n")
+    events = out.split(b"\n\n")[:-1]
+    assert all(e.startswith(b"data: ") and b"\n" not in e for e in events)
+    chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert sum(1 for c in chunks if c["choices"][0]["delta"].get("content")) >= 1
+
+
+def test_models_lists_the_models_of_live_workers_on_two_queues(sdk, worker, valkey, demo_model, tmp_path, logs_dir, r):
+    other_model = Path(shutil.copytree(demo_model, tmp_path / "other-model"))
+    other = start_worker(valkey, other_model, f"two{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        deadline = time.monotonic() + 10
+        while str(other_model) not in (ids := {m.id for m in sdk.models.list()}):
+            assert time.monotonic() < deadline, ids
+            time.sleep(0.2)
+        assert {str(demo_model), "small"} <= ids and "ghost" not in ids
+        assert sdk.completions.create(model=str(other_model), prompt="x", max_tokens=2).usage.completion_tokens == 2
+        deadline = time.monotonic() + 5
+        while r.hget(f"mlxq:stats:{other.consumer}", "finished:length") != b"1":
+            assert time.monotonic() < deadline, "the request did not go to the other model's queue"
+            time.sleep(0.2)
+        assert sdk.models.retrieve("small").id == "small"
+    finally:
+        other.stop()
+    deadline = time.monotonic() + 10
+    while str(other_model) in {m.id for m in sdk.models.list()}:
+        assert time.monotonic() < deadline, "a stopped worker's model is still listed"
+        time.sleep(0.2)
+    with pytest.raises(openai.InternalServerError, match="no live worker serves model"):
+        sdk.completions.create(model=str(other_model), prompt="x", max_tokens=2)
+
+
+def test_64_concurrent_streams_through_two_gateways(gateway, open_gateway, worker, mlxq):
+    prompts = ["Alpha", "Beta queue", "Gamma stream", "Delta worker"]
+    expected = {p: mlxq.generate(p, max_tokens=16, timeout=60).text for p in prompts}
+
+    async def run() -> list[tuple[str, str]]:
+        clients = [openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+                   for g in (gateway, open_gateway)]
+
+        async def one(i: int) -> tuple[str, str]:
+            prompt = prompts[i % len(prompts)]
+            stream = await clients[i % 2].completions.create(model=worker.queue, prompt=prompt, max_tokens=16,
+                                                             stream=True)
+            return prompt, "".join([c.choices[0].text async for c in stream])
+
+        try:
+            return await asyncio.gather(*(one(i) for i in range(64)))
+        finally:
+            for c in clients:
+                await c.close()
+
+    results = asyncio.run(run())
+    assert len(results) == 64 and all(text == expected[prompt] for prompt, text in results)
+
+
+def test_the_open_gateway_said_so_and_serves_metrics(open_gateway, gateway, sdk):
+    assert "no api_keys are configured: anyone who can connect may use the queue" in open_gateway.log()
+    sdk.chat.completions.create(model="small", messages=ASK, max_tokens=2)
+    metrics = httpx.get(f"{gateway.url}/metrics").text
+    assert re.search(r'mlxq_gateway_requests_total\{route="chat",status="200"\} [1-9]', metrics)
+    assert "mlxq_gateway_open_streams 0.0" in metrics
+    assert re.search(r'mlxq_gateway_time_to_first_byte_seconds_count\{route="chat"\} [1-9]', metrics)
+    assert httpx.get(f"{gateway.url}/health").json()["status"] == "ok"
+
+
+def readme_examples() -> tuple[str, str]:
+    """The Python and curl examples of the README's "Use it from any OpenAI SDK" section."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Use it from any OpenAI SDK"):]
+    section = section[:section.index("\n## ", 1)]
+    python = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    curl = re.search(r"```sh\n(curl .*?)```", section, re.S).group(1)
+    return python, curl
+
+
+def test_the_readme_examples_run(open_gateway, worker):
+    python, curl = readme_examples()
+    here = {"http://127.0.0.1:8000": open_gateway.url, '"default"': f'"{worker.queue}"'}
+    for old, new in here.items():
+        python, curl = python.replace(old, new), curl.replace(old, new)
+    printed = subprocess.run([sys.executable, "-c", python], capture_output=True, text=True, timeout=60, check=True)
+    assert printed.stdout.strip()
+    streamed = subprocess.run(["bash", "-c", curl], capture_output=True, timeout=60, check=True).stdout
+    assert streamed.endswith(b"data: [DONE]\n\n")
+
+
+def test_an_image_request_on_a_vision_worker(gateway, valkey, vision_model, logs_dir):
+    vision = start_worker(valkey, vision_model, f"gv{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        image = png(168, 112, seed=3)
+        with Client(valkey, queue=vision.queue) as mlxq:
+            done = mlxq.generate(messages=[{"role": "user", "content": "Describe it."}], images=[image],
+                                 max_tokens=8, encoding="msgpack", timeout=60)
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+            response = sdk.chat.completions.create(model=vision.queue, max_tokens=8, messages=[{
+                "role": "user", "content": [
+                    {"type": "text", "text": "Describe it."},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(image)
+                                                        .decode()}}]}])
+        assert response.choices[0].message.content == done.text
+        assert response.usage.prompt_tokens == done.usage.prompt_tokens > 24  # the image's tokens are in it
+    finally:
+        vision.stop()
+
+
+def test_reasoning_comes_as_reasoning_content(gateway, valkey, thinking_model, logs_dir):
+    thinking = start_worker(valkey, thinking_model, f"gt{uuid.uuid4().hex[:6]}", logs_dir)
+    end_think = "4"  # the thinking demo model's </think>, barred: everything it writes is reasoning
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+            fields = {"model": thinking.queue, "messages": ASK, "max_tokens": 12, "logit_bias": {end_think: -100}}
+            message = sdk.chat.completions.create(**fields).choices[0].message
+            chunks = list(sdk.chat.completions.create(**fields, stream=True))
+        assert message.content == "" and message.reasoning_content
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == message.reasoning_content
+        assert "".join(d.content or "" for d in deltas) == ""
+    finally:
+        thinking.stop()
