@@ -74,7 +74,8 @@ class ModelDirectory:
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < REFRESH_S:
             return
-        members = [as_text(m) for m in await self.redis.zrangebyscore(self.keys.fleet, time.time() - RECENT_S, "+inf")]
+        seen: list[bytes] = await self.redis.zrangebyscore(self.keys.fleet, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
+        members = [as_text(m) for m in seen]
         async with self.redis.pipeline(transaction=False) as pipe:
             for name in members:
                 pipe.get(self.keys.worker(name))  # gone 3 heartbeats after the worker stopped

