@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ApiError
 
-# What a request may carry beyond OpenAI's fields, as vLLM names them (extra_body).
+# What a request may carry beyond OpenAI's fields (extra_body): vLLM's names, and mlxq's
+# `priority` and `stream_interval` (tokens per chunk).
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "include_stop_str_in_output", "priority")
+                   "include_stop_str_in_output", "priority", "stream_interval")
 
 
 class _Strict(BaseModel):
@@ -57,6 +58,7 @@ class _Sampling(_Strict):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
+    stream_interval: int | None = None
 
     def _common_body(self) -> dict[str, Any]:
         if self.n not in (None, 1):

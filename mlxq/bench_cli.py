@@ -32,16 +32,15 @@ def run(args: argparse.Namespace) -> int:
           file=sys.stderr)
     rows: list[dict[str, Any]] = []
     for i, level in enumerate(levels):
-        runs = []
+        runs: dict[str, list[dict[str, Any]]] = {"redis": [], "gateway": []}
         for repeat in range(args.repeat):
             # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
             planned = dataclasses.replace(workload, seed=workload.seed + i * args.repeat + repeat).plan()
-            with _progress(f"redis c={level or 'all'}", len(planned)) as tick:
-                timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
-                                                                 args.stream_interval, tick, args.timeout))
-            runs.append({"name": f"redis c={level or 'all'}", "concurrency": level, **summarize(timings),
-                         "redis": redis_stats})
-        rows.append(_median_run(runs))
+            runs["redis"].append(_redis_run(args, planned, level))
+            if args.gateway:  # the same prompts again would hit the prefix cache: the next seed's
+                again = dataclasses.replace(workload, seed=workload.seed + 10_000 + i * args.repeat + repeat).plan()
+                runs["gateway"].append(_gateway_run(args, again, level))
+        rows += [_median_run(found) for found in runs.values() if found]
     for baseline in args.baseline:
         with _progress(baseline, len(planned)) as tick:
             timings = in_process(args.model, planned, levels[-1], tick, sequential=baseline == "sequential")
@@ -59,6 +58,24 @@ def run(args: argparse.Namespace) -> int:
     if args.plot and _plot(rows, args.plot, f"{model}: {_describe(workload)}"):
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _redis_run(args: argparse.Namespace, planned: list[Any], level: int | None) -> dict[str, Any]:
+    name = f"redis c={level or 'all'}"
+    with _progress(name, len(planned)) as tick:
+        timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
+                                                         args.stream_interval, tick, args.timeout))
+    return {"name": name, "concurrency": level, **summarize(timings), "redis": redis_stats}
+
+
+def _gateway_run(args: argparse.Namespace, planned: list[Any], level: int | None) -> dict[str, Any]:
+    from .bench_gateway import through_gateway
+
+    name = f"gateway c={level or 'all'}"
+    with _progress(name, len(planned)) as tick:
+        timings, cost = asyncio.run(through_gateway(args.gateway, args.queue, planned, level, args.stream_interval,
+                                                    tick, args.timeout, args.api_key))
+    return {"name": name, "concurrency": level, **summarize(timings), "gateway": cost}
 
 
 def _describe(workload: Workload) -> str:
@@ -124,10 +141,24 @@ def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, A
             report[f"ratio_to_{name}"] = _ratio(main["throughput_tok_s"], by_name[name]["throughput_tok_s"])
     if "inprocess" in by_name:
         report["ttft_p50_over_inprocess_ms"] = _gap(main, by_name["inprocess"])
+    report["gateway"] = _gateway_comparison(rows)
     single = [r for r in rows if r["name"] == "redis c=1"]
     if single and "sequential" in by_name:
         report["ttft_p50_c1_over_sequential_ms"] = _gap(single[0], by_name["sequential"])
     return report
+
+
+def _gateway_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per concurrency level: the gateway's TTFT p50 over Redis's, its throughput over
+    Redis's, and its CPU per 1,000 streamed tokens."""
+    redis_runs = {r["concurrency"]: r for r in rows if r["name"].startswith("redis")}
+    compared = []
+    for run in (r for r in rows if r["name"].startswith("gateway")):
+        direct = redis_runs[run["concurrency"]]
+        compared.append({"concurrency": run["concurrency"], "ttft_p50_over_redis_ms": _gap(run, direct),
+                         "throughput_over_redis": _ratio(run["throughput_tok_s"], direct["throughput_tok_s"]),
+                         "cpu_ms_per_1k_tokens": run["gateway"]["gateway_cpu_ms_per_1k_tokens"]})
+    return compared
 
 
 def _gap(run: dict[str, Any], baseline: dict[str, Any]) -> float | None:
@@ -149,6 +180,10 @@ def _print_ratios(report: dict[str, Any]) -> None:
     if "ttft_p50_c1_over_sequential_ms" in report:
         print(f"TTFT p50 at concurrency 1 through Redis minus sequential in process: "
               f"{report['ttft_p50_c1_over_sequential_ms']} ms")
+    for row in report["gateway"]:
+        print(f"gateway c={row['concurrency'] or 'all'} vs Redis: TTFT p50 {row['ttft_p50_over_redis_ms']:+} ms, "
+              f"{row['throughput_over_redis']}x throughput, gateway CPU {row['cpu_ms_per_1k_tokens']} ms "
+              "per 1,000 tokens")
     print(f"Redis commands per generated token: {report['redis_commands_per_token']}")
 
 
@@ -179,12 +214,12 @@ def _plot(rows: list[dict[str, Any]], path: Any, title: str) -> bool:
         print("mlxq bench: --plot needs matplotlib (pip install '.[bench]' in the mlxq checkout)", file=sys.stderr)
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for label, marker in (("redis", "o"), ("inprocess", "s"), ("sequential", "^")):
+    for label, marker in (("redis", "o"), ("gateway", "D"), ("inprocess", "s"), ("sequential", "^")):
         series = [r for r in rows if r["name"].split(" ")[0] == label]
         if not series:
             continue
         levels = [r["concurrency"] or r["requests"] for r in series]
-        name = {"redis": "through Redis", "inprocess": "BatchGenerator in process",
+        name = {"redis": "through Redis", "gateway": "through the gateway", "inprocess": "BatchGenerator in process",
                 "sequential": "sequential in process"}[label]
         left.plot(levels, [r["throughput_tok_s"] for r in series], marker=marker, label=name)
         right.plot(levels, [r["ttft_ms"]["p50"] for r in series], marker=marker, label=f"{name}, p50")

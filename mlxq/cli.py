@@ -243,6 +243,9 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--baseline", action="append", choices=["inprocess", "sequential"], default=[],
                        help="also run the workload through mlx-lm in this process (needs --model)")
     bench.add_argument("--model", help="model path for the baselines (the workers' model)")
+    bench.add_argument("--gateway", metavar="URL", help="also send the workload through an mlxq gateway at URL "
+                       "(e.g. http://127.0.0.1:8000), the queue's name as the model, and compare")
+    bench.add_argument("--api-key", help="bearer key for --gateway")
     bench.add_argument("--json", type=Path, help="write every figure to this file")
     bench.add_argument("--plot", type=Path, help="draw throughput and TTFT against concurrency (PNG), "
                        "baselines included")

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from support import ROOT, worker_fixture
+from support import ROOT, start_gateway, worker_fixture
 
 from mlxq.bench import Workload
 from mlxq.bench_cli import _median_run, _warn_if_unsteady
@@ -94,3 +94,25 @@ def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_pat
     assert [r["concurrency"] for r in redis_runs] == [1, 4]
     assert all(r["finished"] == 8 and r["tokens"] == 64 and len(r["repeats_tok_s"]) == 2 for r in redis_runs)
     assert redis_runs[0]["redis"]["by_command"]["evalsha"] > 0
+
+
+def test_bench_compares_the_gateway_with_redis(worker, valkey, logs_dir, tmp_path):
+    """`--gateway`: the same workload through the OpenAI API, with the TTFT gap, the
+    throughput ratio and the gateway's CPU per 1,000 tokens in the report."""
+    gateway = start_gateway(valkey, logs_dir)
+    out = tmp_path / "gateway.json"
+    try:
+        run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
+                              worker.queue, "--requests", "6", "--concurrency", "1,3", "--input-len", "20",
+                              "--output-len", "8", "--vocab", "900", "--seed", "5", "--gateway", gateway.url,
+                              "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        gateway.stop()
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    gateway_runs = [r for r in report["runs"] if r["name"].startswith("gateway")]
+    assert [r["concurrency"] for r in gateway_runs] == [1, 3]
+    assert all(r["finished"] == 6 and r["tokens"] > 0 and r["ttft_ms"]["p50"] > 0 for r in gateway_runs)
+    assert [c["concurrency"] for c in report["gateway"]] == [1, 3]
+    assert all(c["throughput_over_redis"] > 0 and c["cpu_ms_per_1k_tokens"] > 0 for c in report["gateway"])
+    assert "gateway c=1 vs Redis: TTFT p50" in run.stdout
