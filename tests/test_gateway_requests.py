@@ -151,3 +151,16 @@ def test_gateway_settings_layers(tmp_path, monkeypatch):
     with pytest.raises(SettingsError, match="MLXQ_GATEWAY_APIKEYS is not a gateway setting .did you mean "
                                             "MLXQ_GATEWAY_API_KEYS"):
         load_gateway_settings()
+
+
+def test_the_gateway_socket_sends_small_writes_at_once():
+    """Connections accepted on the gateway's socket have TCP_NODELAY: a stream's chunks are
+    not held back behind its headers (Nagle's algorithm against delayed ACKs: ~40 ms each)."""
+    import socket
+
+    from mlxq.gateway_command import _listen
+
+    with _listen("127.0.0.1", 0) as server, socket.create_connection(server.getsockname()[:2]):
+        accepted, _ = server.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
