@@ -103,21 +103,6 @@ class AsyncJob:
                                               block=deadline.block_ms())
         return self._cursor.feed(stream_entries(reply))
 
-    @property
-    def finished(self) -> bool:
-        """Whether its terminal event has been read."""
-        return self._cursor.terminal is not None
-
-    async def read(self, wait_s: float) -> list[Event]:
-        """Its next events (the terminal one last), waiting up to `wait_s` (at most 1 s)
-        for them to come; [] if none came. For callers with a loop of their own, such as
-        a server that writes keep-alives while a request waits in the queue."""
-        if self.finished:
-            return []
-        wait_ms = max(1, min(BLOCK_MS, int(wait_s * 1000)))
-        reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100, block=wait_ms)
-        return self._cursor.feed(stream_entries(reply))
-
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:
         """Yield deltas as they arrive; at the end raise if the request failed or was cancelled."""
         deadline = Deadline(self.id, timeout)

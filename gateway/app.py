@@ -29,6 +29,7 @@ from .errors import ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
 from .relay import Relay
+from .replies import ReplyStream
 from .requests import read_call
 from .settings import GatewaySettings
 
@@ -44,8 +45,9 @@ class Gateway:
         self.client = AsyncClient(settings.redis_url, prefix=settings.prefix)
         self.metrics = GatewayMetrics()
         self.directory = ModelDirectory(self.client.redis, self.client.keys, settings.models)
-        self.relay = Relay(self.client, self.directory, self.metrics, timeout_s=settings.request_timeout_s,
-                           keepalive_s=settings.keepalive_s)
+        self.replies = ReplyStream(self.client.redis, self.client.keys)
+        self.relay = Relay(self.client, self.directory, self.replies, self.metrics,
+                           timeout_s=settings.request_timeout_s, keepalive_s=settings.keepalive_s)
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
 
     def authorize(self, request: Request) -> None:
@@ -91,7 +93,7 @@ class Gateway:
 
     async def health(self, _: Request) -> Response:
         await self.client.redis.ping()
-        return JSONResponse({"status": "ok", "models": self.directory.names()})
+        return JSONResponse({"status": "ok", "models": self.directory.names(), "reply_stream": self.replies.key})
 
     async def scrape(self, _: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -119,6 +121,7 @@ def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
+        await gateway.replies.close()
         await gateway.client.aclose()
 
     routes = [

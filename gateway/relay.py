@@ -13,20 +13,23 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio
 import structlog
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from client import AsyncClient, AsyncJob, QueueFull, RequestRejected
+from client import AsyncClient, QueueFull, RequestRejected
 from client.protocol import Delta, Done, Error, Event, TokenLogprob
 
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
+from .replies import Followed, ReplyStream
 from .requests import Call
 from .responses import Shaper
 
@@ -71,10 +74,11 @@ class Disconnect:
 class Relay:
     """Serves calls: the one place that submits and follows requests."""
 
-    def __init__(self, client: AsyncClient, directory: ModelDirectory, metrics: GatewayMetrics, *,
-                 timeout_s: float, keepalive_s: float) -> None:
+    def __init__(self, client: AsyncClient, directory: ModelDirectory, replies: ReplyStream,
+                 metrics: GatewayMetrics, *, timeout_s: float, keepalive_s: float) -> None:
         self.client = client
         self.directory = directory
+        self.replies = replies
         self.metrics = metrics
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
@@ -83,24 +87,34 @@ class Relay:
         """Submit `call` and answer it; raises `ApiError`."""
         served = await self.directory.resolve(call.model)
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
+        job = self.replies.follow(uuid.uuid4().hex)
+        streaming = False
         try:
-            job = await self.client.submit(queue=served.queue, encoding="msgpack", deadline_ms=deadline_ms,
-                                           **call.body)
-        except (RequestRejected, QueueFull) as e:
-            raise ApiError.from_mlxq(e) from e
-        log.debug("submitted", request_id=job.id, queue=served.queue, stream=call.stream)
-        shaper = Shaper(call, job.id, served.tool_call)
+            try:
+                await self.client.submit(id=job.id, queue=served.queue, encoding="msgpack",
+                                         reply_to=self.replies.key, deadline_ms=deadline_ms, **call.body)
+            except (RequestRejected, QueueFull) as e:
+                raise ApiError.from_mlxq(e) from e
+            shaper = Shaper(call, job.id, served.tool_call)
+            if not call.stream:
+                return await self._whole(request, job, shaper, started, call.body.get("logprobs", False))
+            response = await self._stream(request, job, shaper, started)
+            streaming = isinstance(response, StreamingResponse)  # it releases the request when it ends
+            return response
+        finally:
+            if not streaming:
+                self.replies.forget(job.id)
+
+    async def _whole(self, request: Request, job: Followed, shaper: Shaper, started: float,
+                     logprobs: bool) -> Response:
         watch = Disconnect(request)
         try:
-            if call.stream:
-                return await self._stream(job, shaper, watch, started)
-            return await self._whole(job, shaper, watch, started, call.body.get("logprobs", False))
-        except BaseException:
+            return await self._wait_whole(job, shaper, watch, started, logprobs)
+        finally:
             watch.stop()
-            raise
 
-    async def _whole(self, job: AsyncJob, shaper: Shaper, watch: Disconnect, started: float,
-                     logprobs: bool) -> Response:
+    async def _wait_whole(self, job: Followed, shaper: Shaper, watch: Disconnect, started: float,
+                          logprobs: bool) -> Response:
         entries: list[TokenLogprob] | None = [] if logprobs else None
         ends_at = time.monotonic() + self.timeout_s
         while True:
@@ -111,7 +125,6 @@ class Relay:
                 if isinstance(event, Delta) and entries is not None and event.logprobs:
                     entries += event.logprobs
                 elif isinstance(event, Done):
-                    watch.stop()
                     self.metrics.first_byte(shaper.call.kind, started)
                     return JSONResponse(shaper.whole(event, entries), headers={"x-request-id": job.id})
                 elif isinstance(event, Error):
@@ -120,22 +133,31 @@ class Relay:
                 await self._cancel(job)
                 raise self._timed_out(job)
 
-    async def _stream(self, job: AsyncJob, shaper: Shaper, watch: Disconnect, started: float) -> Response:
-        first: list[Event] = []
-        commit_at = time.monotonic() + self.keepalive_s
-        while not first and time.monotonic() < commit_at:
-            events = await watch.race(job.read(commit_at - time.monotonic()))
-            if events is None:
-                return await self._gone(job)
-            first = events
+    async def _stream(self, request: Request, job: Followed, shaper: Shaper, started: float) -> Response:
+        watch = Disconnect(request)
+        try:
+            first = await self._first_events(job, watch)
+        finally:
+            watch.stop()
+        if first is None:
+            return await self._gone(job)
         if first and isinstance(first[0], Error):
             raise ApiError.from_code(first[0].code, first[0].message)
-        watch.stop()
         headers = {"x-request-id": job.id, "cache-control": "no-cache", "x-accel-buffering": "no"}
+        # The task runs after the stream, even one whose client left before it began.
         return StreamingResponse(self._events(job, shaper, first, started), media_type="text/event-stream",
-                                 headers=headers)
+                                 headers=headers, background=BackgroundTask(self._release, job))
 
-    async def _events(self, job: AsyncJob, shaper: Shaper, first: list[Event], started: float) -> AsyncIterator[bytes]:
+    async def _first_events(self, job: Followed, watch: Disconnect) -> list[Event] | None:
+        """What came within `keepalive_s` (maybe nothing); None if the client left meanwhile."""
+        commit_at = time.monotonic() + self.keepalive_s
+        while time.monotonic() < commit_at:
+            events = await watch.race(job.read(commit_at - time.monotonic()))
+            if events is None or events:
+                return events
+        return []
+
+    async def _events(self, job: Followed, shaper: Shaper, first: list[Event], started: float) -> AsyncIterator[bytes]:
         """The SSE body; Starlette cancels it when the client goes away, and that cancels the request."""
         self.metrics.open_streams.inc()
         self.metrics.first_byte(shaper.call.kind, started)
@@ -163,9 +185,17 @@ class Relay:
                     quiet_since = time.monotonic()
         finally:
             self.metrics.open_streams.dec()
-            if not job.finished:
-                with anyio.CancelScope(shield=True):  # the response's task is being cancelled: finish this first
-                    await self._cancel(job)
+            with anyio.CancelScope(shield=True):  # the response's task is being cancelled: finish this first
+                await self._release(job)
+
+    async def _release(self, job: Followed) -> None:
+        """Stop following the request, and cancel it unless it ended; once, however often called."""
+        if job.released:
+            return
+        job.released = True
+        self.replies.forget(job.id)
+        if not job.finished:
+            await self._cancel(job)
 
     @staticmethod
     def _lines(shaper: Shaper, event: Event) -> list[bytes]:
@@ -175,19 +205,19 @@ class Relay:
             return [*(sse(chunk) for chunk in shaper.ending(event)), DONE_LINE]
         return [sse(ApiError.from_code(event.code, event.message).body()), DONE_LINE]
 
-    async def _gone(self, job: AsyncJob) -> Response:
+    async def _gone(self, job: Followed) -> Response:
         """The client closed the connection before the answer: cancel, answer nobody."""
         await self._cancel(job)
         return Response(status_code=CLIENT_CLOSED)
 
-    async def _cancel(self, job: AsyncJob) -> None:
+    async def _cancel(self, job: Followed) -> None:
         try:
-            await job.cancel()
+            await self.client.cancel(job.id)
             log.info("request cancelled: the client went away or it timed out", request_id=job.id)
         except Exception as e:  # noqa: BLE001 - Redis gone: the request runs on, unread; nothing else to do
             log.warning("could not cancel a request", request_id=job.id, error=str(e))
 
-    def _timed_out(self, job: AsyncJob) -> ApiError:
+    def _timed_out(self, job: Followed) -> ApiError:
         return ApiError.from_code("timeout", f"request {job.id} did not finish within {self.timeout_s:g} s "
                                   "(the gateway's request_timeout_s); it was cancelled")
 

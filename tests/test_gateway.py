@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import re
 import shutil
@@ -22,10 +23,10 @@ import jsonschema
 import openai
 import pytest
 import redis
-from support import ROOT, Outputs, start_gateway, start_worker
+from support import ROOT, start_gateway, start_worker
 from test_vision import png
 
-from client import Client, Done
+from client import Client, JobCancelled
 
 KEY = "sk-mlxq-test"
 ASK = [{"role": "user", "content": "Tell me about queues."}]
@@ -231,8 +232,9 @@ def test_a_timeout_is_504_and_a_full_queue_429(gateway, one_slot, valkey, logs_d
     """With one request running on the one-slot worker, a request through a gateway with a
     1 s timeout waits, is cancelled and answered 504; with two waiting (the queue's bound),
     the next is 429."""
+    before = settled_totals(r, one_slot.consumer)
     with Client(valkey, queue=one_slot.queue) as mlxq:
-        jobs = [mlxq.submit("block", **LONG)]
+        blocker = mlxq.submit("block", **LONG)
         assert wait_for(lambda: in_flight(r, one_slot.consumer) == 1)
         impatient = start_gateway(valkey, logs_dir, "--request-timeout-s", "1")
         try:
@@ -242,17 +244,18 @@ def test_a_timeout_is_504_and_a_full_queue_429(gateway, one_slot, valkey, logs_d
         finally:
             assert impatient.stop() in (0, -signal.SIGTERM)
         assert status == 504 and body["code"] == "timeout" and "did not finish within 1 s" in body["message"]
-        timed_out = re.search(r"request (\w+) did not finish", body["message"]).group(1)
-        jobs.append(mlxq.submit("wait", max_tokens=2))  # two waiting now, with the timed-out one
+        waiting = mlxq.submit("wait", max_tokens=2)  # two waiting now, with the timed-out one
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
             with pytest.raises(openai.RateLimitError, match="is full: 2 requests waiting"):
                 sdk.completions.create(model=one_slot.queue, prompt="x", max_tokens=2)
-        for job in jobs:
-            job.cancel()
-        ending = Outputs(r).of(timed_out, timeout=30)[-1]
-        assert (isinstance(ending, Done) and ending.finish_reason == "cancelled"
-                and ending.usage.completion_tokens == 0) or ending.code == "deadline_exceeded"  # never computed
-    assert settles_idle(r, one_slot.consumer)
+        waiting.cancel()
+        blocker.cancel()
+        with pytest.raises(JobCancelled) as cancelled:
+            blocker.result(timeout=30)
+    after = settled_totals(r, one_slot.consumer)
+    # the timed-out request and the waiting one ended without a token (cancelled, or past their deadline)
+    assert changed(before, after, "finished:cancelled", "errors:deadline_exceeded") == 3
+    assert changed(before, after, "generation_tokens") == cancelled.value.done.usage.completion_tokens
 
 
 def wait_for(condition, within: float = 10) -> bool:
@@ -262,6 +265,22 @@ def wait_for(condition, within: float = 10) -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def totals(r: redis.Redis, consumer: str) -> dict[str, int]:
+    """A worker's counters as its stats hash holds them (written each heartbeat)."""
+    return {k.decode(): int(v) for k, v in r.hgetall(f"mlxq:stats:{consumer}").items() if v.isdigit()}
+
+
+def settled_totals(r: redis.Redis, consumer: str) -> dict[str, int]:
+    """Its counters once it holds nothing and a heartbeat has passed since."""
+    assert settles_idle(r, consumer)
+    time.sleep(1.2)
+    return totals(r, consumer)
+
+
+def changed(before: dict[str, int], after: dict[str, int], *names: str) -> int:
+    return sum(after.get(n, 0) - before.get(n, 0) for n in names)
 
 
 def in_flight(r: redis.Redis, consumer: str) -> int:
@@ -274,17 +293,15 @@ def settles_idle(r: redis.Redis, consumer: str) -> bool:
 
 
 def test_a_disconnect_mid_stream_cancels_the_request(gateway, worker, r):
+    before = settled_totals(r, worker.consumer)
     body = {"model": "small", "messages": ASK, "stream": True, **LONG}
     with httpx.stream("POST", f"{gateway.url}/v1/chat/completions", json=body, timeout=30,
                       headers={"Authorization": f"Bearer {KEY}"}) as response:
-        request_id = response.headers["x-request-id"]
         lines = response.iter_lines()
         assert [next(lines) for _ in range(6)][0].startswith("data: ")  # some output, then the client leaves
-    events = Outputs(r).of(request_id, timeout=30)
-    done = events[-1]
-    assert isinstance(done, Done) and done.finish_reason == "cancelled"
-    assert done.usage.completion_tokens < 1000  # stopped well before its 2000 tokens
-    assert settles_idle(r, worker.consumer)
+    after = settled_totals(r, worker.consumer)
+    assert changed(before, after, "finished:cancelled") == 1
+    assert 0 < changed(before, after, "generation_tokens") < 1000  # stopped well before its 2000 tokens
 
 
 def raw_post(url: str, path: str, body: dict) -> socket.socket:
@@ -297,35 +314,31 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
     return sock
 
 
-def newest_request(r: redis.Redis, queue: str) -> str:
-    ((_, fields),) = r.xrevrange(f"mlxq:q:{queue}", count=1)
-    return fields[b"id"].decode()
-
-
 @pytest.mark.parametrize("wait_s", [0.3, 2.5])
 def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, wait_s):
     """The client goes away while its request waits behind another: before the stream has
     started (0.3 s), and after, with keep-alive comments flowing (2.5 s, keep-alive 1 s)."""
+    before = settled_totals(r, one_slot.consumer)
     with Client(one_slot.redis_url, queue=one_slot.queue) as mlxq:
         blocker = mlxq.submit("block", **LONG)
+        assert wait_for(lambda: in_flight(r, one_slot.consumer) == 1)
         sock = raw_post(gateway.url, "/v1/chat/completions", {"model": one_slot.queue, "messages": ASK,
                                                                "stream": True, "max_tokens": 8})
         time.sleep(wait_s)
         sock.settimeout(0.5)
         received = b""
-        try:
+        with contextlib.suppress(TimeoutError):
             while chunk := sock.recv(65536):
                 received += chunk
-        except TimeoutError:
-            pass
         sock.close()
-        request_id = newest_request(r, one_slot.queue)
         assert (b": keep-alive\n\n" in received) == (wait_s > 1)
         time.sleep(0.5)
         blocker.cancel()
-        done = Outputs(r).of(request_id, timeout=30)[-1]
-        assert isinstance(done, Done) and done.finish_reason == "cancelled" and done.usage.completion_tokens == 0
-    assert settles_idle(r, one_slot.consumer)
+        with pytest.raises(JobCancelled) as cancelled:
+            blocker.result(timeout=30)
+    after = settled_totals(r, one_slot.consumer)
+    assert changed(before, after, "finished:cancelled") == 2
+    assert changed(before, after, "generation_tokens") == cancelled.value.done.usage.completion_tokens
 
 
 def test_curl_sees_exact_sse_bytes(gateway):
@@ -366,7 +379,7 @@ def test_models_lists_the_models_of_live_workers_on_two_queues(sdk, worker, valk
         sdk.completions.create(model=str(other_model), prompt="x", max_tokens=2)
 
 
-def test_64_concurrent_streams_through_two_gateways(gateway, open_gateway, worker, mlxq):
+def test_64_concurrent_streams_through_two_gateways(gateway, open_gateway, worker, mlxq, r):
     prompts = ["Alpha", "Beta queue", "Gamma stream", "Delta worker"]
     expected = {p: mlxq.generate(p, max_tokens=16, timeout=60).text for p in prompts}
 
@@ -388,6 +401,8 @@ def test_64_concurrent_streams_through_two_gateways(gateway, open_gateway, worke
 
     results = asyncio.run(run())
     assert len(results) == 64 and all(text == expected[prompt] for prompt, text in results)
+    replies = [httpx.get(f"{g.url}/health").json()["reply_stream"] for g in (gateway, open_gateway)]
+    assert wait_for(lambda: all(r.xlen(key) == 0 for key in replies)), "what was read is trimmed away"
 
 
 def test_the_open_gateway_said_so_and_serves_metrics(open_gateway, gateway, sdk):

@@ -1,0 +1,121 @@
+"""The gateway's own reply stream: every request it relays names it as `reply_to`, and
+one reader follows it for all of them, one XREAD per worker step instead of one per
+request and token. Each event goes to its request's queue, found by the event's id;
+events of requests nobody waits for any more (a client that left) are dropped.
+
+Nobody else reads the stream, so what has been read is trimmed away as it goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from client.diagnose import describe
+from client.keys import Keys
+from client.protocol import Delta, Event, decode_event
+from client.replies import stream_entries
+
+log = structlog.get_logger("mlxq.gateway")
+BLOCK_MS = 1000
+TRIM_EVERY_S = 1.0
+
+
+class Followed:
+    """The events of one request, as the reader hands them over."""
+
+    def __init__(self, request_id: str) -> None:
+        self.id = request_id
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.finished = False  # its terminal event was handed over
+        self.released = False  # the relay is done with it
+
+    async def read(self, wait_s: float) -> list[Event]:
+        """Its next events (the terminal one last), waiting up to `wait_s` for the first; [] if none came."""
+        if self.finished:
+            return []
+        events = []
+        try:
+            events.append(await asyncio.wait_for(self.queue.get(), timeout=max(0.001, wait_s)))
+        except TimeoutError:
+            return []
+        while not self.queue.empty():
+            events.append(self.queue.get_nowait())
+        for i, event in enumerate(events):
+            if not isinstance(event, Delta):
+                self.finished = True
+                return events[:i + 1]
+        return events
+
+
+class ReplyStream:
+    """Reads `mlxq:reply:gateway-<random>` for every request this gateway relays."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
+        self.redis = redis
+        self.key = keys.reply(f"gateway-{uuid.uuid4().hex[:16]}")
+        self._followed: dict[str, Followed] = {}
+        self._last_id = "0-0"
+        self._trimmed_at = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def follow(self, request_id: str) -> Followed:
+        """Start collecting the events of `request_id` (before it is submitted: none is missed)."""
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._read_forever(), name="mlxq-gateway-replies")
+        followed = self._followed[request_id] = Followed(request_id)
+        return followed
+
+    def forget(self, request_id: str) -> None:
+        """Stop collecting its events (it finished, or its client left)."""
+        self._followed.pop(request_id, None)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _read_forever(self) -> None:
+        failing = False
+        while True:
+            try:
+                reply = await self.redis.xread({self.key: self._last_id}, count=1000, block=BLOCK_MS)
+                self._hand_over(reply)
+                await self._trim()
+            except (RedisError, OSError) as e:
+                if not failing:
+                    log.warning("cannot read the gateway's reply stream; retrying", reason=describe(e))
+                failing = True
+                await asyncio.sleep(0.5)
+                continue
+            if failing:
+                log.info("reading the gateway's reply stream again")
+                failing = False
+
+    def _hand_over(self, reply: object) -> None:
+        for entry_id, fields in stream_entries(reply):
+            self._last_id = entry_id
+            if fields is None:
+                continue
+            try:
+                event = decode_event(fields)
+            except Exception as e:  # noqa: BLE001 - not a worker's event: whatever it holds, skip it, keep reading
+                log.warning("an entry of the reply stream is not an event", entry=entry_id, reason=str(e))
+                continue
+            followed = self._followed.get(event.id)
+            if followed is not None:
+                followed.queue.put_nowait(event)
+
+    async def _trim(self) -> None:
+        """Drop what has been read (nobody else reads this stream)."""
+        if self._last_id != "0-0" and time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
+            self._trimmed_at = time.monotonic()
+            ms, seq = self._last_id.split("-")
+            await self.redis.xtrim(self.key, minid=f"{ms}-{int(seq) + 1}")  # everything up to the last read
