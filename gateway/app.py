@@ -79,6 +79,8 @@ class Gateway:
             return json.loads(body)
         except ValueError as e:
             raise ApiError.invalid(f"We could not parse the JSON body of your request ({e})") from e
+        except RecursionError as e:
+            raise ApiError.invalid("We could not parse the JSON body of your request (nested too deeply)") from e
 
     async def models(self, request: Request) -> Response:
         self.authorize(request)
@@ -109,6 +111,10 @@ class Gateway:
                 log.warning("Redis unreachable", error=describe(e))
                 response = ApiError(503, f"the queue's Redis cannot be reached: {describe(e)}", "server_error",
                                     "redis_unavailable", headers={"Retry-After": "5"}).response()
+            except Exception:  # noqa: BLE001 - a bug here answers this request alone, in OpenAI's shape
+                log.exception("the gateway failed a request", route=name)
+                response = ApiError(500, "the gateway failed this request; its log has the details", "server_error",
+                                    "internal").response()
             self.metrics.answered(name, response.status_code)
             return response
         return answer

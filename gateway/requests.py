@@ -35,7 +35,7 @@ class StreamOptions(_Strict):
 class _Sampling(_Strict):
     """The fields chat and completions share."""
 
-    model: str = Field(min_length=1)
+    model: str = Field(min_length=1, max_length=512)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = None

@@ -379,28 +379,29 @@ def test_models_lists_the_models_of_live_workers_on_two_queues(sdk, worker, valk
         sdk.completions.create(model=str(other_model), prompt="x", max_tokens=2)
 
 
-def test_64_concurrent_streams_through_two_gateways(gateway, open_gateway, worker, mlxq, r):
+def test_64_concurrent_streams_through_one_gateway_and_more_beside_it(gateway, open_gateway, worker, mlxq, r):
+    """64 streams at once through one gateway, and 16 more through a second one beside it:
+    every text is what the queue gives for its prompt, and both reply streams end empty."""
     prompts = ["Alpha", "Beta queue", "Gamma stream", "Delta worker"]
     expected = {p: mlxq.generate(p, max_tokens=16, timeout=60).text for p in prompts}
 
     async def run() -> list[tuple[str, str]]:
-        clients = [openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-                   for g in (gateway, open_gateway)]
+        first, second = (openai.AsyncOpenAI(base_url=f"{g.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+                         for g in (gateway, open_gateway))
 
-        async def one(i: int) -> tuple[str, str]:
+        async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str]:
             prompt = prompts[i % len(prompts)]
-            stream = await clients[i % 2].completions.create(model=worker.queue, prompt=prompt, max_tokens=16,
-                                                             stream=True)
+            stream = await client.completions.create(model=worker.queue, prompt=prompt, max_tokens=16, stream=True)
             return prompt, "".join([c.choices[0].text async for c in stream])
 
         try:
-            return await asyncio.gather(*(one(i) for i in range(64)))
+            return await asyncio.gather(*(one(first, i) for i in range(64)), *(one(second, i) for i in range(16)))
         finally:
-            for c in clients:
-                await c.close()
+            await first.close()
+            await second.close()
 
     results = asyncio.run(run())
-    assert len(results) == 64 and all(text == expected[prompt] for prompt, text in results)
+    assert len(results) == 80 and all(text == expected[prompt] for prompt, text in results)
     replies = [httpx.get(f"{g.url}/health").json()["reply_stream"] for g in (gateway, open_gateway)]
     assert wait_for(lambda: all(r.xlen(key) == 0 for key in replies)), "what was read is trimmed away"
 
@@ -469,3 +470,20 @@ def test_reasoning_comes_as_reasoning_content(gateway, valkey, thinking_model, l
         assert "".join(d.content or "" for d in deltas) == ""
     finally:
         thinking.stop()
+
+
+def test_hostile_bodies_get_a_400_and_the_gateway_serves_on(gateway, sdk):
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    url = f"{gateway.url}/v1/chat/completions"
+    for body, says in ((b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+                       (b'{"model": "small", "messages": [', "could not parse the JSON body"),
+                       (b"\xff\xfe", "could not parse the JSON body"),
+                       (json.dumps({"model": "small", "messages": [{"role": "user", "content": "\ud800"}]}).encode(),
+                        "lone surrogate"),
+                       (json.dumps({"model": "m" * 10_000, "messages": ASK}).encode(),
+                        "model: String should have at most")):
+        response = httpx.post(url, content=body, headers=headers)
+        assert response.status_code == 400 and says in response.json()["error"]["message"], response.text
+    too_big = httpx.post(url, content=b" " * (17 * 1024 * 1024), headers=headers)
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] == "too_large"
+    assert sdk.chat.completions.create(model="small", messages=ASK, max_tokens=2).choices[0].message.content
