@@ -22,6 +22,15 @@ def redis_url_problem(url: str) -> str | None:
     return None
 
 
+def redacted(url: str) -> str:
+    """The URL as it may be logged or printed: its password replaced by `***`."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    return parts._replace(netloc=f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
+
+
 def reply_code(error: BaseException) -> str | None:
     """The code of a Redis error reply (`NOPERM`, `BUSY`, ...), or None for other errors."""
     code = getattr(error, "status_code", None)  # redis-py strips the codes it knows from the message

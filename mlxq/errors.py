@@ -6,7 +6,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from client.diagnose import describe
+from client.diagnose import describe, redacted
 
 EX_TEMPFAIL = 75  # sysexits.h: try again later (a full queue)
 
@@ -21,7 +21,7 @@ class CommandError(Exception):
 
 def unreachable(url: str, error: BaseException, embedded_default: bool) -> str:
     """Why Redis at `url` did not answer, and what to try."""
-    reason = describe(error)
+    reason, url = describe(error), redacted(url)
     if embedded_default and "refused" in reason:
         return (f"cannot reach Redis at {url}: nothing serves it; start a worker (`{on_path('mlxq')} worker`, "
                 f"which starts the embedded Valkey) or `{on_path('mlxq')} redis`, or give --redis-url "

@@ -14,6 +14,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
     from pydantic import ValidationError
 
+    from client.diagnose import redacted
     from client.protocol import describe_validation_error
     from gateway.app import create_app
     from gateway.settings import GatewaySettings, load_gateway_settings
@@ -34,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     if not settings.api_keys:
         log.warning("no api_keys are configured: anyone who can connect may use the queue", listening=f"{host}:{port}")
-    log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=settings.redis_url,
+    log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=redacted(settings.redis_url),
              models=settings.models or "from the workers' heartbeats")
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5)

@@ -79,3 +79,14 @@ def test_every_setting_is_documented():
     for name in WorkerSettings.model_fields:
         assert f"| `{name}` |" in readme, name
         assert name in example, name
+
+
+def test_a_password_in_a_redis_url_is_never_printed():
+    from client.diagnose import redacted
+    from mlxq.errors import unreachable
+
+    assert redacted("redis://mlxq-worker:s3cret@10.0.0.1:6379/0") == "redis://mlxq-worker:***@10.0.0.1:6379/0"
+    assert redacted("rediss://:s3cret@cache.internal?ssl_ca_certs=/ca.pem") == \
+        "rediss://:***@cache.internal?ssl_ca_certs=/ca.pem"
+    assert redacted("redis://127.0.0.1:6390") == "redis://127.0.0.1:6390"
+    assert "s3cret" not in unreachable("redis://u:s3cret@h:1", ConnectionRefusedError(), False)

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from client.diagnose import redacted
 from client.keys import Keys
 from client.protocol import Event
 
@@ -84,7 +85,7 @@ class Worker:
             log.critical("worker exiting: the metrics port cannot be opened; choose another --metrics-port",
                          port=self.settings.metrics_port, host=self.settings.metrics_host, error=str(e))
             return 2
-        await retrying(self.redis_queue.ensure_group, f"connecting to {self.redis_url}")
+        await retrying(self.redis_queue.ensure_group, f"connecting to {redacted(self.redis_url)}")
         await retrying(partial(self.redis_queue.publish_limits, self.settings.queue, self.settings.max_queue_len),
                        "publishing the queue's bound")
         clock_offset_s = await retrying(self.redis_queue.clock_offset_s, "reading the server clock")
@@ -195,7 +196,8 @@ class Worker:
                         "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
                         max_num_seqs=self.settings.max_num_seqs)
         log.info("worker ready", queue=self.redis_queue.queue_stream, consumer=self.redis_queue.consumer,
-                 model=info.name, redis=self.redis_url, max_num_seqs=self.settings.max_num_seqs, blas=self.blas)
+                 model=info.name, redis=redacted(self.redis_url), max_num_seqs=self.settings.max_num_seqs,
+                 blas=self.blas)
         if self.blas == "reference":
             log.warning("MLX runs on the reference BLAS, which is slow: install the worker extra (mkl) or "
                         "`apt install libopenblas0-pthread`; see the README")
