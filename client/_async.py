@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, build_submission, enqueue_args, queue_full
+from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
+from .connect import connect_async
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .protocol import Delta, Done, Encoding, Event, decode_event
 from .replies import stream_entries
@@ -26,7 +30,7 @@ class AsyncClient:
 
     def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
                  redis: aioredis.Redis | None = None) -> None:
-        self.redis = redis or aioredis.Redis.from_url(url, socket_timeout=10)
+        self.redis = redis or connect_async(url, socket_timeout=10)
         self.queue = queue
         self.keys = Keys(prefix)
         self._bounds = Bounds()
@@ -97,10 +101,16 @@ class AsyncJob:
         self.id = request_id
         self.output = output
         self._cursor = Cursor(request_id, output)
+        self._outage = Outage()
 
     async def _read(self, deadline: Deadline) -> list[Event]:
-        reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
-                                              block=deadline.block_ms())
+        try:
+            reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
+                                                  block=deadline.block_ms())
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            await asyncio.sleep(min(self._outage.failed(e), deadline.left()))
+            return []
+        self._outage.ended()
         return self._cursor.feed(stream_entries(reply))
 
     async def stream(self, timeout: float | None = None) -> AsyncIterator[Delta]:

@@ -23,6 +23,8 @@ from .protocol import (
 from .replies import StreamEntry
 
 BLOCK_MS = 1000  # each blocking read stays well below the clients' 10 s socket timeout
+OUTAGE_S = 60.0  # a job's reads ride out a Redis restart or failover this long (or to its timeout)
+RETRY_S = 0.25
 BOUND_TTL_S = 5.0  # a queue's published bound is read again after this long
 
 # Add the entry unless the stream already holds `max_len` requests nobody has read yet
@@ -111,6 +113,7 @@ class Cursor:
         self.request_id = request_id
         self.output = output
         self.last_id = "0-0"
+        self.next_seq = 0
         self.terminal: Event | None = None
 
     def feed(self, entries: list[StreamEntry]) -> list[Event]:
@@ -123,6 +126,10 @@ class Cursor:
             event = decode_event(fields)
             if event.id != self.request_id:
                 continue
+            if isinstance(event, Delta):
+                if event.seq < self.next_seq:  # written again after a failover rewound the output: seen
+                    continue
+                self.next_seq = event.seq + 1
             events.append(event)
             if not isinstance(event, Delta):
                 self.terminal = event
@@ -137,6 +144,26 @@ class Cursor:
             return event
         assert event is not None and not isinstance(event, Delta)
         raise JobFailed(self.request_id, event.code, event.message)
+
+
+class Outage:
+    """How long a job's reads have failed to reach Redis: they keep trying through a
+    restart or a Sentinel failover (the output stream is still there afterwards), and
+    give up after `OUTAGE_S` of failures in a row (or at the job's timeout)."""
+
+    def __init__(self) -> None:
+        self.since: float | None = None
+
+    def failed(self, error: Exception) -> float:
+        """Seconds to wait before reading again; raises `error` once the outage is too long."""
+        now = time.monotonic()
+        self.since = self.since or now
+        if now - self.since > OUTAGE_S:
+            raise error
+        return RETRY_S
+
+    def ended(self) -> None:
+        self.since = None
 
 
 class Deadline:
@@ -155,3 +182,7 @@ class Deadline:
         if left <= 0:
             raise JobTimeout(self.request_id, self.timeout)
         return max(1, min(BLOCK_MS, int(left * 1000)))
+
+    def left(self) -> float:
+        """Seconds until the timeout (a long time without one)."""
+        return float("inf") if self.at is None else max(0.0, self.at - time.monotonic())

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import redis as redis_py
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._async import CANCEL_TTL_S, DEFAULT_URL
-from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, build_submission, enqueue_args, queue_full
+from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
+from .connect import connect
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .protocol import Delta, Done, Encoding, Event, decode_event
 from .replies import stream_entries
@@ -25,7 +29,7 @@ class Client:
 
     def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
                  redis: redis_py.Redis | None = None) -> None:
-        self.redis = redis or redis_py.Redis.from_url(url, socket_timeout=10)
+        self.redis = redis or connect(url, socket_timeout=10)
         self.queue = queue
         self.keys = Keys(prefix)
         self._bounds = Bounds()
@@ -95,9 +99,16 @@ class Job:
         self.id = request_id
         self.output = output
         self._cursor = Cursor(request_id, output)
+        self._outage = Outage()
 
     def _read(self, deadline: Deadline) -> list[Event]:
-        reply = self.client.redis.xread({self.output: self._cursor.last_id}, count=100, block=deadline.block_ms())
+        try:
+            reply = self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
+                                            block=deadline.block_ms())
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            time.sleep(min(self._outage.failed(e), deadline.left()))
+            return []
+        self._outage.ended()
         return self._cursor.feed(stream_entries(reply))
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from redis.exceptions import AuthenticationError, ResponseError
 
-SCHEMES = ("redis", "rediss", "unix")
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
 
 
 def redis_url_problem(url: str) -> str | None:
@@ -18,17 +18,25 @@ def redis_url_problem(url: str) -> str | None:
     if scheme not in SCHEMES:
         example = url.split("://")[-1] or "host:6379"
         return (f"{url!r} is not a Redis URL: write redis://{example} (rediss:// for TLS, "
-                "unix:///path/to.sock for a socket)")
+                "unix:///path/to.sock for a socket, redis+sentinel://host:port,host:port/<primary> for Sentinel)")
+    if scheme == "redis+sentinel":
+        from .connect import parse_sentinel_url
+
+        try:
+            parse_sentinel_url(url)
+        except ValueError as e:
+            return f"{redacted(url)}: {e}"
     return None
 
 
 def redacted(url: str) -> str:
     """The URL as it may be logged or printed: its password replaced by `***`."""
     parts = urlsplit(url)
-    if not parts.password:
+    userinfo, at, hosts = parts.netloc.rpartition("@")
+    user, colon, password = userinfo.partition(":")
+    if not password:
         return url
-    user = f"{parts.username}:" if parts.username else ":"
-    return parts._replace(netloc=f"{user}***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")).geturl()
+    return parts._replace(netloc=f"{user}:***@{hosts}").geturl()
 
 
 def reply_code(error: BaseException) -> str | None:

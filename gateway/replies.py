@@ -33,6 +33,7 @@ class Followed:
     def __init__(self, request_id: str) -> None:
         self.id = request_id
         self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.next_seq = 0  # deltas below it were handed over already (a failover can write them again)
         self.finished = False  # its terminal event was handed over
         self.released = False  # the relay is done with it
 
@@ -110,8 +111,11 @@ class ReplyStream:
                 log.warning("an entry of the reply stream is not an event", entry=entry_id, reason=str(e))
                 continue
             followed = self._followed.get(event.id)
-            if followed is not None:
-                followed.queue.put_nowait(event)
+            if followed is None or (isinstance(event, Delta) and event.seq < followed.next_seq):
+                continue
+            if isinstance(event, Delta):
+                followed.next_seq = event.seq + 1
+            followed.queue.put_nowait(event)
 
     async def _trim(self) -> None:
         """Drop what has been read (nobody else reads this stream)."""

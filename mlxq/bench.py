@@ -14,9 +14,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
-
 from client import AsyncClient
+from client.connect import connect_async
 
 from .bench_metrics import RequestTiming, command_stats
 
@@ -89,9 +88,9 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
     """Send the workload to the fleet serving `queue`; each request's timing, and the Redis
     commands the run cost."""
     # Each outstanding request blocks one connection in XREAD: size the pool for all of them.
-    connections = aioredis.Redis.from_url(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
+    connections = connect_async(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
     async with AsyncClient(url, queue=queue, redis=connections) as client:
-        info = aioredis.Redis.from_url(url)
+        info = connect_async(url)
         before = await info.info("commandstats")
         limit = asyncio.Semaphore(concurrency or len(planned))
         start = time.monotonic()

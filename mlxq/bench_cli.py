@@ -93,11 +93,12 @@ def _served_model(args: argparse.Namespace) -> str:
     """The model the queue's live workers say they serve (for the report)."""
     import redis
 
+    from client.connect import connect
     from client.fleet import read_fleet
     from client.keys import Keys
 
     try:
-        with redis.Redis.from_url(args.redis_url, socket_timeout=5) as r:
+        with connect(args.redis_url, socket_timeout=5) as r:
             models = sorted({str(w.heartbeat.get("model")) for w in read_fleet(r, Keys()).serving(args.queue)})
     except redis.RedisError:
         models = []

@@ -11,6 +11,7 @@ import time
 import redis as redis_py
 
 from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, QueueFull, RequestRejected
+from client.connect import connect as redis_for_url
 from client.diagnose import redis_url_problem
 from client.fleet import read_fleet
 from client.keys import Keys
@@ -26,7 +27,7 @@ def connect(args: argparse.Namespace) -> redis_py.Redis:
     problem = redis_url_problem(args.redis_url)
     if problem:
         raise CommandError(f"--redis-url: {problem}", status=2)
-    return redis_py.Redis.from_url(args.redis_url, socket_timeout=10)
+    return redis_for_url(args.redis_url, socket_timeout=10)
 
 
 def run_submit(args: argparse.Namespace) -> int:

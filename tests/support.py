@@ -19,6 +19,7 @@ import pytest
 import redis
 
 from client import Delta, Done, Error, Event, decode_event
+from client.connect import connect
 from client.replies import stream_entries
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,7 +87,7 @@ def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, read
         args += ["--" + name.replace("_", "-"), str(value)]
     log_path = log_dir / f"worker-{queue}-{consumer}-{uuid.uuid4().hex[:6]}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-    r = redis.Redis.from_url(redis_url)
+    r = connect(redis_url)
     if consumer != AUTO:
         r.delete(f"mlxq:workers:{consumer}")  # a heartbeat left by an earlier process of this name
     with open(log_path, "ab") as log_file:

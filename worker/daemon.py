@@ -18,10 +18,10 @@ import socket
 from collections.abc import Callable
 from functools import partial
 
-import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from client.connect import connect_async
 from client.diagnose import redacted
 from client.keys import Keys
 from client.protocol import Event
@@ -59,7 +59,7 @@ class Worker:
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
         self.faults = Faults.from_environment()
-        self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=10, health_check_interval=30)
+        self.redis = connect_async(redis_url, socket_timeout=10, health_check_interval=30)
         self.redis_queue = RedisQueue(self.redis, self.keys, settings.queue, "", result_ttl_s=settings.result_ttl_s,
                                       dedupe_ttl_s=settings.dedupe_ttl_s, lanes=settings.lanes,
                                       dead_letter_maxlen=settings.dead_letter_maxlen)

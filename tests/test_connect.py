@@ -1,0 +1,61 @@
+"""The URL forms the client accepts, and how a job's reader rides out a Redis failover
+(no server: these are the client's own rules)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from client import Delta, Done, Timing, Usage, encode_event
+from client._jobs import Cursor, Outage
+from client.connect import connect, parse_sentinel_url
+from client.diagnose import redacted, redis_url_problem
+
+
+def test_a_sentinel_url_names_the_sentinels_the_primary_and_its_credentials():
+    target = parse_sentinel_url("redis+sentinel://mlxq:p%40ss@10.0.0.1:26379,10.0.0.2:26380/prod/2"
+                                "?socket_timeout=3&sentinel_password=s")
+    assert target.sentinels == [("10.0.0.1", 26379), ("10.0.0.2", 26380)]
+    assert (target.primary, target.db, target.username, target.password) == ("prod", 2, "mlxq", "p@ss")
+    assert target.sentinel_kwargs(socket_timeout=10) == {"password": "s", "socket_timeout": 10}
+    assert target.connection_kwargs(socket_timeout=10)["socket_timeout"] == 10
+    assert isinstance(connect("redis+sentinel://127.0.0.1:1/prod").connection_pool,
+                      redis.sentinel.SentinelConnectionPool)
+    assert redacted("redis+sentinel://mlxq:secret@h1:1,h2:2/prod") == "redis+sentinel://mlxq:***@h1:1,h2:2/prod"
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+sentinel://h1:26379", "host:port,host:port/<primary name>"),
+    ("redis+sentinel://h1/prod", "give each Sentinel as host:port"),
+    ("sentinel://h1:1/prod", "is not a Redis URL"),
+])
+def test_a_bad_sentinel_url_says_what_to_write(url, says):
+    assert says in redis_url_problem(url)
+
+
+def entry(event) -> dict:
+    return encode_event(event, "json")
+
+
+def test_a_reader_keeps_the_first_copy_of_each_seq_when_a_failover_rewinds_the_output():
+    cursor = Cursor("r1", "mlxq:out:{r1}")
+    first = [(f"1-{i}", entry(Delta("r1", i, f"t{i}", [i]))) for i in range(3)]
+    assert [e.seq for e in cursor.feed(first)] == [0, 1, 2]
+    again = [(f"2-{i}", entry(Delta("r1", i, f"u{i}", [i]))) for i in (1, 2, 3)]  # rewritten from seq 1
+    assert [(e.seq, e.text) for e in cursor.feed(again)] == [(3, "u3")]
+    done = Done("r1", "stop", "t0t1t2u3", Usage(1, 4), Timing(1, 2, 3))
+    assert cursor.feed([("3-0", entry(done))])[0] == done and cursor.outcome() == done
+
+
+def test_reads_ride_out_an_outage_for_a_while_then_give_up(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("client._jobs.time.monotonic", lambda: clock[0])
+    outage, error = Outage(), redis.ConnectionError("refused")
+    assert outage.failed(error) > 0
+    clock[0] += 59
+    assert outage.failed(error) > 0
+    clock[0] += 2
+    with pytest.raises(redis.ConnectionError):
+        outage.failed(error)
+    outage.ended()
+    assert outage.failed(error) > 0  # a new outage starts its own count
