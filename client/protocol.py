@@ -472,13 +472,22 @@ class Usage:
 class Timing:
     """Milliseconds from the request's arrival (its entry id's stamp, on Redis's clock);
     then, over the tokens after the first, mean inter-token latency and tokens per second.
-    None where there was nothing to time."""
+    None where there was nothing to time.
+
+    The stages, in order: read by a worker (`read_ms`), decoded, validated and tokenized
+    (`prepared_ms`), admitted to the batch (`queued_ms`), first token made (`ttft_ms`),
+    first delta written to Redis (`published_ms`; None when the first delta went out with
+    the terminal event), the terminal event made (`total_ms`). A resumed request's stages
+    are those of the run that finished it."""
 
     queued_ms: float
     ttft_ms: float | None
     total_ms: float
     itl_ms: float | None = None
     tok_s: float | None = None
+    read_ms: float | None = None
+    prepared_ms: float | None = None
+    published_ms: float | None = None
 
 
 @dataclass(frozen=True)

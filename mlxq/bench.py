@@ -17,7 +17,7 @@ from typing import Any
 from client import AsyncClient
 from client.connect import connect_async
 
-from .bench_metrics import RequestTiming, command_stats
+from .bench_metrics import STAGES, RequestTiming, command_stats
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,7 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
                 timing.tokens = done.usage.completion_tokens
                 timing.queued_ms = done.timing.queued_ms
                 timing.cached_tokens = done.usage.cached_tokens
+                timing.stages_ms = {s: v for s in STAGES if (v := getattr(done.timing, s)) is not None}
                 progress(1)
                 return timing
 

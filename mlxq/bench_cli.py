@@ -181,6 +181,11 @@ def _print_ratios(report: dict[str, Any]) -> None:
     if "ttft_p50_c1_over_sequential_ms" in report:
         print(f"TTFT p50 at concurrency 1 through Redis minus sequential in process: "
               f"{report['ttft_p50_c1_over_sequential_ms']} ms")
+    for row in report["runs"]:
+        stages = row.get("stages_ms") or {}
+        if any(v is not None for v in stages.values()):
+            print(f"{row['name']}: worker stages p50, ms from arrival: " + ", ".join(
+                f"{name.removesuffix('_ms')} {value}" for name, value in stages.items() if value is not None))
     for row in report["gateway"]:
         print(f"gateway c={row['concurrency'] or 'all'} vs Redis: TTFT p50 {row['ttft_p50_over_redis_ms']:+} ms, "
               f"{row['throughput_over_redis']}x throughput, gateway CPU {row['cpu_ms_per_1k_tokens']} ms "

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 
 PERCENTILES = (50, 95, 99)
+# The worker's stages of a request, each in ms from its arrival (docs/protocol.md, `timing`).
+STAGES = ("read_ms", "prepared_ms", "queued_ms", "ttft_ms", "published_ms", "total_ms")
 
 
 @dataclass
@@ -21,6 +23,7 @@ class RequestTiming:
     tokens: int = 0
     queued_ms: float | None = None  # the worker's view: entry id stamp to admission
     cached_tokens: int = 0
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the worker's stage timings (done.timing)
 
     @property
     def ttft_ms(self) -> float | None:
@@ -65,6 +68,8 @@ def summarize(timings: list[RequestTiming]) -> dict[str, Any]:
         "e2e_ms": percentiles([t.e2e_ms for t in finished if t.e2e_ms is not None]),
         "queue_ms": percentiles([t.queued_ms for t in finished if t.queued_ms is not None]),
         "cached_tokens": sum(t.cached_tokens for t in finished),
+        "stages_ms": {stage: percentiles([t.stages_ms[stage] for t in finished if stage in t.stages_ms])["p50"]
+                      for stage in STAGES},
     }
 
 

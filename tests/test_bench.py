@@ -94,6 +94,10 @@ def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_pat
     assert [r["concurrency"] for r in redis_runs] == [1, 4]
     assert all(r["finished"] == 8 and r["tokens"] == 64 and len(r["repeats_tok_s"]) == 2 for r in redis_runs)
     assert redis_runs[0]["redis"]["by_command"]["evalsha"] > 0
+    stages = redis_runs[0]["stages_ms"]  # the worker's stages, in order
+    assert 0 <= stages["read_ms"] <= stages["prepared_ms"] <= stages["queued_ms"] <= stages["ttft_ms"] \
+        <= stages["total_ms"]
+    assert "redis c=1: worker stages p50, ms from arrival: read" in run.stdout
 
 
 def test_bench_compares_the_gateway_with_redis(worker, valkey, logs_dir, tmp_path):

@@ -42,6 +42,8 @@ def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs,
     assert done.metadata == {"user": 7}
     assert done.text
     assert 0 <= done.timing.queued_ms <= done.timing.ttft_ms <= done.timing.total_ms
+    t = done.timing  # the stages, in the order the request went through them
+    assert 0 <= t.read_ms <= t.prepared_ms <= t.queued_ms <= t.ttft_ms <= t.published_ms <= t.total_ms
     assert r.ttl(f"mlxq:out:{{{rid}}}") > 0, "output streams expire"
     assert pending_count(r, worker.queue) == 0
 

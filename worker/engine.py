@@ -30,6 +30,7 @@ from .messages import (
     Command,
     EngineRequest,
     EngineStats,
+    EngineTime,
     Outgoing,
     Shutdown,
     StepOutput,
@@ -73,6 +74,7 @@ class Engine:
         self._drain_until: float | None = None
         self._guides: Guides  # made with the backend, once the model is loaded
         self._next_housekeeping = 0.0
+        self._time = EngineTime()
 
 
     # ---- called from other threads -------------------------------------------------
@@ -138,13 +140,17 @@ class Engine:
     def _loop(self) -> None:
         while True:
             out = StepOutput()
+            waited = time.perf_counter()
             self._apply_commands(out, block=not self._busy())
+            started = time.perf_counter()
+            self._time.idle_s += started - waited
             if self._drain_until is not None:
                 self._abandon_if_drained(out)
             if self._busy():
                 self._step(out)
             if out.outgoing or out.abandoned:
                 self._on_output(out)
+            self._time.other_s += time.perf_counter() - started  # less the model's share, taken out in _step
             if not self._busy() or time.monotonic() >= self._next_housekeeping:
                 self._housekeeping()
             if self._drain_until is not None and not self._busy():
@@ -159,7 +165,8 @@ class Engine:
         caches.update(self._loaded.cache_stats())
         self._on_stats(EngineStats(running=len(self._running), waiting=len(self._scheduler),
                                    memory=self._loaded.memory(), mask_fills=self._guides.fills,
-                                   mask_fill_ms=self._guides.fill_s * 1000, **caches))  # type: ignore[arg-type]
+                                   mask_fill_ms=self._guides.fill_s * 1000, time=replace(self._time),
+                                   **caches))  # type: ignore[arg-type]
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _busy(self) -> bool:
@@ -219,7 +226,12 @@ class Engine:
         try:
             if self._guides:  # every constrained row's mask for this step, in one fill
                 self._guides.prefill(self._backend.upcoming_tokens())
+            started = time.perf_counter()
             tokens = self._backend.step()
+            in_model = time.perf_counter() - started
+            self._time.steps += 1
+            self._time.model_s += in_model
+            self._time.other_s -= in_model
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             self._fail_batch(e, out)
             return

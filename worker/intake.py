@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import structlog
@@ -171,6 +172,8 @@ class Intake:
         except RequestRejected as e:
             self._answer(failed(route, ErrorCode(e.code), str(e)))
             return
+        held.arrived_at = arrived_at
+        request = replace(request, read_at=held.read_at, prepared_at=time.time())
         if cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return

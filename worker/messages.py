@@ -80,6 +80,8 @@ class EngineRequest:
     priority: int
     arrived_at: float  # unix seconds on this host's clock (the entry id's stamp, offset-corrected)
     deadline_at: float | None  # unix seconds, or None
+    read_at: float | None = None  # unix seconds: when this worker read the entry
+    prepared_at: float | None = None  # and when it was decoded, validated and tokenized
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
     images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
@@ -169,6 +171,22 @@ class CacheStats:
         return {**asdict(self), "hit_rate": self.hit_rate}
 
 
+@dataclass
+class EngineTime:
+    """Seconds of the engine thread: inside the model's step (the forward pass and sampling,
+    `model_s`), around it (admitting, masks, logprobs, detokenizing, stop strings, events:
+    `other_s`), and waiting for work (`idle_s`); and the steps taken."""
+
+    steps: int = 0
+    model_s: float = 0.0
+    other_s: float = 0.0
+    idle_s: float = 0.0
+
+    def as_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "model_s": round(self.model_s, 3), "other_s": round(self.other_s, 3),
+                "idle_s": round(self.idle_s, 3)}
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """What the engine thread tells the event loop about itself, now and then."""
@@ -180,9 +198,11 @@ class EngineStats:
     vision_cache: CacheStats | None = None
     mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
     mask_fill_ms: float = 0.0
+    time: EngineTime | None = None  # where the engine thread's time went, since it started
 
     def as_json(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting, "memory": self.memory,
                 "constraints": {"mask_fills": self.mask_fills, "mask_fill_ms": round(self.mask_fill_ms, 1)},
+                "engine": None if self.time is None else self.time.as_json(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
                 "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json()}

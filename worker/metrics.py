@@ -114,6 +114,13 @@ class _Collected(Collector):
         yield _gauge("num_requests_running", "Requests in the batch", sum(s is RequestStatus.RUNNING for s in statuses))
         yield _gauge("num_requests_waiting", "Requests held, not yet generating", sum(s in WAITING for s in statuses))
         stats = self.engine_stats()
+        spent = stats.time if stats is not None and stats.time is not None else None
+        engine = CounterMetricFamily("mlxq_engine_seconds", "Engine thread time: in the model's step, around it "
+                                     "(admitting, masks, detokenizing, events), waiting for work", labels=["part"])
+        for part in ("model", "other", "idle"):
+            engine.add_metric([part], getattr(spent, f"{part}_s", 0.0))
+        yield engine
+        yield _counter("engine_steps", "Batch steps the engine took", spent.steps if spent else 0)
         memory = GaugeMetricFamily("mlxq_mlx_memory_bytes", "MLX memory, by kind", labels=["kind"])
         for kind, value in (stats.memory if stats else {}).items():
             memory.add_metric([kind], value)

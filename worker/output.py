@@ -166,12 +166,15 @@ class RequestOutput:
         resumed = len(self.request.resume.tokens) if self.request.resume else 0
         after_first = self.completion_tokens - resumed - 1
         decoding = None if first is None or last is None or after_first < 1 else last - first
+        read, prepared = self.request.read_at, self.request.prepared_at
         return Timing(
             queued_ms=_ms(self.admitted_at - arrived),
             ttft_ms=None if first is None else _ms(first - arrived),
             total_ms=_ms(now - arrived),
             itl_ms=None if not decoding else _ms(decoding / after_first),
             tok_s=None if not decoding else round(after_first / decoding, 1),
+            read_ms=None if read is None else _ms(read - arrived),
+            prepared_ms=None if prepared is None else _ms(prepared - arrived),
         )
 
 

@@ -22,7 +22,7 @@ from client.protocol import Done, Error, ErrorCode, Event
 from .messages import Outgoing, Route, StepOutput
 from .output import failed
 from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
-from .requests import RequestStatus, RequestTable
+from .requests import HeldRequest, RequestStatus, RequestTable
 from .retrying import describe, retrying
 
 log = structlog.get_logger("mlxq.worker")
@@ -91,7 +91,7 @@ class Publisher:
         for request_id, its_events in events.items():
             held = self.requests.get(request_id)
             assert held is not None
-            write = encode_write(held.route, held.written, its_events)
+            write = encode_write(held.route, held.written, [_stamped(e, held) for e in its_events])
             if write.terminal:
                 self.requests.advance(request_id, RequestStatus.FINISHING)
             writes.append(write)
@@ -156,3 +156,11 @@ def _log_finished(event: Event) -> None:
     log.info("request finished", request_id=event.id, finish_reason=event.finish_reason,
              prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens,
              ttft_ms=event.timing.ttft_ms, total_ms=event.timing.total_ms, tok_s=event.decode_tok_s)
+
+
+def _stamped(event: Event, held: HeldRequest) -> Event:
+    """A `done` with the time its request's first delta was written (the publisher's to know)."""
+    if not isinstance(event, Done) or held.first_published_at is None or held.arrived_at is None:
+        return event
+    published_ms = round((held.first_published_at - held.arrived_at) * 1000.0, 1)
+    return replace(event, timing=replace(event.timing, published_ms=published_ms))

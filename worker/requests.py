@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -52,6 +53,9 @@ class HeldRequest:
     status: RequestStatus = RequestStatus.READ
     written: int = 0  # events (deltas and terminal) in its output stream: the next one's position
     cancel_requested: bool = False  # a cancel was seen, maybe before the engine had the request
+    read_at: float = field(default_factory=time.time)  # unix seconds, for the request's stage timings
+    arrived_at: float | None = None  # its entry id's stamp on this host's clock, once known
+    first_published_at: float | None = None  # when its first delta was written
 
 
 class RequestTable:
@@ -111,6 +115,8 @@ class RequestTable:
         held = self.holding(route)
         if held is None:
             return
+        if held.first_published_at is None and written > held.written and not terminal:
+            held.first_published_at = time.time()
         held.written = written
         if terminal:
             self.end(route.id, RequestStatus.ACKED)
