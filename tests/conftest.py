@@ -20,7 +20,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 # A test that needs one of these starts a Valkey server or loads a model: it is marked
 # `process`, and `make test-fast` (pytest -m "not process") leaves it out.
-PROCESS_FIXTURES = {"valkey", "demo_model", "vision_model", "thinking_model"}
+PROCESS_FIXTURES = {"valkey", "demo_model", "vision_model", "thinking_model", "acl_server", "tls_server",
+                    "sentinel_deployment"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
