@@ -38,6 +38,7 @@ T = TypeVar("T")
 CLIENT_CLOSED = 499  # nginx's status for a client that closed the connection: logged, never seen by anyone
 DONE_LINE = b"data: [DONE]\n\n"
 KEEPALIVE_LINE = b": keep-alive\n\n"
+TIMER_SLACK_S = 0.005
 
 
 def sse(body: dict[str, Any]) -> bytes:
@@ -165,7 +166,7 @@ class Relay:
         try:
             for chunk in shaper.opening():
                 yield sse(chunk)
-            events, quiet_since = first, time.monotonic()
+            events, beat_at = first, time.monotonic() + self.keepalive_s
             while True:
                 for event in events:
                     for line in self._lines(shaper, event):
@@ -177,12 +178,12 @@ class Relay:
                     yield sse(self._timed_out(job).body())
                     yield DONE_LINE
                     return
-                events = await job.read(min(self.keepalive_s, ends_at - time.monotonic()))
+                events = await job.read(min(beat_at, ends_at) - time.monotonic())
                 if events:
-                    quiet_since = time.monotonic()
-                elif time.monotonic() - quiet_since >= self.keepalive_s:
+                    beat_at = time.monotonic() + self.keepalive_s
+                elif time.monotonic() >= beat_at - TIMER_SLACK_S:  # a timer may fire a little early
                     yield KEEPALIVE_LINE
-                    quiet_since = time.monotonic()
+                    beat_at = time.monotonic() + self.keepalive_s
         finally:
             self.metrics.open_streams.dec()
             with anyio.CancelScope(shield=True):  # the response's task is being cancelled: finish this first
