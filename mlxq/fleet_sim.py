@@ -61,12 +61,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         stream_interval=args.stream_interval, vocab=26, seed=1).plan()
         info = redis.Redis.from_url(server.connection_url)
         cpu_before, stats_before = info.info("cpu"), info.info("stats")
+        workers_cpu_before = _cpu_seconds(workers)
         started = time.monotonic()
         # At most what the fleet can run at once is outstanding: each holds a connection in XREAD.
         capacity = args.workers * args.slots
         timings, commands = asyncio.run(through_redis(server.connection_url, queue, plan, capacity,
                                                       args.stream_interval, lambda n: None, timeout=600))
         elapsed = time.monotonic() - started
+        workers_cpu_s = _cpu_seconds(workers) - workers_cpu_before
         cpu_after, stats_after = info.info("cpu"), info.info("stats")
         lost, bad = _check_streams(info, plan, timings)
         info.close()
@@ -88,9 +90,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "redis_commands_per_s": round((stats_after["total_commands_processed"]
                                        - stats_before["total_commands_processed"]) / elapsed, 1),
         "redis_calls_per_token": commands["per_token"],
+        "stream_interval": args.stream_interval,
+        # machine time per streamed token: what a fleet's sizing rests on
+        "worker_cpu_us_per_token": _per_token_us(workers_cpu_s, summary["tokens"]),
+        "redis_cpu_us_per_token": _per_token_us(redis_cpu_s, summary["tokens"]),
         "lost": lost, "bad_streams": bad,
         "latency": {k: summary[k] for k in ("ttft_ms", "itl_ms", "e2e_ms", "queue_ms")},
     }
+
+
+def _cpu_seconds(processes: list[subprocess.Popen[bytes]]) -> float:
+    """User + system CPU seconds the processes used so far (psutil, from the dev install)."""
+    import psutil
+
+    return sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in processes)
+
+
+def _per_token_us(seconds: float, tokens: int) -> float | None:
+    return round(seconds * 1e6 / tokens, 1) if tokens else None
 
 
 def _start_worker(url: str, queue: str, index: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:

@@ -22,4 +22,5 @@ def test_a_small_simulated_fleet_loses_and_repeats_nothing(tmp_path):
     report = json.loads(out.read_text())
     assert (report["lost"], report["bad_streams"]) == (0, 0)
     assert report["tokens_per_s"] > 0 and report["redis_commands_per_s"] > 0
+    assert report["worker_cpu_us_per_token"] > 0 and report["redis_cpu_us_per_token"] > 0
     assert set(report["latency"]["ttft_ms"]) == {"p50", "p95", "p99"}
