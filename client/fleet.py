@@ -101,7 +101,7 @@ def read_workers(redis: redis_py.Redis, keys: Keys) -> list[WorkerView]:
 
 
 def _worker(name: str, live: bytes | None, stats: dict[bytes, bytes], now: float) -> WorkerView:
-    heartbeat = _json(live) or _json(stats.get(b"heartbeat")) or {}
+    heartbeat = json_object(live) or json_object(stats.get(b"heartbeat")) or {}
     stored_state = as_text(stats.get(b"state", b""))
     if live is not None:
         state = heartbeat.get("state", "ready")
@@ -112,7 +112,8 @@ def _worker(name: str, live: bytes | None, stats: dict[bytes, bytes], now: float
     return WorkerView(name, state, round(max(0.0, now - last_seen), 1), heartbeat, totals)
 
 
-def _json(raw: bytes | None) -> dict[str, Any] | None:
+def json_object(raw: bytes | None) -> dict[str, Any] | None:
+    """A heartbeat (or any JSON object Redis holds); None for nothing, or for what is not one."""
     if not raw:
         return None
     try:

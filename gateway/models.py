@@ -7,13 +7,13 @@ at most once a second, however many requests arrive.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from client.fleet import json_object
 from client.keys import Keys
 from client.replies import as_text
 
@@ -81,9 +81,9 @@ class ModelDirectory:
                 pipe.get(self.keys.worker(name))  # gone 3 heartbeats after the worker stopped
                 pipe.hget(self.keys.stats(name), "heartbeat")  # its last heartbeat, kept for days
             replies = await pipe.execute()
-        live = [beat for beat in map(_json, replies[::2]) if beat and beat.get("state") == "ready"]
+        live = [beat for beat in map(json_object, replies[::2]) if beat and beat.get("state") == "ready"]
         self._live = _served(live)
-        self._recent = {str(b.get(k)) for b in map(_json, replies[1::2]) if b for k in ("model", "queue")}
+        self._recent = {str(b.get(k)) for b in map(json_object, replies[1::2]) if b for k in ("model", "queue")}
         self._read_at = time.monotonic()
 
 
@@ -102,12 +102,3 @@ def _served(heartbeats: list[dict[str, Any]]) -> list[Served]:
             found[(model, queue)] = Served(model, queue, since, tool_call)
     return sorted(found.values(), key=lambda s: s.queue)
 
-
-def _json(raw: bytes | None) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

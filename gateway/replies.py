@@ -15,7 +15,7 @@ import uuid
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from client.diagnose import describe
 from client.keys import Keys
@@ -64,6 +64,7 @@ class ReplyStream:
         self._followed: dict[str, Followed] = {}
         self._last_id = "0-0"
         self._trimmed_at = time.monotonic()
+        self._trim_refused = False
         self._task: asyncio.Task[None] | None = None
 
     def follow(self, request_id: str) -> Followed:
@@ -118,8 +119,15 @@ class ReplyStream:
             followed.queue.put_nowait(event)
 
     async def _trim(self) -> None:
-        """Drop what has been read (nobody else reads this stream)."""
-        if self._last_id != "0-0" and time.monotonic() - self._trimmed_at >= TRIM_EVERY_S:
-            self._trimmed_at = time.monotonic()
-            ms, seq = self._last_id.split("-")
+        """Drop what has been read (nobody else reads this stream). A trim Redis refuses
+        (an ACL without XTRIM, OOM) is logged and costs memory, never the reading."""
+        if self._last_id == "0-0" or time.monotonic() - self._trimmed_at < TRIM_EVERY_S:
+            return
+        self._trimmed_at = time.monotonic()
+        ms, seq = self._last_id.split("-")
+        try:
             await self.redis.xtrim(self.key, minid=f"{ms}-{int(seq) + 1}")  # everything up to the last read
+        except ResponseError as e:
+            if not self._trim_refused:  # once: it is tried again every second
+                log.warning("cannot trim the gateway's reply stream; it grows until it expires", reason=describe(e))
+            self._trim_refused = True

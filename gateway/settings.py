@@ -10,9 +10,8 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
-from client.diagnose import redis_url_problem
 from client.keys import DEFAULT_PREFIX
-from mlxq.settings_layers import LayeredSettings, load_layered
+from mlxq.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
 
 ENV_PREFIX = "MLXQ_GATEWAY_"
 
@@ -42,13 +41,7 @@ class GatewaySettings(LayeredSettings):
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, url: str) -> str:
-        problem = redis_url_problem(url)
-        if problem:
-            raise ValueError(problem)
-        return url
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @field_validator("models")
     @classmethod
@@ -62,3 +55,8 @@ class GatewaySettings(LayeredSettings):
 def load_gateway_settings(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
     """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML)."""
     return load_layered(GatewaySettings, config_file, (), "gateway setting", **overrides)
+
+
+def load_gateway_settings_for_command(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
+    """`load_gateway_settings` for `mlxq gateway`: what is wrong ends as one line."""
+    return load_for_command(GatewaySettings, config_file, (), "gateway setting", **overrides)

@@ -12,23 +12,15 @@ from .errors import CommandError
 def run(args: argparse.Namespace) -> int:
     import structlog
     import uvicorn
-    from pydantic import ValidationError
 
     from client.diagnose import redacted
-    from client.protocol import describe_validation_error
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings, load_gateway_settings
-    from mlxq.settings_layers import SettingsError
+    from gateway.settings import GatewaySettings, load_gateway_settings_for_command
     from worker import logs
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name in GatewaySettings.model_fields}
     overrides["models"] = _pairs(args.models)
-    try:
-        settings = load_gateway_settings(args.config, **overrides)
-    except SettingsError as e:
-        raise CommandError(str(e), status=2) from e
-    except ValidationError as e:
-        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
+    settings = load_gateway_settings_for_command(args.config, **overrides)
     logs.configure(settings.log_format, settings.log_level)
     log = structlog.get_logger("mlxq.gateway")
     sock = _listen(settings.host, settings.port)

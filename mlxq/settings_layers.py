@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import tomllib
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from client.diagnose import redis_url_problem
+
 S = TypeVar("S", bound="LayeredSettings")
 
 
@@ -52,6 +54,31 @@ def load_layered(kind: type[S], config_file: Path | None, others: tuple[str, ...
 
     settings: S = FromFile(**{k: v for k, v in overrides.items() if v is not None})
     return settings
+
+
+def load_for_command(kind: type[S], config_file: Path | None, others: tuple[str, ...], what: str,
+                     **overrides: Any) -> S:
+    """`load_layered` for a command: what is wrong ends as one line (`CommandError`, status 2)."""
+    from pydantic import ValidationError
+
+    from client.protocol import describe_validation_error
+
+    from .errors import CommandError
+
+    try:
+        return load_layered(kind, config_file, others, what, **overrides)
+    except SettingsError as e:
+        raise CommandError(str(e), status=2) from e
+    except ValidationError as e:
+        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
+
+
+def check_redis_url(url: str | None) -> str | None:
+    """A settings validator: the URL, or ValueError saying what is wrong with it."""
+    problem = None if url is None else redis_url_problem(url)
+    if problem:
+        raise ValueError(problem)
+    return url
 
 
 def _check_file(kind: type[BaseSettings], path: Path) -> None:

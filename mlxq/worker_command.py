@@ -15,23 +15,15 @@ from .errors import CommandError, on_path
 
 
 def run(args: argparse.Namespace) -> int:
-    from pydantic import ValidationError
-
-    from client.protocol import describe_validation_error
     from worker import logs
     from worker.backends import load_model
     from worker.daemon import Worker
-    from worker.settings import SettingsError, WorkerSettings, load_settings
+    from worker.settings import WorkerSettings, load_settings_for_command
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
-    try:
-        settings = load_settings(args.config, **overrides)
-    except SettingsError as e:
-        raise CommandError(str(e), status=2) from e
-    except ValidationError as e:
-        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
+    settings = load_settings_for_command(args.config, **overrides)
     logs.configure(settings.log_format, settings.log_level)
     if settings.model is None:  # the demo model, built offline on first use
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})

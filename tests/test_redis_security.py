@@ -217,3 +217,22 @@ def test_a_server_of_another_ca_is_refused_with_the_reason(tls_server):
     plain = subprocess.run([sys.executable, "-m", "mlxq", "submit", "--redis-url", f"redis://127.0.0.1:{port}",
                             "--queue", "tls", "Hi"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert plain.returncode == 1 and "Traceback" not in plain.stderr
+
+
+def test_a_gateway_that_may_not_trim_still_serves(secure_worker, acl_server, logs_dir):
+    """Without XTRIM its reply stream only grows (until it expires); reading goes on."""
+    gateway_line = next(line for line in acl_lines() if line.split()[1] == "mlxq-gateway")
+    _, _, *rules = gateway_line.replace(" +xtrim", "").split()
+    admin = redis.Redis(port=acl_server, username="admin", password="admin-pass")
+    admin.execute_command("ACL", "SETUSER", "no-trim", *[">n-pass" if r.startswith(">") else r for r in rules])
+    admin.close()
+    gateway = start_gateway(f"redis://no-trim:n-pass@127.0.0.1:{acl_server}", logs_dir)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as sdk:
+            for _ in range(3):  # a second apart at least once: a trim is tried, refused, and reading goes on
+                chunks = list(sdk.completions.create(model=QUEUE, prompt="Hi", max_tokens=4, stream=True))
+                assert chunks[-1].choices[0].finish_reason == "length"
+                subprocess.run(["sleep", "0.6"], check=True)
+    finally:
+        gateway.stop()
+    assert gateway.log().count("cannot trim the gateway's reply stream") == 1

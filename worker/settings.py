@@ -12,9 +12,8 @@ from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
-from client.diagnose import redis_url_problem
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
-from mlxq.settings_layers import LayeredSettings, load_layered
+from mlxq.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
 from mlxq.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
@@ -90,13 +89,7 @@ class WorkerSettings(LayeredSettings):
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 
-    @field_validator("redis_url")
-    @classmethod
-    def _redis_url(cls, url: str | None) -> str | None:
-        problem = None if url is None else redis_url_problem(url)
-        if problem:
-            raise ValueError(problem)
-        return url
+    _redis_url = field_validator("redis_url")(check_redis_url)
 
     @field_validator("model")
     @classmethod
@@ -130,3 +123,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSe
     Raises `SettingsError` for a file that cannot be read or an unknown setting (file key
     or `MLXQ_*` variable), and pydantic's `ValidationError` for a bad value."""
     return load_layered(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)
+
+
+def load_settings_for_command(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:
+    """`load_settings` for `mlxq worker`: what is wrong ends as one line."""
+    return load_for_command(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)
