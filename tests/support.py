@@ -157,17 +157,44 @@ def check_stream(events: list[Event]) -> Done | Error:
     return terminal
 
 
+def wait_for(condition: Any, timeout: float = 30, what: str = "the condition") -> Any:
+    """`condition()`'s first true value, tried every 0.05 s for up to `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+    return value
+
+
+def settled(r: redis.Redis, stream: str, within: float = 5.0) -> bool:
+    """Whether every entry of a request stream is acknowledged and deleted, waiting up to
+    `within`: a worker settles an entry just after its terminal event is written (one
+    round trip later), so a reader may see the event first."""
+    deadline = time.monotonic() + within
+    while r.xlen(stream) or r.xpending(stream, "workers")["pending"]:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def xadd_json(r: redis.Redis, queue: str, request_id: str, body: Any) -> str:
     """Submit like any producer would: XADD id <id> json <body>."""
     return r.xadd(f"mlxq:q:{queue}", {"id": request_id, "json": json.dumps(body)}).decode()
+
+
+# Runs a test (or, as `pytestmark`, a module) on one Valkey and again on a 3-primary Redis
+# Cluster, through the `redis_url` fixture.
+ON_BOTH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster", marks=pytest.mark.cluster)],
+                                  indirect=True)
 
 
 def worker_fixture(**settings: Any) -> Any:
     """A module-scoped fixture running one worker with `settings` on its own queue."""
 
     @pytest.fixture(scope="module")
-    def fixture(valkey: str, demo_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
-        worker = start_worker(valkey, demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
+    def fixture(redis_url: str, demo_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
+        worker = start_worker(redis_url, demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
         yield worker
         worker.stop()
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"

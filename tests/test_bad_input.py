@@ -6,7 +6,7 @@ import json
 
 import msgpack
 import pytest
-from support import check_stream, worker_fixture, xadd_json
+from support import check_stream, settled, worker_fixture, xadd_json
 
 from client import Done, Error
 
@@ -127,7 +127,7 @@ def test_the_worker_keeps_serving_after_bad_input(worker, r, outputs, new_id):
     xadd_json(r, worker.queue, rid, {"prompt": "Still there?", "max_tokens": 5})
     done = check_stream(outputs.of(rid))
     assert isinstance(done, Done) and done.finish_reason == "length"
-    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0
+    assert settled(r, f"mlxq:q:{worker.queue}")
 
 
 def test_metadata_that_cannot_be_echoed_is_refused(worker, r, outputs, new_id):
@@ -153,4 +153,4 @@ def test_a_reply_to_redis_refuses_is_answered_on_the_requests_own_stream(worker,
     xadd_json(r, worker.queue, rid, {"prompt": "and me", "max_tokens": 3})
     assert isinstance(check_stream(outputs.of(rid)), Done)
     assert r.get(wrong) == b"a string"
-    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0
+    assert settled(r, f"mlxq:q:{worker.queue}")

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from support import worker_fixture
+from support import ON_BOTH, worker_fixture
 
 import client
 from client import AsyncClient, Client, Delta, Done, JobCancelled, JobFailed, JobTimeout, RequestRejected
@@ -62,6 +62,7 @@ def test_chat_messages_and_msgpack(sync_client):
     assert done.usage.completion_tokens == 3
 
 
+@ON_BOTH
 def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
     """Jobs sharing a reply_to stream each see only their own events; `events` sees all."""
     reply_to = f"mlxq:reply:{uuid.uuid4().hex}"
@@ -107,6 +108,7 @@ def test_result_times_out(worker):
             list(job.stream(timeout=0.3))
 
 
+@ON_BOTH
 def test_cancel_raises_job_cancelled(sync_client):
     """Cancelling a running job ends it; `result` raises `JobCancelled` carrying what was produced."""
     job = sync_client.submit("Long one", max_tokens=3000)
@@ -120,6 +122,7 @@ def test_cancel_raises_job_cancelled(sync_client):
         job.result(timeout=5)
 
 
+@ON_BOTH
 async def test_async_client_generate_stream_and_cancel(worker):
     """The async client streams, waits and cancels like the sync one."""
     async with AsyncClient(worker.redis_url, queue=worker.queue) as c:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import pytest
 import redis
+from redis.crc import key_slot
 
 from client import Delta, Done, Timing, Usage, encode_event
 from client._jobs import Cursor, Outage
-from client.connect import connect, parse_sentinel_url
+from client.connect import connect, connect_async, is_cluster, parse_cluster_url, parse_sentinel_url
 from client.diagnose import redacted, redis_url_problem
+from client.keys import Keys, hash_tag
 
 
 def test_a_sentinel_url_names_the_sentinels_the_primary_and_its_credentials():
@@ -31,6 +33,46 @@ def test_a_sentinel_url_names_the_sentinels_the_primary_and_its_credentials():
 ])
 def test_a_bad_sentinel_url_says_what_to_write(url, says):
     assert says in redis_url_problem(url)
+
+
+def test_a_cluster_url_names_some_nodes_and_the_credentials():
+    shape = parse_cluster_url("rediss+cluster://w:p%40ss@10.0.0.1:6379,10.0.0.2:6380?ssl_ca_certs=/ca.pem"
+                              "&socket_timeout=3")
+    assert shape.nodes == [("10.0.0.1", 6379), ("10.0.0.2", 6380)]
+    assert shape.options == {"username": "w", "password": "p@ss", "ssl": True, "ssl_ca_certs": "/ca.pem",
+                             "socket_timeout": 3.0}
+    assert is_cluster(connect_async("redis+cluster://127.0.0.1:1"))  # connects at its first command
+    assert not is_cluster(connect_async("redis://127.0.0.1:1"))
+
+
+@pytest.mark.parametrize(("url", "says"), [
+    ("redis+cluster://h1", "give each cluster node as host:port"),
+    ("redis+cluster://h1:7000/2", "a cluster has no databases"),
+    ("redis+cluster://", "write redis+cluster://host:port"),
+])
+def test_a_bad_cluster_url_says_what_to_write(url, says):
+    assert says in redis_url_problem(url)
+
+
+@pytest.mark.parametrize(("key", "tag"), [
+    ("mlxq:out:{r1}", "r1"), ("mlxq:reply:plain", "mlxq:reply:plain"), ("mlxq:reply:{}{x}", "mlxq:reply:{}{x}"),
+    ("mlxq:reply:{a{b}c", "a{b"), ("a}{b}", "b"),
+])
+def test_hash_tags_follow_redis_cluster_rules(key, tag):
+    assert hash_tag(key) == tag
+
+
+def test_a_reply_name_with_braces_must_hold_one_hash_tag():
+    """The fences of a reply stream's requests are placed by its hash tag: braces that
+    form none are refused, with the rule."""
+    keys = Keys()
+    for good in ("mlxq:reply:{orders}-7", "mlxq:reply:{open", "mlxq:reply:plain"):
+        assert keys.reply_to_problem(good) is None
+        assert key_slot(keys.progress("r1", good).encode()) == key_slot(good.encode())
+    for bad in ("mlxq:reply:a}b", "mlxq:reply:{}x"):
+        assert "must form one Redis Cluster hash tag" in keys.reply_to_problem(bad)
+    assert keys.progress("r1", "mlxq:reply:{orders}-7") == "mlxq:progress:{orders}:r1"
+    assert keys.progress("r1") == keys.progress("r1", keys.output("r1")) == "mlxq:progress:{r1}"
 
 
 def entry(event) -> dict:

@@ -7,10 +7,11 @@ import time
 
 import msgpack
 import redis
-from support import Outputs, check_stream, worker_fixture, xadd_json
+from support import ON_BOTH, Outputs, check_stream, settled, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
 
+pytestmark = ON_BOTH
 worker = worker_fixture(max_num_seqs=4, prefill_batch_size=2, prefetch=2, max_tokens_limit=2000, default_max_tokens=16)
 # Four slots, but only two sequences decoded (and prefilled) together inside BatchGenerator.
 narrow_worker = worker_fixture(max_num_seqs=4, completion_batch_size=2, prefill_batch_size=2)
@@ -23,10 +24,6 @@ def greedy_text(r: redis.Redis, outputs: Outputs, queue: str, request_id: str, p
     done = check_stream(outputs.of(request_id))
     assert isinstance(done, Done)
     return done.text
-
-
-def pending_count(r: redis.Redis, queue: str) -> int:
-    return r.xpending(f"mlxq:q:{queue}", "workers")["pending"]
 
 
 def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs, new_id):
@@ -45,7 +42,7 @@ def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs,
     t = done.timing  # the stages, in the order the request went through them
     assert 0 <= t.read_ms <= t.prepared_ms <= t.queued_ms <= t.ttft_ms <= t.published_ms <= t.total_ms
     assert r.ttl(f"mlxq:out:{{{rid}}}") > 0, "output streams expire"
-    assert pending_count(r, worker.queue) == 0
+    assert settled(r, f"mlxq:q:{worker.queue}")
 
 
 def test_msgpack_request_gets_msgpack_output(worker, r, outputs, new_id):
@@ -289,7 +286,7 @@ def test_a_repeated_finished_id_is_not_computed_again(worker, r, outputs, new_id
     xadd_json(r, worker.queue, later, {"prompt": "After", "max_tokens": 5})
     check_stream(outputs.of(later))  # the worker reads in order: the repeat was handled by now
     assert len(r.xrange(f"mlxq:out:{{{rid}}}")) == written
-    assert pending_count(r, worker.queue) == 0
+    assert settled(r, f"mlxq:q:{worker.queue}")
 
 
 def test_each_finished_request_gets_a_summary_log_line(worker, r, outputs, new_id):

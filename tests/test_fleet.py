@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 import redis
-from support import AUTO, ROOT, check_stream, start_worker, xadd_json
+from support import AUTO, ROOT, check_stream, settled, start_worker, wait_for, xadd_json
 
 from client import Done, Error
 
@@ -30,13 +30,6 @@ def submit(r: redis.Redis, queue: str, n: int, max_tokens: int, prefix: str = "r
     for i, rid in enumerate(ids):
         xadd_json(r, queue, rid, {"prompt": f"Request number {i}", "max_tokens": max_tokens})
     return ids
-
-
-def wait_until(condition, timeout: float = 30, what: str = "the condition") -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def holders(r: redis.Redis, queue: str) -> dict[str, int]:
@@ -56,14 +49,14 @@ def test_two_unnamed_workers_on_one_host_get_two_names_and_survive_kill_9(valkey
         assert first.consumer != second.consumer
         assert {first.consumer.rsplit("-", 1)[0], second.consumer.rsplit("-", 1)[0]} == {HOST}
         ids = submit(r, queue, 8, max_tokens=300)
-        wait_until(lambda: holders(r, queue).get(first.consumer, 0) > 0 and
+        wait_for(lambda: holders(r, queue).get(first.consumer, 0) > 0 and
                    holders(r, queue).get(second.consumer, 0) > 0, what="both workers to hold requests")
         first.signal(signal.SIGKILL)
         first.wait(10)
         for rid in ids:
             done = check_stream(outputs.of(rid, timeout=90))
             assert isinstance(done, Done) and done.usage.completion_tokens == 300
-        assert r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0
+        assert settled(r, f"mlxq:q:{queue}")
     finally:
         first.stop()
         second.stop()
@@ -74,7 +67,7 @@ def test_a_worker_restarted_after_kill_9_gets_its_name_back(valkey, demo_model, 
     dead one's name at once (its heartbeat has not even expired) and resumes its requests."""
     victim = start_worker(valkey, demo_model, queue, logs_dir, consumer=AUTO, heartbeat_s=30)
     ids = submit(r, queue, 3, max_tokens=200)
-    wait_until(lambda: holders(r, queue).get(victim.consumer, 0) == 3, what="the victim to hold all three")
+    wait_for(lambda: holders(r, queue).get(victim.consumer, 0) == 3, what="the victim to hold all three")
     victim.signal(signal.SIGKILL)
     victim.wait(10)
     assert r.exists(f"mlxq:workers:{victim.consumer}"), "its heartbeat outlives it (30 s here)"
@@ -153,7 +146,7 @@ def test_a_poison_request_costs_one_worker_not_the_fleet(valkey, demo_model, log
         assert sorted(exits, key=str) == [70, 70, None], exits
         (letter,) = [f for _, f in r.xrange(f"mlxq:q:{queue}:dead")]
         assert letter[b"field:id"] == poison.encode()
-        assert r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0
+        assert settled(r, f"mlxq:q:{queue}")
     finally:
         for w in workers:
             w.stop()
@@ -170,6 +163,6 @@ def test_a_burst_as_a_worker_with_lanes_starts_is_all_answered(valkey, demo_mode
         for rid in ids:
             assert isinstance(check_stream(outputs.of(rid, timeout=60)), Done)
         assert "another worker took this request over" not in worker.log()
-        wait_until(lambda: r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0, what="nothing pending")
+        wait_for(lambda: r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0, what="nothing pending")
     finally:
         worker.stop()

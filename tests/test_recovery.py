@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 import redis
-from support import Outputs, check_stream, start_worker, xadd_json
+from support import ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, xadd_json
 
 from client import Done, Error
 
@@ -57,11 +57,12 @@ def uninterrupted(outputs: Outputs, r: redis.Redis, queue: str) -> list[str]:
     return [done.text for done in finished(outputs, ids).values()]
 
 
-def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, logs_dir, r, outputs, queue):
+@ON_BOTH
+def test_kill_9_mid_generation_resumes_on_the_other_worker(redis_url, demo_model, logs_dir, r, outputs, queue):
     """A worker killed with SIGKILL in the middle of six generations: the other worker
     takes them over and continues each from the last written delta. Every reader sees
     seq without gap or repeat, one `done`, and the same text as an uninterrupted run."""
-    victim = start_worker(valkey, demo_model, queue, logs_dir, consumer="victim")
+    victim = start_worker(redis_url, demo_model, queue, logs_dir, consumer="victim")
     ids = submit_all(r, queue)
     wait_for_deltas(r, ids, at_least=20)
     # Frozen mid-generation, then killed once the survivor is up: how long a worker takes to
@@ -69,7 +70,7 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, l
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
     written_before = {i: r.xlen(f"mlxq:out:{{{i}}}") for i in ids}
-    survivor = start_worker(valkey, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
+    survivor = start_worker(redis_url, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
     try:
         victim.process.kill()
         victim.wait()
@@ -78,11 +79,34 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(valkey, demo_model, l
         assert all(written_before[i] < LONG for i in ids), "the kill came after a request had finished"
         assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
         assert "took over the requests of a silent worker" in survivor.log()
-        assert r.xlen(f"mlxq:q:{queue}") == 0, "finished entries are deleted from the request stream"
+        assert settled(r, f"mlxq:q:{queue}"), "finished entries are deleted from the request stream"
         consumers = [c["name"] for c in r.xinfo_consumers(f"mlxq:q:{queue}", "workers")]
         assert consumers == [b"survivor"], "the dead consumer is removed once its entries were taken"
     finally:
         survivor.stop()
+
+
+@ON_BOTH
+def test_a_frozen_worker_that_wakes_after_a_takeover_writes_nothing(redis_url, demo_model, logs_dir, r, outputs,
+                                                                     queue):
+    """A worker frozen (SIGSTOP) mid-generation loses its requests to another worker; when
+    it wakes, its next writes are refused by the fences the other worker took: readers see
+    no seq twice and the text of an uninterrupted run, and the woken worker drops them."""
+    sleeper = start_worker(redis_url, demo_model, queue, logs_dir, consumer="sleeper")
+    ids = submit_all(r, queue)
+    wait_for_deltas(r, ids, at_least=20)
+    sleeper.signal(signal.SIGSTOP)
+    taker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="taker", reclaim_interval_s=0.2)
+    try:
+        wait_for(lambda: "took over the requests of a silent worker" in taker.log(), what="the takeover")
+        sleeper.signal(signal.SIGCONT)
+        done = finished(outputs, ids)
+        assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
+        dropped = "another worker took this request over"
+        wait_for(lambda: dropped in sleeper.log(), timeout=10, what="the woken worker to drop its requests")
+    finally:
+        sleeper.stop()
+        taker.stop()
 
 
 def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, logs_dir, r, outputs, queue):
@@ -106,15 +130,16 @@ def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, 
         owner.stop()
 
 
-def test_a_worker_restarted_under_its_name_resumes_its_own_pending(valkey, demo_model, logs_dir, r, outputs, queue):
+@ON_BOTH
+def test_a_worker_restarted_under_its_name_resumes_its_own_pending(redis_url, demo_model, logs_dir, r, outputs, queue):
     """After kill -9, the same consumer name starting again first takes up its own
     pending entries (no waiting for a heartbeat to expire) and resumes them."""
-    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="phoenix")
+    worker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="phoenix")
     ids = submit_all(r, queue)
     wait_for_deltas(r, ids, at_least=20)
     worker.process.kill()
     worker.wait()
-    worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="phoenix")
+    worker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="phoenix")
     try:
         done = finished(outputs, ids)
         assert "resuming this consumer's own pending requests" in worker.log()
@@ -150,7 +175,7 @@ def test_an_entry_that_kills_every_worker_is_dead_lettered(valkey, demo_model, l
         after = f"after-{uuid.uuid4().hex[:8]}"
         xadd_json(r, queue, after, {"prompt": "Fine", "max_tokens": 3})
         assert isinstance(check_stream(outputs.of(after)), Done)
-        assert r.xlen(f"mlxq:q:{queue}") == 0
+        assert settled(r, f"mlxq:q:{queue}")
     finally:
         worker.stop()
 

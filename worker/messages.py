@@ -32,6 +32,7 @@ class Route:
     reply_to: str
     encoding: Encoding
     stream: str  # the request stream (queue or lane) the entry is in
+    fence: str = ""  # the token of this worker's taking of the request's fence ("": not taken yet)
 
 
 @dataclass(frozen=True)

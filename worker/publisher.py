@@ -1,10 +1,12 @@
 """Writes what the engine produced to Redis and acts on what each write found.
 
-All events waiting when the publisher wakes go out in one fenced call (see
-`scripts.PUBLISH`); each request's status then says whether it finished, whether
-another worker owns it now (drop it here), whether another entry serves its id
-(settle ours), whether Redis lost output written earlier (fail it without a gap), or
-whether Redis refused its output stream (answer it on its own stream).
+All events waiting when the publisher wakes go out together, fenced (see
+`scripts.PUBLISH`): one call on one server, one round trip per node on a cluster. Each
+request's status then says whether it finished (its entry is then settled, in one more
+round trip for all that finished), whether another worker owns it now (drop it here),
+whether another entry serves its id (settle ours), whether Redis lost output written
+earlier (fail it without a gap), whether its fence expired (take it again and fail it),
+or whether Redis refused its output stream (answer it on its own stream).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from redis.exceptions import RedisError
 
 from client.protocol import Done, Error, ErrorCode, Event
 
+from .fences import take_fence
 from .messages import Outgoing, Route, StepOutput
 from .output import failed
 from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
@@ -61,11 +64,24 @@ class Publisher:
         """Write events (one call for all requests) and act on what each request's write
         found; what that calls for (an error in place of lost output) goes out next."""
         while outgoing:
+            await self._take_fences(outgoing)
             writes = self._writes(outgoing)
             statuses = await self._write(writes)
+            ended = [write.route for write, status in zip(writes, statuses, strict=True)
+                     if write.terminal and status.status is PublishStatus.APPLIED]
+            if ended:
+                await retrying(partial(self.redis_queue.finish, ended), "settling finished requests")
             outgoing = []
             for write, status in zip(writes, statuses, strict=True):
                 outgoing += await self._published(write, status)
+
+    async def _take_fences(self, outgoing: list[Outgoing]) -> None:
+        """Take the fence of requests answered before their intake took it (a poisoned
+        entry, an error found before its body was read)."""
+        for item in outgoing:
+            held = self.requests.holding(item.route)
+            if held is not None and not held.route.fence:
+                await take_fence(self.redis_queue, self.requests, held)
 
     async def _write(self, writes: list[OutputWrite]) -> list[Published]:
         """One call for all; if Redis refuses it (an ACL, say), one call per request, so
@@ -116,6 +132,11 @@ class Publisher:
                 "it cannot continue without a gap"))
         if status is PublishStatus.REFUSED:
             return await self._refused(write, published.detail)
+        if status is PublishStatus.EXPIRED:
+            log.error("the request's fence expired before its output was written; failing it", request_id=route.id)
+            return self._fail_afresh(route, (
+                f"this request's output fence expired: nothing was written for longer than result_ttl_s "
+                f"({self.redis_queue.result_ttl_s} s)"), ErrorCode.INTERNAL)
         self.requests.end(route.id, RequestStatus.LOST if status is PublishStatus.LOST else RequestStatus.SETTLED)
         if status is PublishStatus.LOST:
             log.warning("another worker took this request over; dropping it here", request_id=route.id)
@@ -133,13 +154,22 @@ class Publisher:
         if route.reply_to != own:
             log.error("redis refused the reply stream; the error goes to the request's own output stream",
                       request_id=route.id, reply_to=route.reply_to, reason=reason)
-            return self._instead(replace(route, reply_to=own), write.first, ErrorCode.INVALID_REQUEST,
-                                 f"reply_to: Redis refused writing to {route.reply_to} ({reason})")
+            return self._fail_afresh(replace(route, reply_to=own, fence=""),
+                                           f"reply_to: Redis refused writing to {route.reply_to} ({reason})",
+                                           ErrorCode.INVALID_REQUEST)
         log.error("redis refused the request's output stream; settling it unanswered", request_id=route.id,
                   reason=reason)
         await retrying(partial(self.redis_queue.settle_unanswered, route), "settling an unanswerable request")
         self.requests.end(route.id, RequestStatus.SETTLED)
         return []
+
+    def _fail_afresh(self, route: Route, message: str, code: ErrorCode) -> list[Outgoing]:
+        """Fail a request under a fence taken anew (one that expired, or the fence of its
+        own output stream when its reply stream was refused): held without a fence, it
+        is taken before the error is written."""
+        route = replace(route, fence="")
+        self.requests.hold_again(route, 0)
+        return [failed(route, code, message)]
 
     def _instead(self, route: Route, written: int, code: ErrorCode, message: str) -> list[Outgoing]:
         """Hold the request again, at `written`, to publish an error as its terminal event;

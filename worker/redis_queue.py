@@ -13,8 +13,10 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
+from redis.crc import key_slot
 from redis.exceptions import NoScriptError, ResponseError
 
+from client.connect import is_cluster
 from client.keys import GROUP, Keys
 from client.protocol import Delta, Encoding, Error, ErrorCode, Event, decode_event, encode_event
 from client.replies import StreamEntry, as_text, keyed_stream_entries
@@ -27,6 +29,7 @@ log = structlog.get_logger("mlxq.redis")
 DEAD_FIELDS = 16  # a dead letter keeps at most this many of the original's fields,
 DEAD_FIELD_BYTES = 1024  # each cut to this size (its full size noted beside it),
 DEAD_BODY_BYTES = 65536  # but the body (json or msgpack) to this: most can be requeued whole
+LANE_POLL_MS = 100  # on a cluster with lanes in other slots, the longest a read blocks on one stream
 
 
 class RedisQueue:
@@ -47,6 +50,8 @@ class RedisQueue:
         self.dedupe_ttl_s = dedupe_ttl_s
         self.dead_letter_maxlen = dead_letter_maxlen
         self._scripts = _Scripts(redis)
+        # On a cluster no command may span two slots: lanes are then read one per call.
+        self.one_slot = not is_cluster(redis) or len({key_slot(s.encode()) for s in self.request_streams}) == 1
 
     async def ensure_group(self) -> None:
         """Create the streams and their `workers` group unless they exist."""
@@ -67,7 +72,9 @@ class RedisQueue:
     async def read(self, count: int, block_ms: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
         """Up to `count` new entries (stream, id, fields), higher lanes first; recreates the
         group after a data loss. When every stream is empty it blocks on all of them, taking
-        one entry from each that gets one (so up to one per lane beyond `count`)."""
+        one entry from each that gets one (so up to one per lane beyond `count`); on a
+        cluster whose lanes lie in other slots, it blocks on the queue's own stream alone,
+        for at most `LANE_POLL_MS`, so that the lanes are looked at again soon."""
         try:
             entries: list[tuple[str, str, dict[Any, Any] | None]] = []
             for stream in self.request_streams if len(self.request_streams) > 1 else []:
@@ -77,9 +84,13 @@ class RedisQueue:
                     return entries
             if entries:
                 return entries
-            wanted = count if len(self.request_streams) == 1 else 1
-            every: dict[Any, Any] = {stream: ">" for stream in self.request_streams}
-            reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=wanted, block=block_ms)
+            if self.one_slot:
+                wanted = count if len(self.request_streams) == 1 else 1
+                every: dict[Any, Any] = {stream: ">" for stream in self.request_streams}
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=wanted, block=block_ms)
+            else:
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, {self.queue_stream: ">"}, count=count,
+                                                    block=min(block_ms, LANE_POLL_MS))
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -166,33 +177,68 @@ class RedisQueue:
             record[key] = value
         return record
 
-    async def publish(self, writes: list[OutputWrite]) -> list[Published]:
-        """Write one step's events in one call, fenced (see `scripts.PUBLISH`); a terminal
-        event also marks the id done, acknowledges its entry and deletes it from the queue.
-        Returns one status per write."""
-        keys: list[str] = []
-        args: list[Any] = [GROUP, self.consumer, self.result_ttl_s, self.dedupe_ttl_s]
-        for write in writes:
-            route = write.route
-            keys += [route.stream, route.reply_to, self.keys.progress(route.id), self.keys.done(route.id)]
-            args += [route.entry_id, write.first, int(write.terminal), len(write.entries)]
-            for kind, body in write.entries:
-                args += [kind, route.encoding, body]
-        statuses = await self._scripts.run(scripts.PUBLISH, keys, args)
-        return [Published.parse(as_text(s)) for s in statuses]
+    async def take(self, route: Route) -> Taken:
+        """Take the fence of a request this worker starts serving (see `scripts.TAKE`):
+        from now on only writes under the new token land, and another worker's, still
+        running or cut off, are refused."""
+        token = uuid.uuid4().hex
+        status, written, finished = await self._scripts.run(
+            scripts.TAKE, [self.keys.progress(route.id, route.reply_to)],
+            [route.entry_id, token, self.consumer, self.result_ttl_s])
+        return Taken(as_text(status) == "taken", token, int(written), bool(finished))
 
-    async def earlier_output(self, route: Route) -> EarlierOutput:
-        """What earlier deliveries of this entry already published: the count and the deltas."""
-        entry, written = await self.redis.hmget(self.keys.progress(route.id), ["entry", "next"])
-        if entry is None or written is None or as_text(entry) != route.entry_id:
-            return EarlierOutput(0, [])
+    async def publish(self, writes: list[OutputWrite]) -> list[Published]:
+        """Write one step's events, fenced (see `scripts.PUBLISH`): one script call for all
+        on one server; on a cluster one per slot, in one pipeline (a round trip per node).
+        Returns one status per write; `finish` then settles the requests that ended."""
+        groups = self._by_slot(writes)
+        calls = []
+        for group in groups:
+            keys: list[str] = []
+            args: list[Any] = [self.result_ttl_s]
+            for write in group:
+                route = write.route
+                keys += [route.reply_to, self.keys.progress(route.id, route.reply_to)]
+                args += [route.entry_id, route.fence, write.first, int(write.terminal), len(write.entries)]
+                for kind, body in write.entries:
+                    args += [kind, route.encoding, body]
+            calls.append((keys, args))
+        statuses = {}
+        for group, reply in zip(groups, await self._scripts.run_many(scripts.PUBLISH, calls), strict=True):
+            for write, status in zip(group, reply, strict=True):
+                statuses[id(write)] = Published.parse(as_text(status))
+        return [statuses[id(write)] for write in writes]
+
+    def _by_slot(self, writes: list[OutputWrite]) -> list[list[OutputWrite]]:
+        if not is_cluster(self.redis):
+            return [writes]
+        groups: dict[int, list[OutputWrite]] = {}
+        for write in writes:
+            groups.setdefault(key_slot(write.route.reply_to.encode()), []).append(write)
+        return list(groups.values())
+
+    async def finish(self, routes: list[Route]) -> None:
+        """Settle requests whose terminal event is written: remember the id as done, and
+        acknowledge and delete its entry. Idempotent: a worker that takes over an entry
+        whose fence says finished does the same."""
+        if not routes:
+            return
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for route in routes:
+                pipe.set(self.keys.done(route.id), route.entry_id, ex=self.dedupe_ttl_s)
+                pipe.xack(route.stream, GROUP, route.entry_id)
+                pipe.xdel(route.stream, route.entry_id)
+            await pipe.execute()
+
+    async def earlier_output(self, route: Route, written: int) -> EarlierOutput:
+        """The deltas earlier deliveries of this entry published, `written` events in all."""
         deltas = []
         entries: Any = await self.redis.xrange(route.reply_to)
         for _, fields in entries:
             event = decode_event(fields)
             if isinstance(event, Delta) and event.id == route.id:
                 deltas.append(event)
-        return EarlierOutput(int(written), deltas)
+        return EarlierOutput(written, deltas)
 
     async def claim_name(self, name: str, heartbeat: str, ttl_s: float, replacing: bytes | None = None) -> bytes | None:
         """Take the consumer name `name` by writing its heartbeat, unless a worker holds it
@@ -211,12 +257,12 @@ class RedisQueue:
         """Refresh (or, with `heartbeat` empty, delete) this worker's heartbeat and set the
         idle time of its entries (ids by stream); returns the ids another worker took over.
         Raises `ResponseError` (NAMETAKEN) if another worker holds our consumer name now."""
+        await self._scripts.run(scripts.HEARTBEAT, [self.keys.worker(self.consumer)],
+                                [heartbeat, max(1, int(ttl_s * 1000)), instance])
         lost = []
         for stream in self.request_streams:
-            keys = [stream, self.keys.worker(self.consumer)]
-            args = [GROUP, self.consumer, heartbeat, max(1, int(ttl_s * 1000)), idle_ms, instance,
-                    *entries.get(stream, [])]
-            lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, keys, args)]
+            args = [GROUP, self.consumer, idle_ms, *entries.get(stream, [])]
+            lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, [stream], args)]
         return lost
 
     async def read_stats(self) -> dict[bytes, bytes]:
@@ -272,9 +318,8 @@ class RedisQueue:
         return [(as_text(entry_id), fields) for entry_id, fields in reply if fields is not None]
 
     async def forget_consumer(self, stream: str, consumer: str) -> bool:
-        """Delete a consumer that left, if it is silent and owns nothing; True if deleted."""
-        keys = [stream, self.keys.worker(consumer)]
-        return bool(await self._scripts.run(scripts.FORGET_CONSUMER, keys, [GROUP, consumer]))
+        """Delete a consumer that left (its heartbeat is gone), if it owns nothing; True if deleted."""
+        return bool(await self._scripts.run(scripts.FORGET_CONSUMER, [stream], [GROUP, consumer]))
 
 
 @dataclass(frozen=True)
@@ -298,6 +343,7 @@ class PublishStatus(enum.Enum):
     APPLIED = "applied"
     LOST = "lost"
     DUPLICATE = "duplicate"
+    EXPIRED = "expired"
     GAP = "gap"
     REFUSED = "refused"
 
@@ -314,6 +360,17 @@ class Published:
     def parse(cls, reply: str) -> Published:
         status, _, detail = reply.partition(":")
         return cls(PublishStatus(status), detail)
+
+
+@dataclass(frozen=True)
+class Taken:
+    """A request's fence as this worker took it: its token (`taken`; else another entry
+    serves the id), how many events were written before, and whether the last was terminal."""
+
+    taken: bool
+    token: str
+    written: int
+    finished: bool
 
 
 @dataclass(frozen=True)
@@ -367,6 +424,25 @@ class _Scripts:
         except NoScriptError:
             await self.redis.script_load(script)
             return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+    async def run_many(self, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One call of `script` per (keys, args), pipelined (on a cluster, grouped by node);
+        the script is loaded once if a node lacks it, and every call sent again: each is a
+        no-op where it already ran (see `scripts.PUBLISH`)."""
+        if len(calls) == 1:
+            return [await self.run(script, *calls[0])]
+        try:
+            return await self._pipelined(_sha1(script), calls)
+        except NoScriptError:
+            await self.redis.script_load(script)
+            return await self._pipelined(_sha1(script), calls)
+
+    async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                # execute_command: a cluster pipeline refuses its evalsha() method
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            return await pipe.execute()  # type: ignore[no-any-return]
 
 
 def encode_write(route: Route, first: int, events: list[Event]) -> OutputWrite:
