@@ -164,7 +164,8 @@ def test_common_mistakes_get_one_line_that_says_what_to_do(tmp_path):
          "that host and port?; check --redis-url (MLXQ_REDIS_URL)"),
         (["submit", "--redis-url", "localhost:6379", "Hi"], {}, 2,
          "mlxq submit: --redis-url: 'localhost:6379' is not a Redis URL: write redis://localhost:6379 (rediss:// for "
-         "TLS, unix:///path/to.sock for a socket, redis+sentinel://host:port,host:port/<primary> for Sentinel)"),
+         "TLS, unix:///path/to.sock for a socket, redis+sentinel://host:port,host:port/<primary> for Sentinel, "
+         "redis+cluster://host:port,host:port for a Redis Cluster)"),
         (["status", "--redis-url", "redis://no-such-host.invalid:6379"], {}, 1,
          "mlxq status: cannot reach Redis at redis://no-such-host.invalid:6379: host name not resolved: "),
         (["worker", "--embedded-port", str(busy_port)], {}, 2,

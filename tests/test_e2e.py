@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import time
+from urllib.parse import urlsplit
 
 import msgpack
 import redis
 from support import ON_BOTH, Outputs, check_stream, settled, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
+from client.connect import is_cluster_url, parse_cluster_url
 
 pytestmark = ON_BOTH
 worker = worker_fixture(max_num_seqs=4, prefill_batch_size=2, prefetch=2, max_tokens_limit=2000, default_max_tokens=16)
@@ -234,6 +236,19 @@ def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
         client.cancel(rid)
         assert check_stream(outputs.events(shared, rid)).finish_reason == "cancelled"
     client.close()
+
+
+def test_a_cancel_published_through_any_node_stops_the_request(worker, r, outputs, new_id):
+    """A classic PUBLISH reaches every node of a cluster: a cancel published through any
+    node (here with no flag, so the message alone must do it) stops a running request."""
+    shared = f"mlxq:reply:{new_id()}"
+    url = worker.redis_url
+    nodes = parse_cluster_url(url).nodes if is_cluster_url(url) else [(urlsplit(url).hostname, urlsplit(url).port)]
+    for host, port in nodes:
+        (rid,) = start_long_requests(r, worker.queue, 1, shared, new_id)
+        with redis.Redis(host=host, port=port) as node:
+            node.publish("mlxq:cancel", rid)
+        assert check_stream(outputs.events(shared, rid)).finish_reason == "cancelled"
 
 
 def test_cancel_before_start_is_never_computed(worker, r, outputs, new_id):
