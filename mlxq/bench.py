@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from client import AsyncClient
-from client.connect import connect_async
+from client.connect import connect_async, is_cluster
 
 from .bench_metrics import STAGES, RequestTiming, command_stats
 
@@ -91,7 +91,7 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
     connections = connect_async(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
     async with AsyncClient(url, queue=queue, redis=connections) as client:
         info = connect_async(url)
-        before = await info.info("commandstats")
+        before = await _commandstats(info)
         limit = asyncio.Semaphore(concurrency or len(planned))
         start = time.monotonic()
 
@@ -113,9 +113,21 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
                 return timing
 
         timings = await asyncio.gather(*(one(r) for r in planned))
-        after = await info.info("commandstats")
+        after = await _commandstats(info)
         await info.aclose()
     return list(timings), command_stats(before, after, sum(t.tokens for t in timings))
+
+
+async def _commandstats(redis: Any) -> dict[str, Any]:
+    """`INFO commandstats`, summed over every node of a cluster."""
+    if not is_cluster(redis):
+        return await redis.info("commandstats")  # type: ignore[no-any-return]
+    per_node = await redis.info("commandstats", target_nodes=redis.PRIMARIES)
+    total: dict[str, Any] = {}
+    for stats in per_node.values():
+        for name, row in stats.items():
+            total.setdefault(name, {"calls": 0})["calls"] += row["calls"]
+    return total
 
 
 def in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
