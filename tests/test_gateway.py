@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 import redis
-from support import ROOT, start_gateway, start_worker
+from support import ON_BOTH, ROOT, start_gateway, start_worker
 from test_vision import png
 
 from client import Client, JobCancelled
@@ -44,35 +44,35 @@ TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def worker(valkey, demo_model, logs_dir):
-    process = start_worker(valkey, demo_model, f"gw{uuid.uuid4().hex[:6]}", logs_dir)
+def worker(redis_url, demo_model, logs_dir):
+    process = start_worker(redis_url, demo_model, f"gw{uuid.uuid4().hex[:6]}", logs_dir)
     yield process
     process.stop()
 
 
 @pytest.fixture(scope="module")
-def one_slot(valkey, demo_model, logs_dir):
+def one_slot(redis_url, demo_model, logs_dir):
     """A worker that runs one request at a time and reads nothing ahead; its queue holds 2 waiting."""
-    process = start_worker(valkey, demo_model, f"one{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=1, prefetch=0,
+    process = start_worker(redis_url, demo_model, f"one{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=1, prefetch=0,
                            max_queue_len=2)
     yield process
     process.stop()
 
 
 @pytest.fixture(scope="module")
-def gateway(valkey, worker, logs_dir):
+def gateway(redis_url, worker, logs_dir):
     """The gateway most tests use: API keys on, `small` named for the worker's queue, a
     `ghost` model whose queue no worker serves, keep-alives every second."""
-    process = start_gateway(valkey, logs_dir, "--api-keys", KEY, "--models", f"small={worker.queue}",
+    process = start_gateway(redis_url, logs_dir, "--api-keys", KEY, "--models", f"small={worker.queue}",
                             "ghost=nowhere", "--keepalive-s", "1")
     yield process
     assert process.stop() in (0, -signal.SIGTERM), process.log()
 
 
 @pytest.fixture(scope="module")
-def open_gateway(valkey, worker, logs_dir):
+def open_gateway(redis_url, worker, logs_dir):
     """A second gateway beside the first, with no API keys."""
-    process = start_gateway(valkey, logs_dir)
+    process = start_gateway(redis_url, logs_dir)
     yield process
     assert process.stop() in (0, -signal.SIGTERM), process.log()
 
@@ -89,6 +89,7 @@ def mlxq(worker):
         yield client
 
 
+@ON_BOTH
 def test_chat_reads_as_the_queue_does(sdk, mlxq):
     response = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12)
     done = mlxq.generate(messages=ASK, max_tokens=12, timeout=60)
@@ -100,6 +101,7 @@ def test_chat_reads_as_the_queue_does(sdk, mlxq):
     assert response.usage.completion_tokens == 12 and response.usage.total_tokens == done.usage.prompt_tokens + 12
 
 
+@ON_BOTH
 def test_a_chat_stream_joins_to_the_same_text_and_ends_with_the_usage(sdk):
     whole = sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12).choices[0].message.content
     chunks = list(sdk.chat.completions.create(model="small", messages=ASK, max_tokens=12, stream=True,
