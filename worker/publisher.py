@@ -137,14 +137,27 @@ class Publisher:
             return self._fail_afresh(route, (
                 f"this request's output fence expired: nothing was written for longer than result_ttl_s "
                 f"({self.redis_queue.result_ttl_s} s)"), ErrorCode.INTERNAL)
-        self.requests.end(route.id, RequestStatus.LOST if status is PublishStatus.LOST else RequestStatus.SETTLED)
         if status is PublishStatus.LOST:
-            log.warning("another worker took this request over; dropping it here", request_id=route.id)
-        else:
-            log.warning("another entry with this id is served; dropping this one", request_id=route.id,
-                        entry_id=route.entry_id)
-            await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a duplicate")
+            return await self._lost(route)
+        self.requests.end(route.id, RequestStatus.SETTLED)
+        log.warning("another entry with this id is served; dropping this one", request_id=route.id,
+                    entry_id=route.entry_id)
+        await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a duplicate")
         return []
+
+    async def _lost(self, route: Route) -> list[Outgoing]:
+        """Another taking holds the fence. Normally another worker took the request over
+        (the pending list says so): drop it here. If the pending list still says it is
+        ours, our taking was lost (a failover dropped the write), and nobody else would
+        ever serve it: fail it under a fence taken anew."""
+        if not await retrying(partial(self.redis_queue.owns, route), "checking who holds a request"):
+            log.warning("another worker took this request over; dropping it here", request_id=route.id)
+            self.requests.end(route.id, RequestStatus.LOST)
+            return []
+        log.error("this worker holds the request but not its fence (lost in a failover?); failing it",
+                  request_id=route.id)
+        return self._fail_afresh(route, "this request's output fence was lost by Redis (a failover?); it cannot "
+                                 "continue without risking a gap or a repeat", ErrorCode.INTERNAL)
 
     async def _refused(self, write: OutputWrite, reason: str) -> list[Outgoing]:
         """Redis refused this request's output: say so on its own output stream, or, if

@@ -217,6 +217,11 @@ class RedisQueue:
             groups.setdefault(key_slot(write.route.reply_to.encode()), []).append(write)
         return list(groups.values())
 
+    async def owns(self, route: Route) -> bool:
+        """Whether the group's pending list says this worker holds the request's entry."""
+        rows: Any = await self.redis.xpending_range(route.stream, GROUP, route.entry_id, route.entry_id, 1)
+        return bool(rows) and as_text(rows[0]["consumer"]) == self.consumer
+
     async def finish(self, routes: list[Route]) -> None:
         """Settle requests whose terminal event is written: remember the id as done, and
         acknowledge and delete its entry. Idempotent: a worker that takes over an entry

@@ -94,7 +94,7 @@ return statuses
 HEARTBEAT = """#!lua flags=allow-oom
 local current = redis.call('GET', KEYS[1])
 if current and not string.find(current, ARGV[3], 1, true) then
-  return redis.error_reply('NAMETAKEN another worker holds the consumer name: ' .. current)
+  return redis.error_reply('NAMETAKEN another worker holds this consumer name (' .. KEYS[1] .. '): ' .. current)
 end
 if ARGV[1] == '' then
   redis.call('DEL', KEYS[1])

@@ -1,0 +1,72 @@
+"""The publisher's answers to what a fenced write finds, against a real Valkey: a request
+taken over by another worker is dropped; one whose fence a failover lost while the
+group still says it is ours is failed with `internal`, never left unanswered."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from client import Delta, Error, decode_event
+from client.keys import GROUP, Keys
+from worker.messages import Outgoing, Route
+from worker.publisher import Publisher
+from worker.redis_queue import RedisQueue
+from worker.requests import RequestTable
+
+KEYS = Keys()
+
+
+@pytest.fixture
+async def r(valkey: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(valkey)
+    yield client
+    await client.aclose()
+
+
+async def serving(r: aioredis.Redis, consumer: str) -> tuple[RedisQueue, RequestTable, Route]:
+    """A worker's queue and table holding one request it read and whose fence it took."""
+    queue, request_id = f"pub{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
+    redis_queue = RedisQueue(r, KEYS, queue, consumer, result_ttl_s=60, dedupe_ttl_s=60)
+    await redis_queue.ensure_group()
+    entry_id = (await r.xadd(KEYS.queue(queue), {"id": request_id, "json": "{}"})).decode()
+    await r.xreadgroup(GROUP, consumer, {KEYS.queue(queue): ">"}, count=1)
+    requests = RequestTable(4, abandon=lambda _: None)
+    route = Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
+    requests.read(route)
+    taken = await redis_queue.take(route)
+    return redis_queue, requests, requests.reroute(request_id, fence=taken.token)
+
+
+async def publish(redis_queue: RedisQueue, requests: RequestTable, route: Route) -> None:
+    publisher = Publisher(redis_queue, requests)
+    task = asyncio.create_task(publisher.run())
+    publisher.emit(Outgoing(route, Delta(id=route.id, seq=0, text="a", tokens=[1])))
+    await asyncio.wait_for(publisher.outputs.join(), 10)
+    task.cancel()
+
+
+async def test_a_request_taken_over_is_dropped_without_a_write(r):
+    redis_queue, requests, route = await serving(r, "c1")
+    await r.xclaim(route.stream, GROUP, "c2", 0, [route.entry_id])
+    await redis_queue.take(route)  # as c2 would
+    await publish(redis_queue, requests, route)
+    assert await r.xlen(route.reply_to) == 0
+    assert requests.get(route.id) is None
+
+
+async def test_a_fence_lost_while_the_entry_is_ours_fails_the_request(r):
+    """A failover that kept our claim of the entry but lost our taking of its fence (here:
+    another token written over it) must not strand the request: it ends with `internal`
+    and its entry is settled."""
+    redis_queue, requests, route = await serving(r, "c1")
+    await r.hset(KEYS.progress(route.id), "token", "a-token-from-before-the-failover")
+    await publish(redis_queue, requests, route)
+    (event,) = [decode_event(fields) for _, fields in await r.xrange(route.reply_to)]
+    assert isinstance(event, Error) and event.code == "internal" and "fence was lost" in event.message
+    assert requests.get(route.id) is None
+    assert (await r.xpending(route.stream, GROUP))["pending"] == 0
