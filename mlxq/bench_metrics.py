@@ -42,11 +42,12 @@ class RequestTiming:
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50 / p95 / p99 (linear interpolation); None for an empty list."""
+    """p50 / p95 / p99 (linear interpolation) and the max; None for an empty list."""
     if not values:
-        return {f"p{p}": None for p in PERCENTILES}
+        return {**{f"p{p}": None for p in PERCENTILES}, "max": None}
     points = np.percentile(np.asarray(values, dtype=float), PERCENTILES)
-    return {f"p{p}": round(float(v), 2) for p, v in zip(PERCENTILES, points, strict=True)}
+    return {**{f"p{p}": round(float(v), 2) for p, v in zip(PERCENTILES, points, strict=True)},
+            "max": round(float(max(values)), 2)}
 
 
 def summarize(timings: list[RequestTiming]) -> dict[str, Any]:

@@ -15,9 +15,9 @@ from mlxq.bench_metrics import RequestTiming, command_stats, percentiles, summar
 
 
 def test_percentiles_interpolate_linearly():
-    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.5, "p95": 95.05, "p99": 99.01}
-    assert percentiles([7.0]) == {"p50": 7.0, "p95": 7.0, "p99": 7.0}
-    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.5, "p95": 95.05, "p99": 99.01, "max": 100.0}
+    assert percentiles([7.0]) == {"p50": 7.0, "p95": 7.0, "p99": 7.0, "max": 7.0}
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None, "max": None}
 
 
 def test_request_latencies_from_arrival_times():
@@ -35,6 +35,7 @@ def test_summary_rates_span_first_submit_to_last_done():
     assert summary["throughput_tok_s"] == 2.5 and summary["requests_s"] == 1.0
     assert summary["ttft_ms"]["p50"] == pytest.approx(350.0)
     assert summary["itl_ms"]["p50"] == pytest.approx(400.0)  # gaps 500, 400, 400
+    assert summary["itl_ms"]["max"] == pytest.approx(500.0)
     assert summary["queue_ms"]["p50"] == 3.0 and summary["cached_tokens"] == 9
 
 
@@ -89,7 +90,7 @@ def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_pat
     report = json.loads(out.read_text())
     for key in ("throughput_tok_s", "ttft_ms", "itl_ms", "baseline_inprocess_tok_s", "baseline_sequential_tok_s"):
         assert report[key] is not None, key
-    assert set(report["ttft_ms"]) == {"p50", "p95", "p99"}
+    assert set(report["ttft_ms"]) == {"p50", "p95", "p99", "max"}
     redis_runs = [r for r in report["runs"] if r["name"].startswith("redis")]
     assert [r["concurrency"] for r in redis_runs] == [1, 4]
     assert all(r["finished"] == 8 and r["tokens"] == 64 and len(r["repeats_tok_s"]) == 2 for r in redis_runs)

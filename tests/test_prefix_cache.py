@@ -33,7 +33,7 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
     """Greedy tokens, the finished sequence's cache, and how many prompt tokens came from `cache`."""
     net, tokenizer = model
     backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8,
-                              prefill_step_size=2048)
+                              prefill_step_size=2048, max_step_tokens=2048)
     hit = cache.fetch(prompt) if cache else None
     cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
     uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),

@@ -1,0 +1,72 @@
+"""The per-step token budget (`max_step_tokens`): how a step is shared between running
+streams and prompt chunks, and, with real MLX on the demo model, that no step processes
+more than its budget while new prompts are prefilled, with the same greedy output."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.backends.mlx_lm import MIN_PREFILL_CHUNK, MlxBatchBackend, StepBudget
+from worker.messages import SamplingParams
+from worker.sampling import build_logits_processors, build_sampler
+
+GREEDY = SamplingParams()
+
+
+@pytest.mark.parametrize(("budget", "decoding", "prefilling", "split"), [
+    (512, 0, 8, (64, 8)),  # nothing running: the budget is the prompts'
+    (512, 0, 1, (512, 8)),  # one prompt takes all, up to prefill_step_size
+    (40, 8, 1, (32, 2)),  # eight streams decode; one prompt gets the rest
+    (40, 8, 8, (16, 2)),  # eight waiting prompts: two at a time, at the smallest chunk
+    (16, 30, 3, (MIN_PREFILL_CHUNK, 1)),  # over budget already: one prompt still advances
+])
+def test_a_step_is_shared_between_streams_and_prompt_chunks(budget, decoding, prefilling, split):
+    assert StepBudget(budget, prefill_batch_size=8, prefill_step_size=512).split(decoding, prefilling) == split
+
+
+@pytest.fixture(scope="module")
+def model(demo_model):
+    from mlx_lm import load
+
+    return load(str(demo_model))[:2]
+
+
+def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+    """Greedy tokens of `prompts` (8 new tokens each), with `late` inserted once the
+    first prompts are decoding; and the tokens each step processed beyond its decoding."""
+    net, _ = model
+    backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512,
+                              max_step_tokens=budget)
+    tokens: dict[int, list[int]] = {}
+
+    def insert(prompt: list[int]) -> int:
+        uid = backend.insert(prompt, 24, build_sampler(GREEDY), build_logits_processors(GREEDY, len(prompt)))
+        tokens[uid] = []
+        return uid
+
+    order = [insert(p) for p in prompts]
+    over, step = [], 0
+    while any(len(t) < 24 for t in tokens.values()):
+        decoding = sum(0 < len(t) < 24 for t in tokens.values())
+        with backend._generator.stats() as stats:  # mlx-lm's own count of the prompt tokens it processed
+            out = backend.step()
+        over.append(stats.prompt_tokens + decoding - budget)
+        for token in out:
+            tokens[token.uid].append(token.token)
+        step += 1
+        if step == 3:
+            order.append(insert(late))
+    backend.close()
+    return {i: tokens[uid] for i, uid in enumerate(order)}, over
+
+
+def test_no_step_exceeds_its_budget_and_the_output_is_the_same(model):
+    """Three 120-token prompts, then a 200-token one arriving while they decode: with a
+    budget of 48 tokens a step never processes more than 48 (running streams' tokens
+    plus prompt chunks), and every greedy output equals the unbounded run's."""
+    prompts = [[100 + (7 * i + j) % 900 for j in range(120)] for i in range(3)]
+    late = [300 + j % 500 for j in range(200)]
+    bounded, over = run(model, 48, prompts, late)
+    unbounded, _ = run(model, 100_000, prompts, late)
+    assert max(over) <= 0, over
+    assert bounded == unbounded
