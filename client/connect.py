@@ -57,22 +57,15 @@ def parse_sentinel_url(url: str) -> SentinelTarget:
     """The Sentinels, the primary's name and the options of a `redis+sentinel://` URL;
     raises ValueError saying what is wrong."""
     parts = urlsplit(url)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
-    sentinels = []
-    for host in filter(None, hosts.split(",")):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"{host!r}: give each Sentinel as host:port")
-        sentinels.append((name, int(port)))
+    username, password, sentinels = _servers(parts.netloc, "Sentinel")
     path = [p for p in parts.path.split("/") if p]
     if not sentinels or not path or len(path) > 2 or (len(path) == 2 and not path[1].isdigit()):
         raise ValueError("write redis+sentinel://host:port,host:port/<primary name>[/db]")
     options: dict[str, Any] = dict(parse_qsl(parts.query))
     sentinel_password = options.pop("sentinel_password", None)
     _numbers(options)
-    return SentinelTarget(sentinels, path[0], int(path[1]) if len(path) == 2 else 0, unquote(username) or None,
-                          unquote(password) or None, sentinel_password, options)
+    return SentinelTarget(sentinels, path[0], int(path[1]) if len(path) == 2 else 0, username, password,
+                          sentinel_password, options)
 
 
 @dataclass(frozen=True)
@@ -86,20 +79,12 @@ class ClusterTarget:
 def parse_cluster_url(url: str) -> ClusterTarget:
     """The nodes and options of a `redis+cluster://` URL; raises ValueError saying what is wrong."""
     parts = urlsplit(url)
-    userinfo, _, hosts = parts.netloc.rpartition("@")
-    username, _, password = userinfo.partition(":")
-    nodes = []
-    for host in filter(None, hosts.split(",")):
-        name, _, port = host.rpartition(":")
-        if not name or not port.isdigit():
-            raise ValueError(f"{host!r}: give each cluster node as host:port")
-        nodes.append((name, int(port)))
+    username, password, nodes = _servers(parts.netloc, "cluster node")
     if not nodes or parts.path.strip("/"):
         raise ValueError("write redis+cluster://host:port[,host:port...] (a cluster has no databases)")
     options: dict[str, Any] = dict(parse_qsl(parts.query))
     _numbers(options)
-    given = {"username": unquote(username) or None, "password": unquote(password) or None,
-             "ssl": parts.scheme == "rediss+cluster" or None}
+    given = {"username": username, "password": password, "ssl": parts.scheme == "rediss+cluster" or None}
     return ClusterTarget(nodes, {**{k: v for k, v in given.items() if v is not None}, **options})
 
 
@@ -148,6 +133,19 @@ class _AsyncCluster(aiocluster.RedisCluster):
 def is_cluster(redis: Any) -> bool:
     """Whether a client talks to a Redis Cluster (where no command may span two slots)."""
     return isinstance(redis, (cluster.RedisCluster, aiocluster.RedisCluster))
+
+
+def _servers(netloc: str, kind: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    """The user, the password and the host:port list of a URL's `user:password@h:p,h:p`."""
+    userinfo, _, hosts = netloc.rpartition("@")
+    username, _, password = userinfo.partition(":")
+    servers = []
+    for host in filter(None, hosts.split(",")):
+        name, _, port = host.rpartition(":")
+        if not name or not port.isdigit():
+            raise ValueError(f"{host!r}: give each {kind} as host:port")
+        servers.append((name, int(port)))
+    return unquote(username) or None, unquote(password) or None, servers
 
 
 def _numbers(options: dict[str, Any]) -> None:
