@@ -70,3 +70,24 @@ async def test_a_fence_lost_while_the_entry_is_ours_fails_the_request(r):
     assert isinstance(event, Error) and event.code == "internal" and "fence was lost" in event.message
     assert requests.get(route.id) is None
     assert (await r.xpending(route.stream, GROUP))["pending"] == 0
+
+
+async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
+    """Whatever a request's keys hold (here its fence key is a string: WRONGTYPE), the
+    publisher settles that request unanswered and keeps publishing for the others."""
+    redis_queue, requests, first = await serving(r, "c1")
+    broken = Route(f"{first.id}-x", (await r.xadd(first.stream, {"id": f"{first.id}-x", "json": "{}"})).decode(),
+                   KEYS.output(f"{first.id}-x"), "json", first.stream)
+    await r.xreadgroup(GROUP, "c1", {first.stream: ">"}, count=1)
+    requests.read(broken)
+    await r.set(KEYS.progress(broken.id), "not a fence")
+    publisher = Publisher(redis_queue, requests)
+    task = asyncio.create_task(publisher.run())
+    publisher.emit(Outgoing(broken, Error(id=broken.id, code="internal", message="x")))
+    publisher.emit(Outgoing(first, Delta(id=first.id, seq=0, text="a", tokens=[1])))
+    await asyncio.wait_for(publisher.outputs.join(), 10)
+    assert not task.done(), "the publisher must keep running"
+    task.cancel()
+    assert requests.get(broken.id) is None and await r.get(KEYS.done(broken.id)) == broken.entry_id.encode()
+    assert await r.xlen(first.reply_to) == 1
+    assert (await r.xpending(first.stream, GROUP))["pending"] == 1  # only the healthy request's, still running

@@ -26,7 +26,7 @@ from .messages import Outgoing, Route, StepOutput
 from .output import failed
 from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
 from .requests import HeldRequest, RequestStatus, RequestTable
-from .retrying import describe, retrying
+from .retrying import describe, is_permission_error, retrying
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -80,8 +80,17 @@ class Publisher:
         entry, an error found before its body was read)."""
         for item in outgoing:
             held = self.requests.holding(item.route)
-            if held is not None and not held.route.fence:
+            if held is None or held.route.fence:
+                continue
+            try:
                 await take_fence(self.redis_queue, self.requests, held)
+            except RedisError as e:
+                if is_permission_error(e):
+                    raise  # the worker's own keys: the worker's failure (see `retrying`)
+                log.error("redis refused this request's fence; settling it unanswered", request_id=held.route.id,
+                          reason=describe(e))
+                await retrying(partial(self.redis_queue.settle_unanswered, held.route), "settling a request")
+                self.requests.end(held.route.id, RequestStatus.SETTLED)
 
     async def _write(self, writes: list[OutputWrite]) -> list[Published]:
         """One call for all; if Redis refuses it (an ACL, say), one call per request, so
