@@ -30,7 +30,7 @@ from client import Client, JobCancelled
 
 KEY = "sk-mlxq-test"
 ASK = [{"role": "user", "content": "Tell me about queues."}]
-LONG = {"max_tokens": 2000, "ignore_eos": True}  # ~4 s on the demo model: outlives what a test does meanwhile
+LONG = {"max_tokens": 4000, "ignore_eos": True}  # ~8 s on the demo model: outlives what a test does meanwhile
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
