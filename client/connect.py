@@ -118,7 +118,6 @@ def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **kwargs)
 
 
-
 class _AsyncCluster(aiocluster.RedisCluster):
     """redis-py's asyncio cluster client, made ready before its first command: left to
     itself, many coroutines making their first calls together break each other's
