@@ -30,8 +30,11 @@ def test_a_sentinel_url_names_the_sentinels_the_primary_and_its_credentials():
     ("redis+sentinel://h1:26379", "host:port,host:port/<primary name>"),
     ("redis+sentinel://h1/prod", "give each Sentinel as host:port"),
     ("sentinel://h1:1/prod", "is not a Redis URL"),
+    ("redis+cluster://h1", "give each cluster node as host:port"),
+    ("redis+cluster://h1:7000/2", "a cluster has no databases"),
+    ("redis+cluster://", "write redis+cluster://host:port"),
 ])
-def test_a_bad_sentinel_url_says_what_to_write(url, says):
+def test_a_bad_sentinel_or_cluster_url_says_what_to_write(url, says):
     assert says in redis_url_problem(url)
 
 
@@ -43,15 +46,6 @@ def test_a_cluster_url_names_some_nodes_and_the_credentials():
                              "socket_timeout": 3.0}
     assert is_cluster(connect_async("redis+cluster://127.0.0.1:1"))  # connects at its first command
     assert not is_cluster(connect_async("redis://127.0.0.1:1"))
-
-
-@pytest.mark.parametrize(("url", "says"), [
-    ("redis+cluster://h1", "give each cluster node as host:port"),
-    ("redis+cluster://h1:7000/2", "a cluster has no databases"),
-    ("redis+cluster://", "write redis+cluster://host:port"),
-])
-def test_a_bad_cluster_url_says_what_to_write(url, says):
-    assert says in redis_url_problem(url)
 
 
 @pytest.mark.parametrize(("key", "tag"), [

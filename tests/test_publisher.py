@@ -91,3 +91,31 @@ async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
     assert requests.get(broken.id) is None and await r.get(KEYS.done(broken.id)) == broken.entry_id.encode()
     assert await r.xlen(first.reply_to) == 1
     assert (await r.xpending(first.stream, GROUP))["pending"] == 1  # only the healthy request's, still running
+
+
+async def test_a_queue_stream_redis_refuses_to_settle_leaves_the_publisher_running(r):
+    """The request's `done` is written, then settling its entry is refused (the queue's
+    stream was replaced by a string: WRONGTYPE): the reader has its answer, the request
+    leaves the table, and the publisher keeps running."""
+    redis_queue, requests, route = await serving(r, "c1")
+    await r.delete(route.stream)
+    await r.set(route.stream, "not a stream")
+    publisher = Publisher(redis_queue, requests)
+    task = asyncio.create_task(publisher.run())
+    publisher.emit(Outgoing(route, Error(id=route.id, code="internal", message="the end")))
+    await asyncio.wait_for(publisher.outputs.join(), 10)
+    assert not task.done(), "the publisher must keep running"
+    task.cancel()
+    (event,) = [decode_event(fields) for _, fields in await r.xrange(route.reply_to)]
+    assert isinstance(event, Error) and requests.get(route.id) is None
+
+
+async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
+    """Another token in the fence and no group to ask (NOGROUP): the request is dropped
+    as taken over, nothing is written, and the publisher keeps running."""
+    redis_queue, requests, route = await serving(r, "c1")
+    await r.hset(KEYS.progress(route.id), "token", "someone-else")
+    await r.delete(route.stream)
+    await publish(redis_queue, requests, route)
+    assert await r.xlen(route.reply_to) == 0
+    assert requests.get(route.id) is None

@@ -70,10 +70,22 @@ class Publisher:
             ended = [write.route for write, status in zip(writes, statuses, strict=True)
                      if write.terminal and status.status is PublishStatus.APPLIED]
             if ended:
-                await retrying(partial(self.redis_queue.finish, ended), "settling finished requests")
+                await self._finish(ended)
             outgoing = []
             for write, status in zip(writes, statuses, strict=True):
                 outgoing += await self._published(write, status)
+
+    async def _finish(self, ended: list[Route]) -> None:
+        """Settle the entries whose terminal event is written. If Redis refuses (the queue's
+        stream replaced by another type, say), their readers are answered already: the
+        entries stay pending, and whoever takes them next finds their fences finished."""
+        try:
+            await retrying(partial(self.redis_queue.finish, ended), "settling finished requests")
+        except RedisError as e:
+            if is_permission_error(e):
+                raise  # the worker's own keys: the worker's failure (see `retrying`)
+            log.error("redis refused settling finished requests; they stay pending", reason=describe(e),
+                      request_ids=[route.id for route in ended])
 
     async def _take_fences(self, outgoing: list[Outgoing]) -> None:
         """Take the fence of requests answered before their intake took it (a poisoned
@@ -159,7 +171,7 @@ class Publisher:
         (the pending list says so): drop it here. If the pending list still says it is
         ours, our taking was lost (a failover dropped the write), and nobody else would
         ever serve it: fail it under a fence taken anew."""
-        if not await retrying(partial(self.redis_queue.owns, route), "checking who holds a request"):
+        if not await self._owns(route):
             log.warning("another worker took this request over; dropping it here", request_id=route.id)
             self.requests.end(route.id, RequestStatus.LOST)
             return []
@@ -167,6 +179,17 @@ class Publisher:
                   request_id=route.id)
         return self._fail_afresh(route, "this request's output fence was lost by Redis (a failover?); it cannot "
                                  "continue without risking a gap or a repeat", ErrorCode.INTERNAL)
+
+    async def _owns(self, route: Route) -> bool:
+        """Whether the pending list says we hold the entry; a refusal (no such group any
+        more, say) means we do not."""
+        try:
+            return await retrying(partial(self.redis_queue.owns, route), "checking who holds a request")
+        except RedisError as e:
+            if is_permission_error(e):
+                raise
+            log.warning("could not read who holds a request", request_id=route.id, reason=describe(e))
+            return False
 
     async def _refused(self, write: OutputWrite, reason: str) -> list[Outgoing]:
         """Redis refused this request's output: say so on its own output stream, or, if
