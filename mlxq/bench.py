@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import random
 import time
 from collections.abc import Callable
@@ -82,6 +83,7 @@ class Planned:
 
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
+WARM_UP = {"prompt_tokens": [10] * 8, "max_tokens": 2}  # sent untimed first: no run pays first-call costs
 
 
 async def through_redis(url: str, queue: str, planned: list[Planned], concurrency: int | None,
@@ -91,6 +93,7 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
     # Each outstanding request blocks one connection in XREAD: size the pool for all of them.
     connections = connect_async(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
     async with AsyncClient(url, queue=queue, redis=connections) as client:
+        await (await client.submit(**WARM_UP)).result(timeout=timeout)
         info = connect_async(url)
         before = await _commandstats(info)
         limit = asyncio.Semaphore(concurrency or len(planned))
@@ -135,10 +138,9 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
                sequential: bool = False) -> list[RequestTiming]:
     """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
     queue): the ceiling the worker is measured against. `sequential` runs one at a time."""
-    from mlx_lm import load
     from mlx_lm.generate import BatchGenerator
 
-    model, tokenizer = load(model_path)[:2]
+    model, tokenizer = _loaded(model_path)
     width = 1 if sequential else (concurrency or len(planned))
     generator = BatchGenerator(model, stop_tokens=[[i] for i in tokenizer.eos_token_ids],
                                completion_batch_size=width, prefill_batch_size=min(width, 8))
@@ -175,6 +177,22 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
                 progress(1)
     generator.close()
     return list(timings.values())
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded(model_path: str) -> tuple[Any, Any]:
+    """The baselines' model, loaded once for all their runs, and warmed up like a worker
+    that has served a request."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model, tokenizer = load(model_path)[:2]
+    generator = BatchGenerator(model, stop_tokens=[])
+    generator.insert([WARM_UP["prompt_tokens"]], max_tokens=[WARM_UP["max_tokens"]])
+    while not any(r.finish_reason for r in generator.next_generated()):
+        pass
+    generator.close()
+    return model, tokenizer
 
 
 def result_table(rows: list[dict[str, Any]]) -> str:

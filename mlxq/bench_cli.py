@@ -8,9 +8,10 @@ import dataclasses
 import json
 import platform
 import random
+import statistics
 import sys
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import blas
 from .bench import Workload, in_process, result_table, through_redis, workload_dict
@@ -31,22 +32,22 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {_describe(workload)}; model {model}; queue {args.queue}; {args.repeat} run(s) per level",
           file=sys.stderr)
     rows: list[dict[str, Any]] = []
+    pairs: dict[str, list[Pair]] = {baseline: [] for baseline in args.baseline}
     for i, level in enumerate(levels):
-        runs: dict[str, list[dict[str, Any]]] = {"redis": [], "gateway": []}
+        baselines = [b for b in args.baseline if level == _paired_level(b, levels)]
+        runs: dict[str, list[dict[str, Any]]] = {"redis": [], "gateway": [], **{b: [] for b in baselines}}
         for repeat in range(args.repeat):
             # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
             planned = dataclasses.replace(workload, seed=workload.seed + i * args.repeat + repeat).plan()
             runs["redis"].append(_redis_run(args, planned, level))
+            for baseline in baselines:  # right after, on the same prompts: the pair shares the machine's mood
+                runs[baseline].append(_baseline_run(args, baseline, planned, level))
+                pairs[baseline].append(Pair(runs["redis"][-1], runs[baseline][-1]))
             if args.gateway:  # the same prompts again would hit the prefix cache: the next seed's
                 again = dataclasses.replace(workload, seed=workload.seed + 10_000 + i * args.repeat + repeat).plan()
                 runs["gateway"].append(_gateway_run(args, again, level))
         rows += [_median_run(found) for found in runs.values() if found]
-    for baseline in args.baseline:
-        with _progress(baseline, len(planned)) as tick:
-            timings = in_process(args.model, planned, levels[-1], tick, sequential=baseline == "sequential")
-        rows.append({"name": baseline, "concurrency": 1 if baseline == "sequential" else levels[-1],
-                     **summarize(timings)})
-    report = _report(args, workload, rows)
+    report = _report(args, workload, rows, pairs)
     report["model"] = model
     print(f"workload: {_describe(workload)}; model {model}")
     print(result_table(rows))
@@ -66,6 +67,19 @@ def _redis_run(args: argparse.Namespace, planned: list[Any], level: int | None) 
         timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
                                                          args.stream_interval, tick, args.timeout))
     return {"name": name, "concurrency": level, **summarize(timings), "redis": redis_stats}
+
+
+def _paired_level(baseline: str, levels: list[int | None]) -> int | None:
+    """The concurrency level a baseline is compared at: sequential generation with the
+    requests one at a time (concurrency 1, when the sweep has it), the batch with the
+    highest level."""
+    return 1 if baseline == "sequential" and 1 in levels else levels[-1]
+
+
+def _baseline_run(args: argparse.Namespace, baseline: str, planned: list[Any], level: int | None) -> dict[str, Any]:
+    with _progress(baseline, len(planned)) as tick:
+        timings = in_process(args.model, planned, level, tick, sequential=baseline == "sequential")
+    return {"name": baseline, "concurrency": 1 if baseline == "sequential" else level, **summarize(timings)}
 
 
 def _gateway_run(args: argparse.Namespace, planned: list[Any], level: int | None) -> dict[str, Any]:
@@ -105,6 +119,21 @@ def _served_model(args: argparse.Namespace) -> str:
     return ", ".join(models) or "unknown model"
 
 
+class Pair(NamedTuple):
+    """A run through Redis and the baseline run right after it, on the same prompts."""
+
+    ours: dict[str, Any]
+    theirs: dict[str, Any]
+
+    @property
+    def ratio(self) -> float | None:
+        return _ratio(self.ours["throughput_tok_s"], self.theirs["throughput_tok_s"])
+
+    @property
+    def ttft_gap_ms(self) -> float | None:
+        return _gap(self.ours, self.theirs)
+
+
 UNSTEADY = 0.10  # repeated runs whose throughput differs more than this from their median are flagged
 
 
@@ -125,8 +154,10 @@ def _warn_if_unsteady(rows: list[dict[str, Any]]) -> None:
                   "workload is too short", file=sys.stderr)
 
 
-def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Everything, with the headline keys taken from the last Redis run."""
+def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, Any]],
+            pairs: dict[str, list[Pair]]) -> dict[str, Any]:
+    """Everything, with the headline keys taken from the last Redis run, and each baseline
+    compared run by run with the Redis runs it was paired with (medians and each pair's)."""
     main = [r for r in rows if r["name"].startswith("redis")][-1]
     by_name = {r["name"]: r for r in rows}
     report: dict[str, Any] = {
@@ -136,17 +167,23 @@ def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, A
         "throughput_tok_s": main["throughput_tok_s"], "ttft_ms": main["ttft_ms"], "itl_ms": main["itl_ms"],
         "redis_commands_per_token": main["redis"]["per_token"],
     }
-    for name in ("inprocess", "sequential"):
-        if name in by_name:
-            report[f"baseline_{name}_tok_s"] = by_name[name]["throughput_tok_s"]
-            report[f"ratio_to_{name}"] = _ratio(main["throughput_tok_s"], by_name[name]["throughput_tok_s"])
-    if "inprocess" in by_name:
-        report["ttft_p50_over_inprocess_ms"] = _gap(main, by_name["inprocess"])
+    for name, paired in pairs.items():
+        report[f"baseline_{name}_tok_s"] = by_name[name]["throughput_tok_s"]
+        report[f"paired_with_{name}"] = {"concurrency": paired[0].ours["concurrency"],
+                                         "ratios": [p.ratio for p in paired],
+                                         "ttft_p50_gaps_ms": [p.ttft_gap_ms for p in paired]}
+        report[f"ratio_to_{name}"] = _median(p.ratio for p in paired)
+    if pairs.get("inprocess"):
+        report["ttft_p50_over_inprocess_ms"] = _median(p.ttft_gap_ms for p in pairs["inprocess"])
+    if pairs.get("sequential") and pairs["sequential"][0].ours["concurrency"] == 1:
+        report["ttft_p50_c1_over_sequential_ms"] = _median(p.ttft_gap_ms for p in pairs["sequential"])
     report["gateway"] = _gateway_comparison(rows)
-    single = [r for r in rows if r["name"] == "redis c=1"]
-    if single and "sequential" in by_name:
-        report["ttft_p50_c1_over_sequential_ms"] = _gap(single[0], by_name["sequential"])
     return report
+
+
+def _median(values: Any) -> float | None:
+    found = [v for v in values if v is not None]
+    return round(statistics.median(found), 3) if found else None
 
 
 def _gateway_comparison(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -175,7 +212,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _print_ratios(report: dict[str, Any]) -> None:
     for name in ("inprocess", "sequential"):
         if f"ratio_to_{name}" in report:
-            print(f"through Redis / {name}: {report[f'ratio_to_{name}']}x throughput")
+            paired = report[f"paired_with_{name}"]
+            each = f" (median of {len(paired['ratios'])} pairs: {', '.join(map(str, paired['ratios']))})" \
+                if len(paired["ratios"]) > 1 else ""
+            print(f"through Redis c={paired['concurrency'] or 'all'} / {name}: {report[f'ratio_to_{name}']}x "
+                  f"throughput{each}")
     if "ttft_p50_over_inprocess_ms" in report:
         print(f"TTFT p50 through Redis minus in process: {report['ttft_p50_over_inprocess_ms']} ms")
     if "ttft_p50_c1_over_sequential_ms" in report:

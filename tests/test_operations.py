@@ -146,7 +146,7 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         assert metrics["mlxq_mlx_memory_bytes"][(("kind", "active"),)] > 0
         wait_for(lambda: _scrape(port)["mlxq_engine_steps_total"][()] >= 400, 10, "the engine's time reported")
         spent = _scrape(port)["mlxq_engine_seconds_total"]
-        assert all(spent[(("part", part),)] > 0 for part in ("model", "other", "idle"))
+        assert all(spent[(("part", part),)] > 0 for part in ("model", "other", "handoff", "idle"))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as health:
             assert health.status == 200
         dashboard = (ROOT / "docs" / "grafana-dashboard.json").read_text()

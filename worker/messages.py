@@ -176,16 +176,18 @@ class CacheStats:
 class EngineTime:
     """Seconds of the engine thread: inside the model's step (the forward pass and sampling,
     `model_s`), around it (admitting, masks, logprobs, detokenizing, stop strings, events:
-    `other_s`), and waiting for work (`idle_s`); and the steps taken."""
+    `other_s`), handing each step's events to the event loop (`handoff_s`: the loop, once
+    woken, holds the GIL), and waiting for work (`idle_s`); and the steps taken."""
 
     steps: int = 0
     model_s: float = 0.0
     other_s: float = 0.0
+    handoff_s: float = 0.0
     idle_s: float = 0.0
 
     def as_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, "model_s": round(self.model_s, 3), "other_s": round(self.other_s, 3),
-                "idle_s": round(self.idle_s, 3)}
+        return {"steps": self.steps, **{name: round(getattr(self, name), 3)
+                                        for name in ("model_s", "other_s", "handoff_s", "idle_s")}}
 
 
 @dataclass(frozen=True)

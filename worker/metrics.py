@@ -116,8 +116,9 @@ class _Collected(Collector):
         stats = self.engine_stats()
         spent = stats.time if stats is not None and stats.time is not None else None
         engine = CounterMetricFamily("mlxq_engine_seconds", "Engine thread time: in the model's step, around it "
-                                     "(admitting, masks, detokenizing, events), waiting for work", labels=["part"])
-        for part in ("model", "other", "idle"):
+                                     "(admitting, masks, detokenizing, events), handing steps to the event loop, "
+                                     "waiting for work", labels=["part"])
+        for part in ("model", "other", "handoff", "idle"):
             engine.add_metric([part], getattr(spent, f"{part}_s", 0.0))
         yield engine
         yield _counter("engine_steps", "Batch steps the engine took", spent.steps if spent else 0)
