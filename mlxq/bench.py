@@ -83,7 +83,7 @@ class Planned:
 
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
-WARM_UP = {"prompt_tokens": [10] * 8, "max_tokens": 2}  # sent untimed first: no run pays first-call costs
+WARM_UP = Planned([10] * 8, max_tokens=2, send_at=0.0)  # sent untimed first: no run pays first-call costs
 
 
 async def through_redis(url: str, queue: str, planned: list[Planned], concurrency: int | None,
@@ -93,7 +93,8 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
     # Each outstanding request blocks one connection in XREAD: size the pool for all of them.
     connections = connect_async(url, socket_timeout=10, max_connections=(concurrency or len(planned)) + 8)
     async with AsyncClient(url, queue=queue, redis=connections) as client:
-        await (await client.submit(**WARM_UP)).result(timeout=timeout)
+        await (await client.submit(prompt_tokens=WARM_UP.prompt_tokens, max_tokens=WARM_UP.max_tokens)).result(
+            timeout=timeout)
         info = connect_async(url)
         before = await _commandstats(info)
         limit = asyncio.Semaphore(concurrency or len(planned))
@@ -188,7 +189,7 @@ def _loaded(model_path: str) -> tuple[Any, Any]:
 
     model, tokenizer = load(model_path)[:2]
     generator = BatchGenerator(model, stop_tokens=[])
-    generator.insert([WARM_UP["prompt_tokens"]], max_tokens=[WARM_UP["max_tokens"]])
+    generator.insert([WARM_UP.prompt_tokens], max_tokens=[WARM_UP.max_tokens])
     while not any(r.finish_reason for r in generator.next_generated()):
         pass
     generator.close()
