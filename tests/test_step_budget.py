@@ -14,8 +14,10 @@ GREEDY = SamplingParams()
 
 
 @pytest.mark.parametrize(("budget", "decoding", "prefilling", "split"), [
-    (512, 0, 8, (64, 8)),  # nothing running: the budget is the prompts'
-    (512, 0, 1, (512, 8)),  # one prompt takes all, up to prefill_step_size
+    (512, 0, 8, (512, 8)),  # nothing decoding, no stream to keep steady: BatchGenerator's own sizes
+    (40, 0, 1, (512, 8)),
+    (512, 1, 8, (63, 8)),  # one stream decodes: eight prompts share the rest
+    (512, 1, 1, (511, 8)),  # one prompt takes all the rest, up to prefill_step_size
     (40, 8, 1, (32, 2)),  # eight streams decode; one prompt gets the rest
     (40, 8, 8, (16, 2)),  # eight waiting prompts: two at a time, at the smallest chunk
     (16, 30, 3, (MIN_PREFILL_CHUNK, 1)),  # over budget already: one prompt still advances
@@ -33,7 +35,8 @@ def model(demo_model):
 
 def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[dict[int, list[int]], list[int]]:
     """Greedy tokens of `prompts` (8 new tokens each), with `late` inserted once the
-    first prompts are decoding; and the tokens each step processed beyond its decoding."""
+    first prompts are decoding; and, for each step that decoded anything, the tokens it
+    processed beyond its budget."""
     net, _ = model
     backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512,
                               max_step_tokens=budget)
@@ -50,7 +53,8 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
         decoding = sum(0 < len(t) < 24 for t in tokens.values())
         with backend._generator.stats() as stats:  # mlx-lm's own count of the prompt tokens it processed
             out = backend.step()
-        over.append(stats.prompt_tokens + decoding - budget)
+        if decoding:
+            over.append(stats.prompt_tokens + decoding - budget)
         for token in out:
             tokens[token.uid].append(token.token)
         step += 1
@@ -62,8 +66,8 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
 
 def test_no_step_exceeds_its_budget_and_the_output_is_the_same(model):
     """Three 120-token prompts, then a 200-token one arriving while they decode: with a
-    budget of 48 tokens a step never processes more than 48 (running streams' tokens
-    plus prompt chunks), and every greedy output equals the unbounded run's."""
+    budget of 48 tokens no step that decodes processes more than 48 (running streams'
+    tokens plus prompt chunks), and every greedy output equals the unbounded run's."""
     prompts = [[100 + (7 * i + j) % 900 for j in range(120)] for i in range(3)]
     late = [300 + j % 500 for j in range(200)]
     bounded, over = run(model, 48, prompts, late)

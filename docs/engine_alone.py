@@ -1,0 +1,123 @@
+"""The worker's engine without Redis, against raw BatchGenerator, on the same prompts.
+
+The engine (its thread, the step budget, samplers, detokenizing, stop checks, events) is
+driven in process: requests go in through `Engine.submit`, events come out of its
+`on_output`, and nothing else runs. Raw BatchGenerator runs the same requests on the
+main thread. The two alternate, `--pairs` times. Printed per run: tok/s, TTFT and ITL
+(concurrency 1), and how busy MLX's compute thread was (its CPU seconds over the run's
+wall time): a share below 100 % is time the model waited for Python.
+
+    .venv/bin/python -m mlxq.blas .venv/bin/python docs/engine_alone.py MODEL_DIR [--concurrency 16] [--pairs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import statistics
+import time
+from collections.abc import Callable
+
+import psutil
+from mlx_lm.generate import BatchGenerator
+
+from client import Delta, Done
+from mlxq.bench import Planned, Workload
+from worker.backends.mlx_lm import load_text_model
+from worker.engine import Engine
+from worker.messages import EngineRequest, Route, SamplingParams
+from worker.settings import WorkerSettings
+
+Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs
+
+
+def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
+    def run(planned: list[Planned], width: int) -> tuple[int, list[float], list[float]]:
+        waiting, started, last, ttft, itl, tokens = list(planned), {}, {}, [], [], 0
+
+        def submit() -> None:
+            request, rid = waiting.pop(0), f"r{time.time_ns()}"
+            started[rid] = time.perf_counter()
+            engine.submit(EngineRequest(Route(rid, "1-0", f"out:{rid}", "json", "q"), request.prompt_tokens,
+                                        request.max_tokens, SamplingParams(), [], 1, 0, time.time(), None))
+
+        for _ in range(min(width, len(waiting))):
+            submit()
+        while started:
+            out = outputs.get()
+            now = time.perf_counter()
+            for item in out.outgoing:
+                rid = item.route.id
+                if isinstance(item.event, Delta):
+                    (itl.append(now - last[rid]) if rid in last else ttft.append(now - started[rid]))
+                    last[rid] = now
+                elif isinstance(item.event, Done):
+                    tokens += item.event.usage.completion_tokens
+                    del started[rid]
+                    if waiting:
+                        submit()
+        return tokens, ttft, itl
+    return run
+
+
+def raw(model: object) -> Run:
+    def run(planned: list[Planned], width: int) -> tuple[int, list[float], list[float]]:
+        generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=width,
+                                   prefill_batch_size=min(width, 8))
+        waiting, started, last, ttft, itl, tokens = list(planned), {}, {}, [], [], 0
+        while waiting or started:
+            while waiting and len(started) < width:
+                request = waiting.pop(0)
+                (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
+                started[uid] = time.perf_counter()
+            responses = generator.next_generated()
+            now = time.perf_counter()
+            for response in responses:
+                uid = response.uid
+                (itl.append(now - last[uid]) if uid in last else ttft.append(now - started[uid]))
+                last[uid] = now
+                tokens += 1
+                if response.finish_reason:
+                    del started[uid]
+        generator.close()
+        return tokens, ttft, itl
+    return run
+
+
+def measured(name: str, run: Run, planned: list[Planned], width: int) -> None:
+    me = psutil.Process()
+    before = {t.id: t.user_time + t.system_time for t in me.threads()}
+    started = time.perf_counter()
+    tokens, ttft, itl = run(planned, width)
+    wall = time.perf_counter() - started
+    busiest = max(t.user_time + t.system_time - before.get(t.id, 0.0) for t in me.threads())
+    print(f"{name:6s} {tokens / wall:6.1f} tok/s  TTFT p50 {statistics.median(ttft) * 1000:6.1f} ms  "
+          f"ITL p50 {statistics.median(itl) * 1000:5.2f} ms  compute thread {100 * busiest / wall:5.1f}% busy",
+          flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--concurrency", type=int, default=1)
+    parser.add_argument("--requests", type=int, default=0, help="default: 6 at concurrency 1, else 3 x concurrency")
+    parser.add_argument("--pairs", type=int, default=3)
+    args = parser.parse_args()
+    loaded = load_text_model(WorkerSettings(model=args.model))
+    outputs: queue.Queue = queue.Queue()
+    engine = Engine(lambda: loaded, args.concurrency, on_output=outputs.put, on_fatal=print)
+    engine.start()
+    engine.wait_ready(60)
+    model = loaded.make_backend()._generator.model
+    requests = args.requests or (6 if args.concurrency == 1 else 3 * args.concurrency)
+    warm_up = Workload(requests=2, output_len=8, seed=1).plan()
+    for run in (raw(model), through_engine(engine, outputs)):
+        run(warm_up, 2)
+    for pair in range(args.pairs):
+        planned = Workload(requests=requests, input_len=100, output_len=96, seed=100 + pair).plan()
+        measured("raw", raw(model), planned, args.concurrency)
+        measured("engine", through_engine(engine, outputs), planned, args.concurrency)
+
+
+if __name__ == "__main__":
+    main()
