@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
             planned = dataclasses.replace(workload, seed=workload.seed + i * args.repeat + repeat).plan()
             runs["redis"].append(_redis_run(args, planned, level))
-            for baseline in baselines:  # right after, on the same prompts: the pair shares the machine's mood
+            for baseline in baselines:  # right after, on the same prompts: the machine's drift cancels in the ratio
                 runs[baseline].append(_baseline_run(args, baseline, planned, level))
                 pairs[baseline].append(Pair(runs["redis"][-1], runs[baseline][-1]))
             if args.gateway:  # the same prompts again would hit the prefix cache: the next seed's
