@@ -49,7 +49,8 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             for item in out.outgoing:
                 rid = item.route.id
                 if isinstance(item.event, Delta):
-                    (itl.append(now - last[rid]) if rid in last else ttft.append(now - started[rid]))
+                    gaps = itl if rid in last else ttft
+                    gaps.append(now - last.get(rid, started[rid]))
                     last[rid] = now
                 elif isinstance(item.event, Done):
                     tokens += item.event.usage.completion_tokens
@@ -74,7 +75,8 @@ def raw(model: object) -> Run:
             now = time.perf_counter()
             for response in responses:
                 uid = response.uid
-                (itl.append(now - last[uid]) if uid in last else ttft.append(now - started[uid]))
+                gaps = itl if uid in last else ttft
+                gaps.append(now - last.get(uid, started[uid]))
                 last[uid] = now
                 tokens += 1
                 if response.finish_reason:
