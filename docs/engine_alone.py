@@ -110,7 +110,9 @@ def main() -> None:
     engine = Engine(lambda: loaded, args.concurrency, on_output=outputs.put, on_fatal=print)
     engine.start()
     engine.wait_ready(60)
-    model = loaded.make_backend()._generator.model
+    spare = loaded.make_backend()  # the loaded model, for raw BatchGenerator beside the engine's
+    model = spare._generator.model
+    spare.close()
     requests = args.requests or (6 if args.concurrency == 1 else 3 * args.concurrency)
     warm_up = Workload(requests=2, output_len=8, seed=1).plan()
     for run in (raw(model), through_engine(engine, outputs)):

@@ -199,9 +199,9 @@ class Publisher:
         if route.reply_to != own:
             log.error("redis refused the reply stream; the error goes to the request's own output stream",
                       request_id=route.id, reply_to=route.reply_to, reason=reason)
-            return self._fail_afresh(replace(route, reply_to=own, fence=""),
-                                           f"reply_to: Redis refused writing to {route.reply_to} ({reason})",
-                                           ErrorCode.INVALID_REQUEST)
+            return self._fail_afresh(replace(route, reply_to=own),
+                                     f"reply_to: Redis refused writing to {route.reply_to} ({reason})",
+                                     ErrorCode.INVALID_REQUEST)
         log.error("redis refused the request's output stream; settling it unanswered", request_id=route.id,
                   reason=reason)
         await retrying(partial(self.redis_queue.settle_unanswered, route), "settling an unanswerable request")
