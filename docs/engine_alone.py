@@ -93,8 +93,10 @@ def measured(name: str, run: Run, planned: list[Planned], width: int) -> None:
     tokens, ttft, itl = run(planned, width)
     wall = time.perf_counter() - started
     busiest = max(t.user_time + t.system_time - before.get(t.id, 0.0) for t in me.threads())
+    total = sum(t.user_time + t.system_time - before.get(t.id, 0.0) for t in me.threads())
     print(f"{name:6s} {tokens / wall:6.1f} tok/s  TTFT p50 {statistics.median(ttft) * 1000:6.1f} ms  "
-          f"ITL p50 {statistics.median(itl) * 1000:5.2f} ms  compute thread {100 * busiest / wall:5.1f}% busy",
+          f"ITL p50 {statistics.median(itl) * 1000:5.2f} ms  compute thread {100 * busiest / wall:5.1f}% busy, "
+          f"{1000 * busiest / tokens:.2f} ms a token; all threads {total:.1f} s",
           flush=True)
 
 

@@ -219,6 +219,8 @@ def _print_ratios(report: dict[str, Any]) -> None:
                   f"throughput{each}")
     if "ttft_p50_over_inprocess_ms" in report:
         print(f"TTFT p50 through Redis minus in process: {report['ttft_p50_over_inprocess_ms']} ms")
+        print("(inprocess is raw BatchGenerator, without the worker's token budget per step: a burst costs it "
+              "fewer, longer steps, and its streams stall longer; compare ITL max)")
     if "ttft_p50_c1_over_sequential_ms" in report:
         print(f"TTFT p50 at concurrency 1 through Redis minus sequential in process: "
               f"{report['ttft_p50_c1_over_sequential_ms']} ms")

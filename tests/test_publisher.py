@@ -5,6 +5,7 @@ group still says it is ours is failed with `internal`, never left unanswered."""
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -13,7 +14,7 @@ import redis.asyncio as aioredis
 
 from client import Delta, Error, decode_event
 from client.keys import GROUP, Keys
-from worker.messages import Outgoing, Route
+from worker.messages import Outgoing, Route, StepOutput
 from worker.publisher import Publisher
 from worker.redis_queue import RedisQueue
 from worker.requests import RequestTable
@@ -119,3 +120,28 @@ async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     await publish(redis_queue, requests, route)
     assert await r.xlen(route.reply_to) == 0
     assert requests.get(route.id) is None
+
+
+async def test_a_step_handed_over_from_the_engine_thread_is_taken_when_the_hand_over_returns(r):
+    """The engine thread goes on once the publisher has taken its step, so that the loop
+    writes it before that thread holds the GIL for the next step's graph; with nothing
+    taking it (a busy loop), the hand-over returns anyway, after its bound; while a write
+    is in flight, as soon as the step is queued behind it."""
+    redis_queue, requests, route = await serving(r, "c1")
+    publisher, loop = Publisher(redis_queue, requests), asyncio.get_running_loop()
+    started = time.monotonic()
+    await asyncio.to_thread(publisher.hand_over, loop, StepOutput(), 0.05)
+    assert time.monotonic() - started >= 0.05
+    publisher._writing = True  # as while a call to Redis is in flight
+    behind = StepOutput()
+    await asyncio.to_thread(publisher.hand_over, loop, behind, 30)
+    assert behind.taken.is_set() and time.monotonic() - started < 10
+    publisher._writing = False
+    task = asyncio.create_task(publisher.run())
+    step = StepOutput([Outgoing(route, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
+    started = time.monotonic()
+    await asyncio.to_thread(publisher.hand_over, loop, step, 30)
+    assert step.taken.is_set() and time.monotonic() - started < 10
+    await asyncio.wait_for(publisher.outputs.join(), 10)
+    task.cancel()
+    assert await r.xlen(route.reply_to) == 1

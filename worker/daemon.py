@@ -173,7 +173,7 @@ class Worker:
 
     def _on_output(self, out: StepOutput) -> None:
         assert self._loop is not None
-        self._loop.call_soon_threadsafe(self.publisher.outputs.put_nowait, out)
+        self.publisher.hand_over(self._loop, out)
 
     def _on_stats(self, stats: EngineStats) -> None:
         assert self._loop is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -145,10 +146,12 @@ class Outgoing:
 
 @dataclass
 class StepOutput:
-    """Everything one scheduler step produced, handed to the event loop in one piece."""
+    """Everything one scheduler step produced, handed to the event loop in one piece;
+    `taken` is set once the publisher has taken it (`Publisher.hand_over`)."""
 
     outgoing: list[Outgoing] = field(default_factory=list)
     abandoned: list[Route] = field(default_factory=list)  # left un-acked at shutdown
+    taken: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
@@ -176,8 +179,8 @@ class CacheStats:
 class EngineTime:
     """Seconds of the engine thread: inside the model's step (the forward pass and sampling,
     `model_s`), around it (admitting, masks, logprobs, detokenizing, stop strings, events:
-    `other_s`), handing each step's events to the event loop (`handoff_s`: the loop, once
-    woken, holds the GIL), and waiting for work (`idle_s`); and the steps taken."""
+    `other_s`), handing each step's events to the event loop (`handoff_s`: until its publisher has
+    taken them, see `Publisher.hand_over`), and waiting for work (`idle_s`); and the steps taken."""
 
     steps: int = 0
     model_s: float = 0.0

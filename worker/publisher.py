@@ -30,6 +30,8 @@ from .retrying import describe, is_permission_error, retrying
 
 log = structlog.get_logger("mlxq.worker")
 
+HANDOFF_WAIT_S = 0.005  # the most the engine thread waits for a step to be taken; its model computes longer
+
 
 class Publisher:
     """Owns the queue of step outputs; writes them for the requests the table holds."""
@@ -40,6 +42,23 @@ class Publisher:
         self.requests = requests
         self.on_published = on_published  # each event once it is written (totals, metrics)
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._writing = False  # a call to Redis is in flight
+
+    def hand_over(self, loop: asyncio.AbstractEventLoop, out: StepOutput, wait_s: float = HANDOFF_WAIT_S) -> None:
+        """From the engine thread: queue a step's output and wait until this publisher,
+        on `loop`, has taken it (at most `wait_s`, should the loop be busy). Left to run
+        on, the engine thread would build the next step's graph, holding the GIL for a
+        millisecond or more while the woken loop waits for it: the deltas reached the
+        client ~1.4 ms later at concurrency 1 (docs/benchmarks.md). The model computes the
+        step already launched meanwhile, so the wait costs no throughput. While a write is
+        in flight the step goes out after it anyway: then only the queueing is waited for."""
+        loop.call_soon_threadsafe(self._receive, out)
+        out.taken.wait(wait_s)
+
+    def _receive(self, out: StepOutput) -> None:
+        self.outputs.put_nowait(out)
+        if self._writing:
+            out.taken.set()
 
     def emit(self, outgoing: Outgoing) -> None:
         """Publish one event made outside the engine (an error, a cancel before start)."""
@@ -51,9 +70,15 @@ class Publisher:
             outputs = [await self.outputs.get()]
             while not self.outputs.empty():
                 outputs.append(self.outputs.get_nowait())
+            for out in outputs:
+                out.taken.set()  # the engine thread may go on: the write below goes out before this loop waits again
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                await asyncio.shield(self._publish(outgoing))
+                self._writing = True
+                try:
+                    await asyncio.shield(self._publish(outgoing))
+                finally:
+                    self._writing = False
             left = sum(len(out.abandoned) for out in outputs)
             if left:
                 log.info("requests left unfinished at the drain deadline; they are handed back", requests=left)

@@ -309,8 +309,14 @@ class RedisQueue:
         """Up to `count` entries `consumer` holds on `stream`, idle at least `min_idle_ms`,
         with ids above `after`: (id, deliveries)."""
         start = after if after == "-" else f"({after}"
-        rows = await self.redis.xpending_range(stream, GROUP, start, "+", count, consumername=consumer,
-                                               idle=min_idle_ms or None)
+        try:
+            rows = await self.redis.xpending_range(stream, GROUP, start, "+", count, consumername=consumer,
+                                                   idle=min_idle_ms or None)
+        except ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            await self.ensure_group()  # Redis lost its data (restarted empty): nothing is pending any more
+            return []
         return [(as_text(row["message_id"]), int(row["times_delivered"])) for row in rows]  # type: ignore[arg-type]
 
     async def claim(self, stream: str, entry_ids: list[str], min_idle_ms: int) -> list[StreamEntry]:
