@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
@@ -34,6 +35,8 @@ from .requests import read_call
 from .settings import GatewaySettings
 
 log = structlog.get_logger("mlxq.gateway")
+
+CLOSE_TIMEOUT_S = 5.0  # for the Redis connections at shutdown; redis-py's close can hang (redis-py #3941)
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -49,6 +52,11 @@ class Gateway:
         self.relay = Relay(self.client, self.directory, self.replies, self.metrics,
                            timeout_s=settings.request_timeout_s, keepalive_s=settings.keepalive_s)
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
+
+    async def close(self) -> None:
+        """Stop reading the reply stream and close the Redis connections."""
+        await self.replies.close()
+        await self.client.aclose()
 
     def authorize(self, request: Request) -> None:
         """Raise 401 unless the request carries one of the keys (with none configured, everyone may)."""
@@ -127,8 +135,11 @@ def create_app(settings: GatewaySettings) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         yield
-        await gateway.replies.close()
-        await gateway.client.aclose()
+        try:
+            await asyncio.wait_for(gateway.close(), CLOSE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            log.warning("the Redis connections did not close in time; exiting without waiting for them",
+                        timeout_s=CLOSE_TIMEOUT_S)
 
     routes = [
         Route("/v1/chat/completions", gateway.route("chat", lambda r: gateway.completions(r, "chat")),

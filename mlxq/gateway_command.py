@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
+import signal
 import socket
 from typing import Any
 
@@ -22,6 +24,7 @@ def run(args: argparse.Namespace) -> int:
     overrides["models"] = _pairs(args.models)
     settings = load_gateway_settings_for_command(args.config, **overrides)
     logs.configure(settings.log_format, settings.log_level)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     log = structlog.get_logger("mlxq.gateway")
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]

@@ -254,6 +254,8 @@ class GatewayProcess:
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
+                self.process.send_signal(signal.SIGUSR1)  # its threads' stacks go to the log, then kill it
+                time.sleep(1)
                 self.process.kill()
                 self.process.wait(5)
         return self.process.returncode
