@@ -75,6 +75,13 @@ def free_port() -> int:
 
 AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n>
 
+# A request that cannot end by itself within a test, however fast the machine: every
+# worker the tests start slows each step to `worker.faults.SLOW_STEP_S` while a request
+# whose prompt starts with SLOW_TOKEN runs (the demo model's " comple", which no test
+# prompt starts with), so its 2,000 tokens take minutes; a cancel still ends it at once.
+SLOW_TOKEN = 1023
+HELD = {"prompt_tokens": [SLOW_TOKEN, 68, 766], "max_tokens": 2000, "ignore_eos": True}
+
 
 def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,
                  consumer: str | None = None, env: dict[str, str] | None = None, **settings: Any) -> WorkerProcess:
@@ -87,7 +94,8 @@ def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, read
     for name, value in settings.items():
         args += ["--" + name.replace("_", "-"), str(value)]
     log_path = log_dir / f"worker-{queue}-{consumer}-{uuid.uuid4().hex[:6]}.log"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MLXQ_TEST_SLOW_ON_TOKEN": str(SLOW_TOKEN),
+           **(env or {})}
     r = connect(redis_url)
     if consumer != AUTO:
         r.delete(f"mlxq:workers:{consumer}")  # a heartbeat left by an earlier process of this name

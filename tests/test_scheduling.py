@@ -7,7 +7,7 @@ import threading
 import time
 import uuid
 
-from support import ON_BOTH, settled, worker_fixture, xadd_json
+from support import HELD, ON_BOTH, settled, worker_fixture, xadd_json
 
 from client import Delta, Done
 from worker.backends.mlx_lm import load_text_model
@@ -121,7 +121,7 @@ def test_a_lane_request_skips_the_backlog_in_redis(lanes_worker, r, outputs):
     `urgent` lane is read (and finished) before every entry of the backlog."""
     queue = lanes_worker.queue
     running = f"run-{uuid.uuid4().hex[:8]}"
-    xadd_json(r, queue, running, {"prompt": "Occupy the only slot", "max_tokens": 300})
+    xadd_json(r, queue, running, HELD)  # occupies the only slot until cancelled
     while not r.exists(f"mlxq:out:{{{running}}}"):
         time.sleep(0.005)
     backlog = [f"backlog{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
@@ -129,6 +129,8 @@ def test_a_lane_request_skips_the_backlog_in_redis(lanes_worker, r, outputs):
         xadd_json(r, queue, request_id, {"prompt": "Wait your turn", "max_tokens": 2})
     urgent = f"urgent-{uuid.uuid4().hex[:8]}"
     r.xadd(f"mlxq:q:{queue}:urgent", {"id": urgent, "json": '{"prompt": "Me first", "max_tokens": 2}'})
+    r.set(f"mlxq:cancel:{{{running}}}", 1, ex=60)  # the slot frees only now, with all of them waiting
+    r.publish("mlxq:cancel", running)
     finished_at = {}
     for request_id in [running, urgent, *backlog]:
         (*_, done) = outputs.of(request_id)

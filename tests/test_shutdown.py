@@ -7,7 +7,7 @@ import time
 import uuid
 
 import redis
-from support import Outputs, check_stream, start_worker, xadd_json
+from support import HELD, Outputs, check_stream, start_worker, xadd_json
 
 from client import Done
 
@@ -36,9 +36,9 @@ def test_sigterm_lets_running_requests_finish(valkey, demo_model, logs_dir, r):
 def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey, demo_model, logs_dir, r):
     """Requests still running (or waiting) when the drain time is up are left un-acked, with no terminal event."""
     worker = start_worker(valkey, demo_model, f"abandon-{uuid.uuid4().hex[:6]}", logs_dir, drain_timeout_s=0.3,
-                          max_num_seqs=1, max_tokens_limit=100000)
+                          max_num_seqs=1)
     running, waiting = f"run-{uuid.uuid4().hex}", f"wait-{uuid.uuid4().hex}"
-    xadd_json(r, worker.queue, running, {"prompt": "Endless", "max_tokens": 100000})
+    xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     xadd_json(r, worker.queue, waiting, {"prompt": "Queued", "max_tokens": 5})
     _wait_for_first_delta(r, running)
     worker.signal(signal.SIGTERM)

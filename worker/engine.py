@@ -21,7 +21,7 @@ from client.protocol import ErrorCode
 
 from .backends import Coverage, Loaded, ModelInfo
 from .constraints import Guides
-from .faults import NONE, Faults
+from .faults import NONE, SLOW_STEP_S, Faults
 from .logprobs import token_logprobs
 from .messages import (
     Abandon,
@@ -147,6 +147,7 @@ class Engine:
             if self._drain_until is not None:
                 self._abandon_if_drained(out)
             if self._busy():
+                self._hold_if_slowed(out)
                 self._step(out)
             if out.outgoing or out.abandoned:
                 self._hand_off(out)
@@ -190,6 +191,18 @@ class Engine:
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
+
+    def _hold_if_slowed(self, out: StepOutput) -> None:
+        """Fault injection (`MLXQ_TEST_SLOW_ON_TOKEN`): while a marked request runs, wait
+        out `SLOW_STEP_S` before the step, applying commands as they come."""
+        if self._faults.slow_token is None:
+            return
+        until = time.monotonic() + SLOW_STEP_S
+        while any(self._faults.slows(o.request.prompt_tokens) for o in self._running.values()):
+            try:
+                self._apply(self._commands.get(timeout=max(0.0, until - time.monotonic())), out)
+            except queue.Empty:
+                return
 
     def _apply(self, command: Command, out: StepOutput) -> None:
         if isinstance(command, Submit):

@@ -5,6 +5,9 @@ Read once, at start (`Faults.from_environment`), never on a request's path:
 exit on the spot while it is prepared, as an out-of-memory kill would: no `except`, no
 `finally`. `MLXQ_TEST_FATAL_ON_TOKEN=<id>`: a request whose prompt holds that token id
 breaks the engine thread itself (not one step), which is fatal for the worker.
+`MLXQ_TEST_SLOW_ON_TOKEN=<id>`: while a request whose prompt starts with that token id
+is in the batch, every step takes at least `SLOW_STEP_S`, so that request cannot reach
+its length on any machine within a test's time; commands (a cancel) still apply at once.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import os
 from dataclasses import dataclass
 
 EXIT_STATUS = 70
+SLOW_STEP_S = 0.25  # x the demo model's 2,048-token context: minutes for a held request
 
 
 class InjectedFault(RuntimeError):
@@ -25,11 +29,13 @@ class Faults:
 
     exit_on: str | None = None
     fatal_token: int | None = None
+    slow_token: int | None = None
 
     @classmethod
     def from_environment(cls) -> Faults:
-        token = os.environ.get("MLXQ_TEST_FATAL_ON_TOKEN")
-        return cls(os.environ.get("MLXQ_TEST_EXIT_ON") or None, int(token) if token else None)
+        fatal, slow = (os.environ.get(f"MLXQ_TEST_{name}_ON_TOKEN") for name in ("FATAL", "SLOW"))
+        return cls(os.environ.get("MLXQ_TEST_EXIT_ON") or None, int(fatal) if fatal else None,
+                   int(slow) if slow else None)
 
     def exit_if_marked(self, prompt: str | None) -> None:
         """Exit the process at once if the prompt carries the crash marker."""
@@ -40,6 +46,10 @@ class Faults:
         """Raise `InjectedFault` if the prompt holds the fatal marker token."""
         if self.fatal_token is not None and self.fatal_token in prompt_tokens:
             raise InjectedFault(f"injected engine failure (token {self.fatal_token})")
+
+    def slows(self, prompt_tokens: list[int]) -> bool:
+        """Whether a request with this prompt makes every step slow (`MLXQ_TEST_SLOW_ON_TOKEN`)."""
+        return self.slow_token is not None and prompt_tokens[:1] == [self.slow_token]
 
 
 NONE = Faults()

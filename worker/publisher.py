@@ -92,6 +92,7 @@ class Publisher:
             await self._take_fences(outgoing)
             writes = self._writes(outgoing)
             statuses = await self._write(writes)
+            self._count(writes, statuses)
             ended = [write.route for write, status in zip(writes, statuses, strict=True)
                      if write.terminal and status.status is PublishStatus.APPLIED]
             if ended:
@@ -99,6 +100,14 @@ class Publisher:
             outgoing = []
             for write, status in zip(writes, statuses, strict=True):
                 outgoing += await self._published(write, status)
+
+    def _count(self, writes: list[OutputWrite], statuses: list[Published]) -> None:
+        """Count what was written as soon as Redis says so, before anything else is awaited:
+        a reader may see those events already, and metrics must not lag them by a settle."""
+        for write, published in zip(writes, statuses, strict=True):
+            if published.status is PublishStatus.APPLIED:
+                for event in write.events:
+                    self.on_published(event)
 
     async def _finish(self, ended: list[Route]) -> None:
         """Settle the entries whose terminal event is written. If Redis refuses (the queue's
@@ -164,8 +173,6 @@ class Publisher:
         route, status = write.route, published.status
         if status is PublishStatus.APPLIED:
             self.requests.wrote(route, write.first + len(write.entries), write.terminal)
-            for event in write.events:
-                self.on_published(event)
             if write.terminal:
                 _log_finished(write.events[-1])
             return []
