@@ -7,7 +7,9 @@ RUN apt-get update && apt-get install -y --no-install-recommends libopenblas0-pt
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY client ./client
+COPY common ./common
 COPY worker ./worker
+COPY gateway ./gateway
 COPY mlxq ./mlxq
 COPY config ./config
 RUN pip install --no-cache-dir ".[worker]"

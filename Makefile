@@ -21,9 +21,10 @@ run: $(STAMP)
 	@echo "From another terminal:  $(BIN)/mlxq submit --stream \"Hello\""
 	$(BIN)/mlxq worker
 
-# The tests run on the real BLAS too, single-threaded: several worker processes share
-# 2 cores, and MKL's spinning threads would only fight over them.
-test: $(STAMP)
+# Lint first (ruff and mypy over every package), then the tests. They run on the real
+# BLAS too, single-threaded: several worker processes share 2 cores, and MKL's spinning
+# threads would only fight over them.
+test: lint
 	MKL_THREADING_LAYER=SEQUENTIAL $(BIN)/python -m mlxq.blas $(BIN)/python -m pytest
 
 # The unit tests alone: no Valkey, no worker processes, no model (seconds).
@@ -31,7 +32,7 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -m "not process" -q
 
 lint: $(STAMP)
-	$(BIN)/ruff check client worker mlxq tests
+	$(BIN)/ruff check client common worker gateway mlxq tests
 	$(BIN)/mypy
 
 clean:

@@ -9,15 +9,30 @@
     ├── JobCancelled         the request ended with finish_reason `cancelled` (.done)
     └── JobTimeout           no terminal event within the timeout (also a TimeoutError)
 
-Every one carries `request_id` where there is one.
+Every one carries `request_id` where there is one. `ErrorCode` lives here too: the codes
+of `error` events, which a rejection carries before anything is sent.
 """
 
 from __future__ import annotations
 
+import enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .protocol import Done
+
+
+class ErrorCode(str, enum.Enum):
+    """The `code` of an `error` event (a str, so it compares and encodes as its value)."""
+
+    INVALID_REQUEST = "invalid_request"
+    TOO_LARGE = "too_large"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    POISONED = "poisoned"
+    INTERNAL = "internal"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 class MlxqError(Exception):
@@ -27,7 +42,7 @@ class MlxqError(Exception):
 class RequestRejected(MlxqError, ValueError):
     """The request is invalid; `code` says how (`invalid_request`, `too_large`)."""
 
-    def __init__(self, message: str, code: str = "invalid_request") -> None:
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.INVALID_REQUEST) -> None:
         super().__init__(message)
         self.code = code
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import enum
 import json
 import re
 from collections import Counter
@@ -20,7 +19,7 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._errors import RequestRejected, Undeliverable
+from ._errors import ErrorCode, RequestRejected, Undeliverable
 from .replies import as_text
 
 Encoding = Literal["json", "msgpack"]
@@ -529,19 +528,6 @@ class Done:
         if tokens < 2 or ttft is None or total <= ttft:
             return None
         return round((tokens - 1) / ((total - ttft) / 1000.0), 1)
-
-
-class ErrorCode(str, enum.Enum):
-    """The `code` of an `error` event (a str, so it compares and encodes as its value)."""
-
-    INVALID_REQUEST = "invalid_request"
-    TOO_LARGE = "too_large"
-    DEADLINE_EXCEEDED = "deadline_exceeded"
-    POISONED = "poisoned"
-    INTERNAL = "internal"
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)

@@ -12,16 +12,17 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from client import JobFailed, QueueFull, RequestRejected
+from client import ErrorCode, JobFailed, QueueFull, RequestRejected
 
-# A worker's error code -> (HTTP status, OpenAI error type)
-_BY_CODE = {
-    "invalid_request": (400, "invalid_request_error"),
-    "too_large": (413, "invalid_request_error"),
-    "deadline_exceeded": (504, "timeout"),
-    "timeout": (504, "timeout"),
-    "poisoned": (500, "server_error"),
-    "internal": (500, "server_error"),
+TIMEOUT = "timeout"  # the gateway's own code: the request did not finish within its timeout
+# A worker's error code -> (HTTP status, OpenAI error type); a code newer than this gateway is a 500.
+_BY_CODE: dict[str, tuple[int, str]] = {
+    ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+    ErrorCode.TOO_LARGE: (413, "invalid_request_error"),
+    ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    TIMEOUT: (504, "timeout"),
+    ErrorCode.POISONED: (500, "server_error"),
+    ErrorCode.INTERNAL: (500, "server_error"),
 }
 
 
@@ -40,13 +41,13 @@ class ApiError(Exception):
 
     @classmethod
     def invalid(cls, message: str, param: str | None = None) -> ApiError:
-        return cls(400, message, "invalid_request_error", "invalid_request", param)
+        return cls(400, message, "invalid_request_error", ErrorCode.INVALID_REQUEST.value, param)
 
     @classmethod
     def from_code(cls, code: str, message: str) -> ApiError:
         """The error for a worker's `error` event (or the gateway's own timeout)."""
         status, kind = _BY_CODE.get(code, (500, "server_error"))
-        return cls(status, message, kind, code)
+        return cls(status, message, kind, str(code))
 
     @classmethod
     def from_mlxq(cls, error: Exception) -> ApiError:

@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from client import AsyncClient, QueueFull, RequestRejected
 from client.protocol import Delta, Done, Error, Event, TokenLogprob
 
-from .errors import ApiError
+from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
 from .replies import Followed, ReplyStream
@@ -219,6 +219,6 @@ class Relay:
             log.warning("could not cancel a request", request_id=job.id, error=str(e))
 
     def _timed_out(self, job: Followed) -> ApiError:
-        return ApiError.from_code("timeout", f"request {job.id} did not finish within {self.timeout_s:g} s "
+        return ApiError.from_code(TIMEOUT, f"request {job.id} did not finish within {self.timeout_s:g} s "
                                   "(the gateway's request_timeout_s); it was cancelled")
 

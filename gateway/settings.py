@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX
-from mlxq.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
+from common.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
 
 ENV_PREFIX = "MLXQ_GATEWAY_"
 

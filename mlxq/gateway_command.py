@@ -16,9 +16,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from client.diagnose import redacted
+    from common import logs
     from gateway.app import create_app
     from gateway.settings import GatewaySettings, load_gateway_settings_for_command
-    from worker import logs
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name in GatewaySettings.model_fields}
     overrides["models"] = _pairs(args.models)

@@ -15,7 +15,7 @@ from .errors import CommandError, on_path
 
 
 def run(args: argparse.Namespace) -> int:
-    from worker import logs
+    from common import logs
     from worker.backends import load_model
     from worker.daemon import Worker
     from worker.settings import WorkerSettings, load_settings_for_command

@@ -64,7 +64,11 @@ def test_dockerfile_copies_what_exists_and_installs_a_real_blas():
         for path in source.split():
             assert (ROOT / path).exists(), path
             assert path.split("/")[0] not in ignored, f"{path} is copied but .dockerignore leaves it out"
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    copied = set(re.findall(r"^COPY (\S+) ", dockerfile, re.MULTILINE))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    for package in project["tool"]["setuptools"]["packages"]:
+        assert package.split(".")[0] in copied, f"the image installs {package} but does not copy it"
+    extras = project["project"]["optional-dependencies"]
     for wanted in re.findall(r'pip install [^\n]*"\.\[([a-z,]+)\]"', dockerfile):
         assert set(wanted.split(",")) <= set(extras)
     assert "libopenblas0-pthread" in dockerfile

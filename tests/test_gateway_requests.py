@@ -10,11 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from client.protocol import Delta, Done, FunctionCall, Timing, TokenLogprob, ToolCall, TopLogprob, Usage
+from common.settings_layers import SettingsError
 from gateway.errors import ApiError
 from gateway.requests import read_call
 from gateway.responses import Shaper, ToolCallSplitter
 from gateway.settings import load_gateway_settings
-from mlxq.settings_layers import SettingsError
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 

@@ -174,7 +174,7 @@ class Intake:
             inline = envelope.size <= INLINE_BODY_BYTES and "response_format" not in (envelope.raw or {})
             request = prepare() if inline else await asyncio.to_thread(prepare)  # compiling a grammar takes a while
         except RequestRejected as e:
-            self._answer(failed(route, ErrorCode(e.code), str(e)))
+            self._answer(failed(route, e.code, str(e)))
             return
         held.arrived_at = arrived_at
         request = replace(request, read_at=held.read_at, prepared_at=time.time())

@@ -13,8 +13,8 @@ from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
-from mlxq.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
-from mlxq.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
+from common.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
+from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
