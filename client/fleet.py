@@ -10,13 +10,14 @@ asked for.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis as redis_py
+import redis.asyncio as aioredis
 
+from .heartbeat import Heartbeat
 from .keys import GROUP, Keys
 from .replies import as_text
 
@@ -30,12 +31,13 @@ class WorkerView:
     name: str
     state: str  # ready, draining, stopped, gone
     last_seen_s: float  # seconds ago
-    heartbeat: dict[str, Any]  # what it last said about itself
+    heartbeat: Heartbeat  # what it last said about itself
     totals: dict[str, int]
 
     @property
     def queue(self) -> str | None:
-        return self.heartbeat.get("queue")
+        model = self.heartbeat.model
+        return None if model is None else model.queue
 
     @property
     def alive(self) -> bool:
@@ -66,16 +68,17 @@ class Fleet:
 
     def serving(self, queue: str) -> list[WorkerView]:
         """Live workers of `queue`."""
-        return [w for w in self.workers if w.alive and w.queue == queue]
+        return [w for w in self.workers if w.alive and w.heartbeat.serves(queue)]
 
     def as_json(self) -> dict[str, Any]:
-        return {"workers": [asdict(w) for w in self.workers], "streams": [asdict(s) for s in self.streams]}
+        workers = [{**asdict(w), "heartbeat": w.heartbeat.as_json()} for w in self.workers]
+        return {"workers": workers, "streams": [asdict(s) for s in self.streams]}
 
 
 def read_fleet(redis: redis_py.Redis, keys: Keys, queues: list[str] | None = None) -> Fleet:
     """The fleet now: workers seen in the last hour, and the streams of their queues and `queues`."""
     fleet = Fleet(workers=read_workers(redis, keys))
-    named = {(w.queue, lane) for w in fleet.workers if w.queue for lane in [None, *w.heartbeat.get("lanes", [])]}
+    named = {(m.queue, lane) for w in fleet.workers for m in w.heartbeat.models for lane in [None, *m.lanes]}
     named |= {(queue, None) for queue in queues or []}
     fleet.streams = [read_stream(redis, keys, queue, lane) for queue, lane in sorted(named, key=_by_name)]
     return fleet
@@ -91,36 +94,42 @@ def read_workers(redis: redis_py.Redis, keys: Keys) -> list[WorkerView]:
     members: list[bytes] = redis.zrangebyscore(keys.fleet, now - RECENT_S, "+inf")  # type: ignore[assignment]
     names = [as_text(n) for n in members]
     with redis.pipeline(transaction=False) as pipe:
-        for name in names:
-            pipe.get(keys.worker(name))
-            pipe.hgetall(keys.stats(name))
-        replies = pipe.execute()
+        _ask_for_workers(pipe, keys, names)
+        return _workers(names, pipe.execute(), now)
+
+
+async def read_workers_async(redis: aioredis.Redis, keys: Keys) -> list[WorkerView]:
+    """`read_workers` for asyncio."""
+    now = time.time()
+    members: list[bytes] = await redis.zrangebyscore(keys.fleet, now - RECENT_S, "+inf")  # type: ignore[assignment]
+    names = [as_text(n) for n in members]
+    async with redis.pipeline(transaction=False) as pipe:
+        _ask_for_workers(pipe, keys, names)
+        return _workers(names, await pipe.execute(), now)
+
+
+def _ask_for_workers(pipe: Any, keys: Keys, names: list[str]) -> None:
+    for name in names:
+        pipe.get(keys.worker(name))  # gone 3 heartbeats after the worker stopped
+        pipe.hgetall(keys.stats(name))  # its totals and last heartbeat, kept for days
+
+
+def _workers(names: list[str], replies: list[Any], now: float) -> list[WorkerView]:
     workers = [_worker(name, live, stats, now) for name, live, stats in zip(names, replies[::2], replies[1::2],
                                                                            strict=True)]
     return sorted(workers, key=lambda w: w.name)
 
 
 def _worker(name: str, live: bytes | None, stats: dict[bytes, bytes], now: float) -> WorkerView:
-    heartbeat = json_object(live) or json_object(stats.get(b"heartbeat")) or {}
+    heartbeat = Heartbeat.from_json(live) or Heartbeat.from_json(stats.get(b"heartbeat")) or Heartbeat(name)
     stored_state = as_text(stats.get(b"state", b""))
     if live is not None:
-        state = heartbeat.get("state", "ready")
+        state: str = heartbeat.state
     else:
         state = "stopped" if stored_state == "stopped" else "gone"
     last_seen = float(stats.get(b"last_seen", b"0") or 0)
     totals = {as_text(k): int(v) for k, v in stats.items() if v.isdigit()}
     return WorkerView(name, state, round(max(0.0, now - last_seen), 1), heartbeat, totals)
-
-
-def json_object(raw: bytes | None) -> dict[str, Any] | None:
-    """A heartbeat (or any JSON object Redis holds); None for nothing, or for what is not one."""
-    if not raw:
-        return None
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def read_stream(redis: redis_py.Redis, keys: Keys, queue: str, lane: str | None = None) -> StreamView:

@@ -56,23 +56,6 @@ def load_layered(kind: type[S], config_file: Path | None, others: tuple[str, ...
     return settings
 
 
-def load_for_command(kind: type[S], config_file: Path | None, others: tuple[str, ...], what: str,
-                     **overrides: Any) -> S:
-    """`load_layered` for a command: what is wrong ends as one line (`CommandError`, status 2)."""
-    from pydantic import ValidationError
-
-    from client.protocol import describe_validation_error
-
-    from .errors import CommandError
-
-    try:
-        return load_layered(kind, config_file, others, what, **overrides)
-    except SettingsError as e:
-        raise CommandError(str(e), status=2) from e
-    except ValidationError as e:
-        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
-
-
 def check_redis_url(url: str | None) -> str | None:
     """A settings validator: the URL, or ValueError saying what is wrong with it."""
     problem = None if url is None else redis_url_problem(url)

@@ -13,14 +13,13 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from client.fleet import json_object
+from client.fleet import read_workers_async
+from client.heartbeat import Heartbeat
 from client.keys import Keys
-from client.replies import as_text
 
 from .errors import ApiError
 
 REFRESH_S = 1.0
-RECENT_S = 3600  # a model seen this recently, with no live worker now, is a 503, not a 404
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,7 @@ class ModelDirectory:
         self.aliases = aliases
         self._read_at = -REFRESH_S
         self._live: list[Served] = []
-        self._recent: set[str] = set()  # models and queues of workers seen in the last hour
+        self._recent: set[str] = set()  # models and queues of workers seen in the last hour: a 503, not a 404
 
     async def resolve(self, model: str) -> Served:
         """The queue to send a request for `model` to; raises `ApiError` 404 or 503."""
@@ -74,31 +73,21 @@ class ModelDirectory:
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < REFRESH_S:
             return
-        seen: list[bytes] = await self.redis.zrangebyscore(self.keys.fleet, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
-        members = [as_text(m) for m in seen]
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for name in members:
-                pipe.get(self.keys.worker(name))  # gone 3 heartbeats after the worker stopped
-                pipe.hget(self.keys.stats(name), "heartbeat")  # its last heartbeat, kept for days
-            replies = await pipe.execute()
-        live = [beat for beat in map(json_object, replies[::2]) if beat and beat.get("state") == "ready"]
-        self._live = _served(live)
-        self._recent = {str(b.get(k)) for b in map(json_object, replies[1::2]) if b for k in ("model", "queue")}
+        workers = await read_workers_async(self.redis, self.keys)
+        self._live = _served([w.heartbeat for w in workers if w.state == "ready"])
+        self._recent = {name for w in workers for m in w.heartbeat.models for name in (m.path, m.queue)}
         self._read_at = time.monotonic()
 
 
-def _served(heartbeats: list[dict[str, Any]]) -> list[Served]:
+def _served(heartbeats: list[Heartbeat]) -> list[Served]:
     """One entry per (model, queue), its oldest worker's start; ordered by queue."""
     found: dict[tuple[str, str], Served] = {}
     for beat in heartbeats:
-        model, queue = beat.get("model"), beat.get("queue")
-        if not isinstance(model, str) or not isinstance(queue, str):
-            continue
-        markers = beat.get("tool_call")
-        tool_call = (markers[0], markers[1]) if isinstance(markers, list) and len(markers) == 2 else None
-        since = int(beat.get("started_at") or 0)
-        known = found.get((model, queue))
-        if known is None or since < known.since:
-            found[(model, queue)] = Served(model, queue, since, tool_call)
+        for model in beat.models:
+            if model.state != "loaded":
+                continue
+            since = int(beat.started_at)
+            known = found.get((model.path, model.queue))
+            if known is None or since < known.since:
+                found[(model.path, model.queue)] = Served(model.path, model.queue, since, model.tool_call)
     return sorted(found.values(), key=lambda s: s.queue)
-

@@ -11,7 +11,7 @@ from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX
-from common.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
+from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 
 ENV_PREFIX = "MLXQ_GATEWAY_"
 
@@ -55,8 +55,3 @@ class GatewaySettings(LayeredSettings):
 def load_gateway_settings(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
     """Settings from `overrides` (CLI flags), the environment, then `config_file` (TOML)."""
     return load_layered(GatewaySettings, config_file, (), "gateway setting", **overrides)
-
-
-def load_gateway_settings_for_command(config_file: Path | None = None, **overrides: Any) -> GatewaySettings:
-    """`load_gateway_settings` for `mlxq gateway`: what is wrong ends as one line."""
-    return load_for_command(GatewaySettings, config_file, (), "gateway setting", **overrides)

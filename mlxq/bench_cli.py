@@ -113,7 +113,8 @@ def _served_model(args: argparse.Namespace) -> str:
 
     try:
         with connect(args.redis_url, socket_timeout=5) as r:
-            models = sorted({str(w.heartbeat.get("model")) for w in read_fleet(r, Keys()).serving(args.queue)})
+            models = sorted({m.path for w in read_fleet(r, Keys()).serving(args.queue) for m in w.heartbeat.models
+                             if m.queue == args.queue})
     except redis.RedisError:
         models = []
     return ", ".join(models) or "unknown model"

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from client.diagnose import describe, redacted
 
 EX_TEMPFAIL = 75  # sysexits.h: try again later (a full queue)
+
+
+S = TypeVar("S")
 
 
 class CommandError(Exception):
@@ -17,6 +22,21 @@ class CommandError(Exception):
     def __init__(self, message: str, status: int = 1) -> None:
         super().__init__(message)
         self.status = status
+
+
+def settings_for_command(load: Callable[[], S]) -> S:
+    """Settings for a command (`load()`): what is wrong with them ends as one line (status 2)."""
+    from pydantic import ValidationError
+
+    from client.protocol import describe_validation_error
+    from common.settings_layers import SettingsError
+
+    try:
+        return load()
+    except SettingsError as e:
+        raise CommandError(str(e), status=2) from e
+    except ValidationError as e:
+        raise CommandError(f"invalid settings: {describe_validation_error(e)}", status=2) from e
 
 
 def unreachable(url: str, error: BaseException, embedded_default: bool) -> str:

@@ -6,9 +6,10 @@ import argparse
 import faulthandler
 import signal
 import socket
+from functools import partial
 from typing import Any
 
-from .errors import CommandError
+from .errors import CommandError, settings_for_command
 
 
 def run(args: argparse.Namespace) -> int:
@@ -18,11 +19,11 @@ def run(args: argparse.Namespace) -> int:
     from client.diagnose import redacted
     from common import logs
     from gateway.app import create_app
-    from gateway.settings import GatewaySettings, load_gateway_settings_for_command
+    from gateway.settings import GatewaySettings, load_gateway_settings
 
     overrides: dict[str, Any] = {name: getattr(args, name) for name in GatewaySettings.model_fields}
     overrides["models"] = _pairs(args.models)
-    settings = load_gateway_settings_for_command(args.config, **overrides)
+    settings = settings_for_command(partial(load_gateway_settings, args.config, **overrides))
     logs.configure(settings.log_format, settings.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     log = structlog.get_logger("mlxq.gateway")

@@ -40,7 +40,7 @@ def render(fleet: Fleet) -> str:
                      "ERRORS", "PREFIX HIT", "VISION HIT", "MLX MEM", "VERSION", "BLAS", "SEEN"],
                     [_worker_row(w) for w in fleet.workers]) or ["(no workers)"]
     errors = [f"  {w.name}: {e.get('code')} {e.get('message', '')[:120]!r} ({_ago(time.time() - e['at'])} ago)"
-              for w in fleet.workers if (e := w.heartbeat.get("last_error")) and "at" in e]
+              for w in fleet.workers if (e := w.heartbeat.last_error) and "at" in e]
     if errors:
         lines += ["", "last errors:", *errors]
     return "\n".join(lines)
@@ -56,12 +56,13 @@ def _worker_row(w: WorkerView) -> list[str]:
     requests = sum(n for name, n in totals.items() if name.startswith(("finished:", "errors:")))
     errors = " ".join(f"{name.removeprefix('errors:')}={n}" for name, n in sorted(totals.items())
                       if name.startswith("errors:") and n) or "-"
-    running = f"{beat.get('running', '-')}/{beat.get('waiting', '-')}" if w.alive else "-"
-    return [w.name, w.state, str(beat.get("host", "?")), str(beat.get("queue", "?")), _model(beat.get("model")),
-            running, str(beat.get("tok_s", "-")) if w.alive else "-", str(requests),
-            str(totals.get("generation_tokens", 0)), errors, _rate(beat.get("prefix_cache")),
-            _rate(beat.get("vision_cache")), _bytes((beat.get("memory") or {}).get("active")),
-            str(beat.get("version", "?")), str(beat.get("blas", "?")), _ago(w.last_seen_s) + " ago"]
+    stats, model = beat.stats, beat.model
+    running = f"{stats.get('running', '-')}/{stats.get('waiting', '-')}" if w.alive else "-"
+    return [w.name, w.state, beat.host, model.queue if model else "?", _model(model.path if model else None),
+            running, str(beat.tok_s if beat.tok_s is not None else "-") if w.alive else "-", str(requests),
+            str(totals.get("generation_tokens", 0)), errors, _rate(stats.get("prefix_cache")),
+            _rate(stats.get("vision_cache")), _bytes((stats.get("memory") or {}).get("active")),
+            beat.version, beat.blas, _ago(w.last_seen_s) + " ago"]
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -11,19 +11,19 @@ from functools import partial
 from typing import Any
 
 from . import blas, demo_model, embedded
-from .errors import CommandError, on_path
+from .errors import CommandError, on_path, settings_for_command
 
 
 def run(args: argparse.Namespace) -> int:
     from common import logs
     from worker.backends import load_model
     from worker.daemon import Worker
-    from worker.settings import WorkerSettings, load_settings_for_command
+    from worker.settings import WorkerSettings, load_settings
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
-    settings = load_settings_for_command(args.config, **overrides)
+    settings = settings_for_command(partial(load_settings, args.config, **overrides))
     logs.configure(settings.log_format, settings.log_level)
     if settings.model is None:  # the demo model, built offline on first use
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})

@@ -56,12 +56,15 @@ def _sources() -> list[Path]:
 def test_no_package_imports_one_above_it():
     """client imports none of ours; common only the client; the worker and the gateway
     the client and common, never each other or the command line."""
+    modules = {_module_name(path) for path in _sources()}
     wrong = []
     for path in _sources():
         package = _module_name(path).split(".")[0]
         for name in _imports(path, anywhere=True):
             if name.split(".")[0] not in ALLOWED[package] | {package}:
                 wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+            elif name not in modules and name.rsplit(".", 1)[0] not in modules:
+                wrong.append(f"{path.relative_to(ROOT)} imports {name}, which is not there")
     assert wrong == []
 
 

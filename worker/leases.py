@@ -19,6 +19,8 @@ import uuid
 import structlog
 from redis.exceptions import RedisError
 
+from client.heartbeat import Heartbeat, ModelState, WorkerState
+
 from .messages import EngineStats
 from .naming import claim_consumer_name
 from .redis_queue import RedisQueue
@@ -52,7 +54,7 @@ class Leases:
         self.tool_call = tool_call  # the model's tool-call markers, for readers that split calls from text
         self.totals = totals
         self.blas = blas
-        self.state = "ready"  # then "draining", then "stopped"
+        self.state: WorkerState = "ready"  # then "draining", then "stopped"
         self.version = _version()
         self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
         self.started_at = time.time()
@@ -128,11 +130,11 @@ class Leases:
 
     def _heartbeat(self) -> str:
         """What this worker tells the fleet about itself (`mlxq:workers:<consumer>`)."""
-        return json.dumps({
-            "consumer": self.consumer, "instance": self.instance, "state": self.state, "queue": self.settings.queue,
-            "lanes": self.settings.lanes, "model": self.model_name, "tool_call": self.tool_call,
-            "host": socket.gethostname(), "pid": os.getpid(),
-            "started_at": self.started_at, "version": self.version, "blas": self.blas,
-            "in_flight": len(self.requests), "max_num_seqs": self.settings.max_num_seqs,
-            "tok_s": self.totals.tok_s(), "totals": self.totals.as_fields(), "last_error": self.totals.last_error,
-            **(self.stats.as_json() if self.stats else {})})
+        model = ModelState(self.settings.queue, self.settings.queue, self.model_name, "loaded",
+                           tuple(self.settings.lanes), self.tool_call)
+        return Heartbeat(
+            consumer=self.consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
+            pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
+            in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
+            totals=self.totals.as_fields(), last_error=self.totals.last_error,
+            stats=self.stats.as_json() if self.stats else {}).to_json()

@@ -16,15 +16,15 @@ heartbeat lapses, while a live holder keeps renewing it and the newcomer is refu
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import socket
 import time
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
 
 import structlog
+
+from client.heartbeat import Heartbeat
 
 from .redis_queue import RedisQueue
 from .retrying import retrying
@@ -50,7 +50,7 @@ async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
     names: Iterable[str] = [explicit] if explicit else (f"{host}-{i}" for i in range(MAX_INDEX))
     for name in names:
         held = await _claim(redis_queue, name, heartbeat(name), ttl_s, host)
-        if held is not None and explicit and _heartbeat_of(held).get("host") != host:  # alive or not: unknowable
+        if held is not None and explicit and _host_of(held) != host:  # alive or not: unknowable
             lapses_in_s = await retrying(partial(redis_queue.heartbeat_ttl_s, name), "reading a heartbeat's TTL")
             log.info("the consumer name is held; waiting for its heartbeat to lapse", name=name, holder=_describe(held),
                      wait_s=round(lapses_in_s, 1))
@@ -84,20 +84,17 @@ async def _claim_when_lapsed(redis_queue: RedisQueue, name: str, heartbeat: str,
             return held
 
 
-def _heartbeat_of(held: bytes) -> dict[str, Any]:
-    try:
-        state = json.loads(held)
-    except ValueError:
-        return {}
-    return state if isinstance(state, dict) else {}
+def _host_of(held: bytes) -> str | None:
+    beat = Heartbeat.from_json(held)
+    return None if beat is None else beat.host
 
 
 def _left_by_dead_process(held: bytes, host: str) -> bool:
     """Whether the heartbeat is of a process on this host that is gone."""
-    state = _heartbeat_of(held)
-    pid = state.get("pid")
-    if state.get("host") != host or not isinstance(pid, int):
+    beat = Heartbeat.from_json(held)
+    if beat is None or beat.host != host or beat.pid is None:
         return False
+    pid = beat.pid
     if pid == os.getpid():  # our own pid, and we have not written yet: an earlier run (a restarted container)
         return True
     try:
@@ -110,5 +107,6 @@ def _left_by_dead_process(held: bytes, host: str) -> bool:
 
 
 def _describe(held: bytes) -> str:
-    state = _heartbeat_of(held)
-    return f"host {state.get('host', '?')}, pid {state.get('pid', '?')}, queue {state.get('queue', '?')}"
+    beat = Heartbeat.from_json(held) or Heartbeat("?")
+    queue = beat.model.queue if beat.model else "?"
+    return f"host {beat.host}, pid {beat.pid if beat.pid is not None else '?'}, queue {queue}"

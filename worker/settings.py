@@ -13,7 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
-from common.settings_layers import LayeredSettings, check_redis_url, load_for_command, load_layered
+from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
@@ -127,8 +127,3 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSe
     Raises `SettingsError` for a file that cannot be read or an unknown setting (file key
     or `MLXQ_*` variable), and pydantic's `ValidationError` for a bad value."""
     return load_layered(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)
-
-
-def load_settings_for_command(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:
-    """`load_settings` for `mlxq worker`: what is wrong ends as one line."""
-    return load_for_command(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)
