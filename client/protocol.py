@@ -94,14 +94,33 @@ ResponseFormat = Annotated[JsonObjectFormat | JsonSchemaFormat | RegexFormat | C
                            Field(discriminator="type")]
 
 
+class TextPart(_Format):
+    """Text in a message's content."""
+
+    type: Literal["text"]
+    text: str
+
+
+class MediaPart(_Format):
+    """A media item's place in a message: `index` points into the request's list of that kind."""
+
+    type: Literal["image", "video", "audio"]
+    index: int = Field(ge=0, lt=2**31)
+
+
+ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
+MEDIA_LISTS = {"image": "images", "video": "videos", "audio": "audio"}  # a part's kind -> the request's field
+
+
 class Message(BaseModel):
-    """One chat message: `content`, or an assistant's `tool_calls` (OpenAI's shape), or a
-    tool's answer (`role` "tool", with the `tool_call_id` it answers)."""
+    """One chat message: `content` (text, or a list of text and media parts), or an
+    assistant's `tool_calls` (OpenAI's shape), or a tool's answer (`role` "tool", with the
+    `tool_call_id` it answers)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     role: str = Field(min_length=1)
-    content: str | None = None
+    content: str | list[ContentPart] | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
@@ -110,7 +129,19 @@ class Message(BaseModel):
     def _content_or_tool_calls(self) -> Message:
         if self.content is None and not self.tool_calls:
             raise ValueError("a message needs content (or, from the assistant, tool_calls)")
+        if self.content == []:
+            raise ValueError("content: an empty list of parts")
         return self
+
+    @property
+    def text(self) -> str:
+        """Its text: the content, or its text parts joined by newlines (as vLLM joins them)."""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        return "\n".join(part.text for part in self.content if isinstance(part, TextPart))
+
+    def media_parts(self) -> list[MediaPart]:
+        return [part for part in self.content if isinstance(part, MediaPart)] if isinstance(self.content, list) else []
 
 
 class FunctionSpec(_Format):
@@ -232,6 +263,25 @@ class RequestBody(BaseModel):
                                  f"(tools: {', '.join(names)})")
         if self.response_format is not None and self.tool_choice not in (None, "none", "auto"):
             raise ValueError("response_format cannot be combined with a tool_choice that forces a call")
+        return self
+
+    @model_validator(mode="after")
+    def _parts_point_into_the_media(self) -> RequestBody:
+        """Each media part names an item of the request's list of its kind, in a user
+        message, once; video and audio are not taken yet."""
+        pointed: set[tuple[str, int]] = set()
+        for i, message in enumerate(self.messages or []):
+            for part in message.media_parts():
+                where = f"messages.{i}.content: the {part.type} part with index {part.index}"
+                if part.type != "image":
+                    raise ValueError(f"{where}: {part.type} is not served yet (only images are)")
+                if message.role != "user":
+                    raise ValueError(f"{where}: media parts go in user messages, not {message.role!r} ones")
+                if part.index >= len(self.images or []):
+                    raise ValueError(f"{where}: the request has {len(self.images or [])} images")
+                if (part.type, part.index) in pointed:
+                    raise ValueError(f"{where}: points to an item another part points to")
+                pointed.add((part.type, part.index))
         return self
 
     @model_validator(mode="after")

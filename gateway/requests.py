@@ -196,16 +196,22 @@ def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[str, 
 
 
 def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """mlxq's messages (text content) and the images of their image_url parts, in order."""
+    """mlxq's messages and the request's images: OpenAI's content parts become mlxq's, an
+    `image_url` part an `{"type": "image", "index": i}` part where it was, its bytes the
+    request's i-th image."""
     out, images = [], []
     for i, message in enumerate(messages):
-        text = message.content
+        content: Any = message.content
         if isinstance(message.content, list):
-            parts = [p.text or "" for p in message.content if p.type == "text"]
-            images += [_image(i, j, p.image_url) for j, p in enumerate(message.content) if p.type == "image_url"]
-            text = "\n".join(parts)
+            content = []
+            for j, part in enumerate(message.content):
+                if part.type == "text":
+                    content.append({"type": "text", "text": part.text or ""})
+                else:
+                    images.append(_image(i, j, part.image_url))
+                    content.append({"type": "image", "index": len(images) - 1})
         role = "system" if message.role == "developer" else message.role
-        out.append({k: v for k, v in {"role": role, "content": text, "name": message.name,
+        out.append({k: v for k, v in {"role": role, "content": content, "name": message.name,
                                       "tool_calls": message.tool_calls,
                                       "tool_call_id": message.tool_call_id}.items() if v is not None})
     return out, images

@@ -447,8 +447,33 @@ def test_an_image_request_on_a_vision_worker(gateway, valkey, vision_model, logs
                                                         .decode()}}]}])
         assert response.choices[0].message.content == done.text
         assert response.usage.prompt_tokens == done.usage.prompt_tokens > 24  # the image's tokens are in it
+        _image_in_an_earlier_turn(gateway, valkey, vision.queue, image)
     finally:
         vision.stop()
+
+
+def _image_in_an_earlier_turn(gateway, valkey, queue: str, image: bytes) -> None:
+    """The image in the first user turn, through the gateway: it stays there, as the same
+    request with an image part sent by a raw producer; with the image in the last turn
+    (where a request without parts puts it) the output differs."""
+    url = "data:image/png;base64," + base64.b64encode(image).decode()
+    turns = [[{"type": "text", "text": "Describe it."}, "IMAGE"], "A cat.", [{"type": "text", "text": "Sure?"}]]
+
+    def chat(image_part: object, image_turn: int) -> list[dict]:
+        return [{"role": ("user", "assistant")[i % 2], "content": (
+            [*(p for p in turn if p != "IMAGE"), *([image_part] if i == image_turn else [])]
+            if isinstance(turn, list) else turn)} for i, turn in enumerate(turns)]
+
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+        through_gateway = sdk.chat.completions.create(model=queue, max_tokens=8, messages=chat(
+            {"type": "image_url", "image_url": {"url": url}}, 0))
+    with Client(valkey, queue=queue) as mlxq:
+        raw = mlxq.generate(messages=chat({"type": "image", "index": 0}, 0), images=[image], max_tokens=8)
+        in_the_last_turn = mlxq.generate(messages=chat({"type": "image", "index": 0}, 2), images=[image],
+                                         max_tokens=8)
+    assert in_the_last_turn.text != raw.text, "where the image is changes the output"
+    assert through_gateway.choices[0].message.content == raw.text
+    assert through_gateway.usage.prompt_tokens == raw.usage.prompt_tokens
 
 
 def test_reasoning_comes_as_reasoning_content(gateway, valkey, thinking_model, logs_dir):

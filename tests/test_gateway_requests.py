@@ -34,7 +34,8 @@ def test_openai_fields_map_onto_the_mlxq_body():
                               "messages": [{"role": "developer", "content": "Be brief."},
                                            {"role": "user", "content": [{"type": "text", "text": "a"},
                                                                         {"type": "text", "text": "b"}]}]})
-    assert call.body == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a\nb"}],
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]  # passed through, as parts
+    assert call.body == {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": parts}],
                          "max_tokens": 9, "stop": ["END"], "seed": 4, "temperature": 0.5, "logprobs": True,
                          "top_logprobs": 2, "top_k": 5, "metadata": {"user": "u1"}}
     assert call.stream and call.include_usage and call.model == "m" and not call.offers_tools
@@ -54,7 +55,9 @@ def test_images_come_from_data_urls_only():
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}}
     call = read_call("chat", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "What?"},
                                                                                part]}]})
-    assert call.body["images"] == [png] and call.body["messages"] == [{"role": "user", "content": "What?"}]
+    assert call.body["images"] == [png]
+    assert call.body["messages"] == [{"role": "user", "content": [{"type": "text", "text": "What?"},
+                                                                  {"type": "image", "index": 0}]}]
     remote = {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
     error = refused("chat", {**CHAT, "messages": [{"role": "user", "content": [remote]}]})
     assert "only data: URLs are accepted (nothing is fetched)" in error.message

@@ -332,3 +332,57 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     assert prefilling not in produced
     assert produced.count(decoding) == 30, "the neighbour ran to its max_tokens"
     backend.close()
+
+
+def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
+    """`{"type": "image", "index": i}` parts put each image in its own turn, in the order
+    the parts come (not the order of `images`); an image no part points to goes first in
+    the last user message. Each image's tokens follow its patches, so the images' order
+    in the prompt is the order the tower gets them."""
+    from client.protocol import RequestBody
+
+    loaded, _ = backend_parts
+    prompts = loaded.info.vision
+    tokenizer = prompts.processor.tokenizer
+    pad, turn = (tokenizer.convert_tokens_to_ids(t) for t in ("<|image_pad|>", "<|im_start|>"))
+    first, second, loose = png(56, 56, 1), png(112, 112, 2), png(56, 112, 3)  # 4, 16 and 8 image tokens
+    body = RequestBody(images=[b64(second), b64(first), b64(loose)], messages=[
+        {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "index": 1}]},
+        {"role": "assistant", "content": "A picture."},
+        {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "And this?"}]}])
+    ids, images = prompts.prepare(body)
+    turns: list[list[int]] = []
+    for token in ids:
+        if token == turn:
+            turns.append([])
+        elif turns:
+            turns[-1].append(token)
+    assert [t.count(pad) for t in turns] == [4, 0, 8 + 16, 0]  # the last: the assistant's opening
+    assert [int(np.prod(image.grid)) // 4 for image in images] == [4, 8, 16]  # first, loose, second
+    text = tokenizer.decode(turns[0])
+    assert text.index("What is this?") < text.index("<|image_pad|>")
+
+
+def test_media_parts_that_point_nowhere_are_refused_before_any_work():
+    """A part whose index is past the request's images, one that points where another
+    does, one outside a user message, and a video part (not served yet) are each an
+    `invalid_request` naming the part."""
+    from client.protocol import RequestRejected, validate_body
+
+    image = b64(png(56, 56))
+
+    def refused(messages: list[dict], images: list[str]) -> str:
+        with pytest.raises(RequestRejected) as e:
+            validate_body({"messages": messages, "images": images})
+        return str(e.value)
+
+    part = {"type": "image", "index": 1}
+    assert "the image part with index 1: the request has 1 images" in refused(
+        [{"role": "user", "content": [part]}], [image])
+    assert "points to an item another part points to" in refused(
+        [{"role": "user", "content": [part, part]}], [image, image])
+    assert "media parts go in user messages, not 'system' ones" in refused(
+        [{"role": "system", "content": [part]}, {"role": "user", "content": "x"}], [image, image])
+    assert "video is not served yet" in refused(
+        [{"role": "user", "content": [{"type": "video", "index": 0}]}], [])
+    assert "an empty list of parts" in refused([{"role": "user", "content": []}], [])

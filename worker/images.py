@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from client.protocol import ErrorCode, RequestBody, RequestRejected, decode_images
+from client.protocol import ErrorCode, RequestBody, RequestRejected, TextPart, decode_images
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -58,7 +58,36 @@ class VisionPrompts:
             raise RequestRejected("images: send them with prompt or messages, not prompt_tokens "
                                  "(the worker places the image tokens)")
         images = [self._prepare_image(i, data) for i, data in enumerate(decode_images(body.images))]
-        return self._tokens(body, images), images
+        conversation, order = self._conversation(body, len(images))
+        in_prompt = [images[i] for i in order]
+        return self._tokens(conversation, in_prompt), in_prompt
+
+    @staticmethod
+    def _conversation(body: RequestBody, count: int) -> tuple[str | list[Any], list[int]]:
+        """What mlx-vlm's chat formatting takes, and the images in the order their
+        placeholders come. Parts keep each image in its message; with no parts at all, the
+        images go into the last user message, as mlx-vlm places them; with parts, those no
+        part points to go first in the last user message."""
+        if body.messages is None:  # a plain prompt with images: one user message
+            return body.prompt or "", list(range(count))
+        if not any(m.media_parts() for m in body.messages):
+            return [m.model_dump(exclude_none=True) for m in body.messages], list(range(count))
+        pointed = {part.index for m in body.messages for part in m.media_parts()}
+        loose = [i for i in range(count) if i not in pointed]
+        last_user = max(i for i, m in enumerate(body.messages) if m.role == "user")
+        conversation, order = [], []
+        for i, message in enumerate(body.messages):
+            parts: list[dict[str, Any]] = [{"type": "image"} for _ in loose] if i == last_user else []
+            order += loose if i == last_user else []
+            for part in message.content if isinstance(message.content, list) else [TextPart(type="text",
+                                                                                            text=message.text)]:
+                if isinstance(part, TextPart):
+                    parts.append({"type": "text", "text": part.text})
+                else:
+                    parts.append({"type": "image"})
+                    order.append(part.index)
+            conversation.append({**message.model_dump(exclude_none=True), "content": parts})
+        return conversation, order
 
     def _prepare_image(self, index: int, data: bytes) -> PreparedImage:
         image = decode_image(data, index, self.max_image_pixels)
@@ -67,13 +96,9 @@ class VisionPrompts:
         key = f"{self.model_name}:{hashlib.sha256(data).hexdigest()}"
         return PreparedImage(key=key, pixels=out["pixel_values"], grid=(t, h, w))
 
-    def _tokens(self, body: RequestBody, images: list[PreparedImage]) -> list[int]:
+    def _tokens(self, conversation: str | list[Any], images: list[PreparedImage]) -> list[int]:
         from mlx_vlm.prompt_utils import apply_chat_template
 
-        # A plain prompt with images becomes one user message: image placeholders only
-        # exist in the model's chat format.
-        conversation: str | list[Any] = (body.prompt or "") if body.messages is None else \
-            [m.model_dump(exclude_none=True) for m in body.messages]
         text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:

@@ -104,7 +104,7 @@ class Preparer:
         token never spans more characters than the longest in the vocabulary)."""
         if self.longest_token is None:
             return
-        chars = len(body.prompt or "") + sum(len(m.content or "") for m in body.messages or [])
+        chars = len(body.prompt or "") + sum(len(m.text) for m in body.messages or [])
         most = self.prompt_token_limit * self.longest_token
         if chars > most:
             raise RequestRejected(f"the prompt has {chars} characters: more than {self.prompt_token_limit} tokens "
@@ -235,7 +235,8 @@ class Preparer:
             raise RequestRejected(f"chat_template_kwargs: {', '.join(sorted(reserved))} cannot be set by a request")
         if body.tools and body.tool_choice != "none":
             kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
-        messages = [m.model_dump(exclude_none=True) for m in body.messages or []]
+        messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if m.content is not None else {})}
+                    for m in body.messages or []]  # a text model's template takes text: parts joined
         try:
             tokens = self.info.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
