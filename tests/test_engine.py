@@ -12,7 +12,7 @@ import pytest
 from client import Delta, Done, Error
 from worker.backends import Loaded, ModelInfo, TokenOut
 from worker.engine import Engine
-from worker.messages import EngineRequest, Resume, Route, SamplingParams, StepOutput
+from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, StepOutput
 from worker.scheduler import Scheduler
 
 
@@ -74,7 +74,7 @@ class FakeBackend:
 
 def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None,
             resume: Resume | None = None) -> EngineRequest:
-    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json", "q"), prompt_tokens=[1], max_tokens=max_tokens,
+    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=[1], max_tokens=max_tokens,
                          sampling=SamplingParams(), stop=[], stream_interval=1, priority=priority,
                          arrived_at=time.time(), deadline_at=deadline_at, resume=resume)
 

@@ -8,7 +8,7 @@ import pytest
 
 from client import Delta, Done, Timing
 from worker.backends import TokenOut
-from worker.messages import EngineRequest, Route, SamplingParams
+from worker.messages import EngineRequest, RequestRef, SamplingParams
 from worker.output import RequestOutput, process_step
 
 
@@ -20,7 +20,7 @@ def tokenizer(demo_model: Path):
 
 
 def make_request(stop: list[str] | None = None, interval: int = 1, max_tokens: int = 100) -> EngineRequest:
-    return EngineRequest(route=Route("r1", "1-0", "out", "json", "q"), prompt_tokens=[1, 2, 3], max_tokens=max_tokens,
+    return EngineRequest(ref=RequestRef("r1", "1-0"), prompt_tokens=[1, 2, 3], max_tokens=max_tokens,
                          sampling=SamplingParams(), stop=stop or [], stream_interval=interval, priority=0,
                          arrived_at=100.0, deadline_at=None)
 

@@ -46,7 +46,7 @@ async def serving(r: aioredis.Redis, consumer: str) -> tuple[RedisQueue, Request
 async def publish(redis_queue: RedisQueue, requests: RequestTable, route: Route) -> None:
     publisher = Publisher(redis_queue, requests)
     task = asyncio.create_task(publisher.run())
-    publisher.emit(Outgoing(route, Delta(id=route.id, seq=0, text="a", tokens=[1])))
+    publisher.emit(Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1])))
     await asyncio.wait_for(publisher.outputs.join(), 10)
     task.cancel()
 
@@ -84,8 +84,8 @@ async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
     await r.set(KEYS.progress(broken.id), "not a fence")
     publisher = Publisher(redis_queue, requests)
     task = asyncio.create_task(publisher.run())
-    publisher.emit(Outgoing(broken, Error(id=broken.id, code="internal", message="x")))
-    publisher.emit(Outgoing(first, Delta(id=first.id, seq=0, text="a", tokens=[1])))
+    publisher.emit(Outgoing(broken.ref, Error(id=broken.id, code="internal", message="x")))
+    publisher.emit(Outgoing(first.ref, Delta(id=first.id, seq=0, text="a", tokens=[1])))
     await asyncio.wait_for(publisher.outputs.join(), 10)
     assert not task.done(), "the publisher must keep running"
     task.cancel()
@@ -103,7 +103,7 @@ async def test_a_queue_stream_redis_refuses_to_settle_leaves_the_publisher_runni
     await r.set(route.stream, "not a stream")
     publisher = Publisher(redis_queue, requests)
     task = asyncio.create_task(publisher.run())
-    publisher.emit(Outgoing(route, Error(id=route.id, code="internal", message="the end")))
+    publisher.emit(Outgoing(route.ref, Error(id=route.id, code="internal", message="the end")))
     await asyncio.wait_for(publisher.outputs.join(), 10)
     assert not task.done(), "the publisher must keep running"
     task.cancel()
@@ -138,7 +138,7 @@ async def test_a_step_handed_over_from_the_engine_thread_is_taken_when_the_hand_
     assert behind.taken.is_set() and time.monotonic() - started < 10
     publisher._writing = False
     task = asyncio.create_task(publisher.run())
-    step = StepOutput([Outgoing(route, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
+    step = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
     started = time.monotonic()
     await asyncio.to_thread(publisher.hand_over, loop, step, 30)
     assert step.taken.is_set() and time.monotonic() - started < 10
@@ -165,7 +165,7 @@ async def test_a_written_done_is_counted_before_its_entry_is_settled(r):
     task = asyncio.create_task(publisher.run())
     last = Done(id=route.id, finish_reason="length", text="a", usage=Usage(1, 1),
                 timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0))
-    publisher.emit(Outgoing(route, last))
+    publisher.emit(Outgoing(route.ref, last))
     await asyncio.wait_for(publisher.outputs.join(), 10)
     task.cancel()
     assert counted_when_settling == [last] and counted == [last]

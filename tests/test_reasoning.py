@@ -93,12 +93,12 @@ def test_a_resumed_output_keeps_reasoning_and_text_apart(thinking_model):
     from mlx_lm.utils import load_tokenizer
 
     from worker.backends import TokenOut
-    from worker.messages import EngineRequest, Resume, Route, SamplingParams, Thinking
+    from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, Thinking
     from worker.output import RequestOutput
 
     tokenizer = load_tokenizer(thinking_model)
     r1, r2, a1, a2 = 300, 301, 400, 401
-    request = EngineRequest(route=Route("t", "1-0", "out", "json", "q"), prompt_tokens=[1, 2, THINK], max_tokens=10,
+    request = EngineRequest(ref=RequestRef("t", "1-0"), prompt_tokens=[1, 2, THINK], max_tokens=10,
                             sampling=SamplingParams(), stop=[], stream_interval=1, priority=0, arrived_at=0.0,
                             deadline_at=None, thinking=Thinking(THINK, END_THINK, open=True))
     whole = RequestOutput(request, tokenizer.detokenizer, 0.0, tokenizer.detokenizer)

@@ -12,7 +12,7 @@ from support import HELD, ON_BOTH, settled, worker_fixture, xadd_json
 from client import Delta, Done
 from worker.backends.mlx_lm import load_text_model
 from worker.engine import Engine
-from worker.messages import EngineRequest, Route, SamplingParams, StepOutput
+from worker.messages import EngineRequest, RequestRef, SamplingParams, StepOutput
 from worker.settings import WorkerSettings
 
 worker = worker_fixture(prefill_step_size=128)
@@ -38,7 +38,7 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 8) -> EngineRequest:
-    return EngineRequest(route=Route(rid, "1-0", f"out:{rid}", "json", "q"), prompt_tokens=tokens,
+    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=tokens,
                          max_tokens=max_tokens, sampling=SamplingParams(), stop=[], stream_interval=1, priority=0,
                          arrived_at=time.time(), deadline_at=None)
 

@@ -207,20 +207,20 @@ class Engine:
     def _apply(self, command: Command, out: StepOutput) -> None:
         if isinstance(command, Submit):
             if self._drain_until is not None:
-                out.abandoned.append(command.request.route)
+                out.abandoned.append(command.request.ref)
                 return
             try:
                 self._scheduler.add(command.request)
             except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone
                 reason = f"could not queue the request: {e!r}"
-                out.outgoing.append(failed(command.request.route, ErrorCode.INTERNAL, reason))
+                out.outgoing.append(failed(command.request.ref, ErrorCode.INTERNAL, reason))
         elif isinstance(command, Cancel):
             self._cancel(command.request_id, out)
         elif isinstance(command, Abandon):
             self._abandon(command.request_id)
         elif isinstance(command, Shutdown):
             self._drain_until = command.drain_until
-            out.abandoned.extend(r.route for r in self._scheduler.drain())
+            out.abandoned.extend(r.ref for r in self._scheduler.drain())
 
     def _cancel(self, request_id: str, out: StepOutput) -> None:
         uid = self._uids.get(request_id)
@@ -228,7 +228,7 @@ class Engine:
             self._backend.remove([uid])
             output = self._retire([uid])[0]
             events = output.finish("cancelled", time.time())
-            out.outgoing.extend(Outgoing(output.request.route, e) for e in events)
+            out.outgoing.extend(Outgoing(output.request.ref, e) for e in events)
             return
         request = self._scheduler.remove(request_id)
         if request is not None:
@@ -286,7 +286,7 @@ class Engine:
                 self._admit_one(request, now, out)
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("could not start a request", request_id=request.id, error=repr(e))
-                out.outgoing.append(failed(request.route, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
+                out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
 
     def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
         if request.deadline_at is not None and now > request.deadline_at:
@@ -295,7 +295,7 @@ class Engine:
         output = RequestOutput(request, self._loaded.new_detokenizer(), now,
                                self._loaded.new_detokenizer() if request.thinking else None)
         if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
-            out.outgoing.extend(Outgoing(request.route, e) for e in output.finish("length", now))
+            out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
             return
         uid = self._insert(request, output)
         self._running[uid] = output
@@ -352,7 +352,7 @@ class Engine:
     def _fail_batch(self, error: Exception, out: StepOutput) -> None:
         log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
         for output in self._retire(list(self._running)):
-            out.outgoing.append(failed(output.request.route, ErrorCode.INTERNAL, f"generation failed: {error}"))
+            out.outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"generation failed: {error}"))
         self._backend.close()
         self._backend = self._loaded.make_backend()
 
@@ -363,5 +363,5 @@ class Engine:
             return
         uids = list(self._running)
         self._backend.remove(uids)
-        out.abandoned.extend(s.request.route for s in self._retire(uids))
+        out.abandoned.extend(s.request.ref for s in self._retire(uids))
 

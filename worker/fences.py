@@ -34,8 +34,7 @@ async def take_fence(redis_queue: RedisQueue, requests: RequestTable, held: Held
         log.info("this request's output was already complete; settling it", request_id=route.id)
         await retrying(partial(redis_queue.finish, [route]), "settling a finished request")
     else:
-        requests.reroute(route.id, fence=taken.token)
-        held.written = taken.written
+        requests.fenced(route.id, taken.token, taken.written)
         return taken
     requests.end(route.id, RequestStatus.SETTLED)
     return None

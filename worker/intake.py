@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import structlog
@@ -153,7 +152,7 @@ class Intake:
             earlier = await retrying(partial(self.redis_queue.earlier_output, route, taken.written),
                                      "reading earlier output")
             if not earlier.whole:
-                self._answer(failed(route, ErrorCode.INTERNAL, (
+                self._answer(failed(route.ref, ErrorCode.INTERNAL, (
                     f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "
                     "remain in the output stream (expired?); continuing would repeat or skip text")))
                 return
@@ -168,16 +167,15 @@ class Intake:
     async def _submit(self, envelope: Envelope, held: HeldRequest, cancelled: bool, resume: Resume | None) -> None:
         route = held.route
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
-        prepare = partial(self.preparer.prepare, envelope, route, arrived_at, self.clock_offset_s, resume)
+        prepare = partial(self.preparer.prepare, envelope, route.ref, arrived_at, self.clock_offset_s, resume)
         try:
             # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
             inline = envelope.size <= INLINE_BODY_BYTES and "response_format" not in (envelope.raw or {})
             request = prepare() if inline else await asyncio.to_thread(prepare)  # compiling a grammar takes a while
         except RequestRejected as e:
-            self._answer(failed(route, e.code, str(e)))
+            self._answer(failed(route.ref, e.code, str(e)))
             return
-        held.arrived_at = arrived_at
-        request = replace(request, read_at=held.read_at, prepared_at=time.time())
+        self.requests.prepared(route.id, arrived_at)
         if cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return
@@ -193,7 +191,7 @@ class Intake:
         await retrying(partial(self.redis_queue.record_dead, route.stream, route.entry_id, delivery.fields, reason,
                                deliveries=delivery.deliveries), "dead-lettering")
         self.totals.count("dead_letters")
-        self._answer(failed(route, ErrorCode.POISONED, f"{reason}; moved to {self.redis_queue.dead}"))
+        self._answer(failed(route.ref, ErrorCode.POISONED, f"{reason}; moved to {self.redis_queue.dead}"))
 
     async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
         """An entry whose intake failed in a way nobody foresaw: its reader gets an
@@ -202,7 +200,8 @@ class Intake:
         log.error("could not take in a request", entry_id=delivery.entry_id, error=reason, exc_info=error)
         held = self.requests.by_entry(delivery.entry_id)
         if held is not None:
-            self._answer(failed(held.route, ErrorCode.INTERNAL, f"the worker could not start this request: {reason}"))
+            self._answer(failed(held.route.ref, ErrorCode.INTERNAL,
+                                f"the worker could not start this request: {reason}"))
             return
         if delivery.fields is not None:
             await retrying(partial(self.redis_queue.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
@@ -212,5 +211,5 @@ class Intake:
 
     def _answer(self, outgoing: Outgoing) -> None:
         """The request's terminal event, made here rather than by the engine."""
-        self.requests.advance(outgoing.route.id, RequestStatus.FINISHING)
+        self.requests.advance(outgoing.ref.id, RequestStatus.FINISHING)
         self.emit(outgoing)

@@ -25,8 +25,19 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class RequestRef:
+    """Which delivery of which request: its id and the queue entry it came in. This, not
+    the request's route, crosses to the engine and back: where its events go is the
+    request table's to know (`requests.HeldRequest`)."""
+
+    id: str
+    entry_id: str
+
+
+@dataclass(frozen=True)
 class Route:
-    """Where a request's events go and which queue entry they settle."""
+    """Where a request's events go and which queue entry they settle (held by the
+    request table only)."""
 
     id: str
     entry_id: str
@@ -34,6 +45,10 @@ class Route:
     encoding: Encoding
     stream: str  # the request stream (queue or lane) the entry is in
     fence: str = ""  # the token of this worker's taking of the request's fence ("": not taken yet)
+
+    @property
+    def ref(self) -> RequestRef:
+        return RequestRef(self.id, self.entry_id)
 
 
 @dataclass(frozen=True)
@@ -73,17 +88,15 @@ class Thinking:
 class EngineRequest:
     """A validated, tokenized request, ready for the engine."""
 
-    route: Route
+    ref: RequestRef
     prompt_tokens: list[int]
     max_tokens: int
     sampling: SamplingParams
     stop: list[str]
     stream_interval: int
     priority: int
-    arrived_at: float  # unix seconds on this host's clock (the entry id's stamp, offset-corrected)
+    arrived_at: float  # unix seconds on this host's clock (the entry id's stamp): ages it, times it
     deadline_at: float | None  # unix seconds, or None
-    read_at: float | None = None  # unix seconds: when this worker read the entry
-    prepared_at: float | None = None  # and when it was decoded, validated and tokenized
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
     images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
@@ -97,7 +110,7 @@ class EngineRequest:
 
     @property
     def id(self) -> str:
-        return self.route.id
+        return self.ref.id
 
     @property
     def tokens_to_generate(self) -> int:
@@ -138,9 +151,9 @@ Command = Submit | Cancel | Abandon | Shutdown
 
 @dataclass(frozen=True)
 class Outgoing:
-    """One event to publish, with its route."""
+    """One event to publish, for the request delivery it belongs to."""
 
-    route: Route
+    ref: RequestRef
     event: Event
 
 
@@ -150,7 +163,7 @@ class StepOutput:
     `taken` is set once the publisher has taken it (`Publisher.hand_over`)."""
 
     outgoing: list[Outgoing] = field(default_factory=list)
-    abandoned: list[Route] = field(default_factory=list)  # left un-acked at shutdown
+    abandoned: list[RequestRef] = field(default_factory=list)  # left un-acked at shutdown
     taken: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 

@@ -111,7 +111,8 @@ class _Collected(Collector):
         yield finished
         yield errors
         statuses = [held.status for held in self.requests]
-        yield _gauge("num_requests_running", "Requests in the batch", sum(s is RequestStatus.RUNNING for s in statuses))
+        streaming = sum(s is RequestStatus.STREAMING for s in statuses)
+        yield _gauge("num_requests_running", "Requests streaming (first event written)", streaming)
         yield _gauge("num_requests_waiting", "Requests held, not yet generating", sum(s in WAITING for s in statuses))
         stats = self.engine_stats()
         spent = stats.time if stats is not None and stats.time is not None else None

@@ -15,7 +15,7 @@ from typing import Any
 from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, TokenLogprob, Usage
 
 from .backends import TokenOut
-from .messages import EngineRequest, Outgoing, Resume, Route
+from .messages import EngineRequest, Outgoing, RequestRef, Resume
 from .tools import parse_tool_calls
 
 
@@ -166,16 +166,13 @@ class RequestOutput:
         resumed = len(self.request.resume.tokens) if self.request.resume else 0
         after_first = self.completion_tokens - resumed - 1
         decoding = None if first is None or last is None or after_first < 1 else last - first
-        read, prepared = self.request.read_at, self.request.prepared_at
         return Timing(
             queued_ms=_ms(self.admitted_at - arrived),
             ttft_ms=None if first is None else _ms(first - arrived),
             total_ms=_ms(now - arrived),
             itl_ms=None if not decoding else _ms(decoding / after_first),
             tok_s=None if not decoding else round(after_first / decoding, 1),
-            read_ms=None if read is None else _ms(read - arrived),
-            prepared_ms=None if prepared is None else _ms(prepared - arrived),
-        )
+        )  # the stages before and after the engine are the request table's (`HeldRequest.timed`)
 
 
 def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], now: float,
@@ -191,10 +188,10 @@ def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], 
         try:
             events = output.add(out, now, (logprobs or {}).get(out.uid))
         except Exception as e:  # noqa: BLE001 - this request alone fails
-            outgoing.append(failed(output.request.route, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
+            outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
             finished.append(out.uid)
             continue
-        outgoing.extend(Outgoing(output.request.route, event) for event in events)
+        outgoing.extend(Outgoing(output.request.ref, event) for event in events)
         if output.done is not None:
             finished.append(out.uid)
     return outgoing, finished
@@ -206,14 +203,14 @@ def not_started(request: EngineRequest, now: float, reason: FinishReason = "canc
     done = Done(id=request.id, finish_reason=reason, text="",
                 usage=Usage(len(request.prompt_tokens), 0),
                 timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.metadata)
-    return Outgoing(request.route, done)
+    return Outgoing(request.ref, done)
 
 
 def deadline_exceeded(request: EngineRequest) -> Outgoing:
     """The error of a request whose `deadline_ms` passed before it started."""
-    return failed(request.route, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
+    return failed(request.ref, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
 
 
-def failed(route: Route, code: ErrorCode, message: str) -> Outgoing:
-    """The `error` event of one request: the one place an error event is made."""
-    return Outgoing(route, Error(id=route.id, code=code, message=message))
+def failed(ref: RequestRef, code: ErrorCode, message: str) -> Outgoing:
+    """The `error` event of one request."""
+    return Outgoing(ref, Error(id=ref.id, code=code, message=message))

@@ -16,7 +16,7 @@ from .backends import ModelInfo
 from .constraints import Grammars, format_grammar
 from .faults import NONE, Faults
 from .images import PreparedImage
-from .messages import EngineRequest, Resume, Route, SamplingParams, Thinking
+from .messages import EngineRequest, RequestRef, Resume, SamplingParams, Thinking
 from .settings import WorkerSettings
 from .tools import ToolFormat, ToolUse, forced_call_grammar
 
@@ -36,7 +36,7 @@ class Preparer:
         self.eos_ids = frozenset(getattr(info.tokenizer, "eos_token_ids", None) or ())
         self.grammars = _grammars(info)
 
-    def prepare(self, envelope: Envelope, route: Route, arrived_at: float,
+    def prepare(self, envelope: Envelope, ref: RequestRef, arrived_at: float,
                 clock_offset_s: float, resume: Resume | None = None) -> EngineRequest:
         """An engine request; raises `RequestRejected` with the field and the reason."""
         if envelope.error is not None:
@@ -63,7 +63,7 @@ class Preparer:
         thinking = self._thinking(tokens)
         constraint = self._constraint(body, tools, _answer_tokens(resume, thinking))
         return EngineRequest(
-            route=route,
+            ref=ref,
             prompt_tokens=tokens,
             max_tokens=min(max_tokens, room),
             sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

@@ -25,7 +25,7 @@ from .fences import take_fence
 from .messages import Outgoing, Route, StepOutput
 from .output import failed
 from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
-from .requests import HeldRequest, RequestStatus, RequestTable
+from .requests import RequestStatus, RequestTable
 from .retrying import describe, is_permission_error, retrying
 
 log = structlog.get_logger("mlxq.worker")
@@ -125,7 +125,7 @@ class Publisher:
         """Take the fence of requests answered before their intake took it (a poisoned
         entry, an error found before its body was read)."""
         for item in outgoing:
-            held = self.requests.holding(item.route)
+            held = self.requests.holding(item.ref)
             if held is None or held.route.fence:
                 continue
             try:
@@ -156,13 +156,13 @@ class Publisher:
         held are dropped. An event that cannot be encoded ends its request there."""
         events: dict[str, list[Event]] = {}
         for item in outgoing:
-            if self.requests.holding(item.route) is not None:
-                events.setdefault(item.route.id, []).append(item.event)
+            if self.requests.holding(item.ref) is not None:
+                events.setdefault(item.ref.id, []).append(item.event)
         writes = []
         for request_id, its_events in events.items():
             held = self.requests.get(request_id)
             assert held is not None
-            write = encode_write(held.route, held.written, [_stamped(e, held) for e in its_events])
+            write = encode_write(held.route, held.written, [held.timed(e) for e in its_events])
             if write.terminal:
                 self.requests.advance(request_id, RequestStatus.FINISHING)
             writes.append(write)
@@ -172,7 +172,7 @@ class Publisher:
         """Act on one request's status; returns the events to publish in its place, if any."""
         route, status = write.route, published.status
         if status is PublishStatus.APPLIED:
-            self.requests.wrote(route, write.first + len(write.entries), write.terminal)
+            self.requests.wrote(route.ref, write.first + len(write.entries), write.terminal)
             if write.terminal:
                 _log_finished(write.events[-1])
             return []
@@ -246,13 +246,13 @@ class Publisher:
         is taken before the error is written."""
         route = replace(route, fence="")
         self.requests.hold_again(route, 0)
-        return [failed(route, code, message)]
+        return [failed(route.ref, code, message)]
 
     def _instead(self, route: Route, written: int, code: ErrorCode, message: str) -> list[Outgoing]:
         """Hold the request again, at `written`, to publish an error as its terminal event;
         the engine drops what it still makes for it."""
         self.requests.hold_again(route, written)
-        return [failed(route, code, message)]
+        return [failed(route.ref, code, message)]
 
 
 def _log_finished(event: Event) -> None:
@@ -264,10 +264,3 @@ def _log_finished(event: Event) -> None:
              prompt_tokens=event.usage.prompt_tokens, completion_tokens=event.usage.completion_tokens,
              ttft_ms=event.timing.ttft_ms, total_ms=event.timing.total_ms, tok_s=event.decode_tok_s)
 
-
-def _stamped(event: Event, held: HeldRequest) -> Event:
-    """A `done` with the time its request's first delta was written (the publisher's to know)."""
-    if not isinstance(event, Done) or held.first_published_at is None or held.arrived_at is None:
-        return event
-    published_ms = round((held.first_published_at - held.arrived_at) * 1000.0, 1)
-    return replace(event, timing=replace(event.timing, published_ms=published_ms))

@@ -1,17 +1,19 @@
 """The requests this worker holds and where each stands: the one owner of that state.
 
-    READ ──> ADMITTED ──> RUNNING ──> FINISHING ──> (ACKED)
+    READ ──> ADMITTED ──> STREAMING ──> FINISHING ──> (ACKED)
       │          │           │            │
-      └──────────┴───────────┴────────────┴──> (LOST | SETTLED | HANDED_BACK)
+      └──────────┴────────────┴─────────────┴──> (LOST | SETTLED | HANDED_BACK)
 
 A request is READ when its entry is taken from the stream (before anything else, so
-no cancel slips past it), ADMITTED when it is handed to the engine, RUNNING once its
+no cancel slips past it), ADMITTED when it is handed to the engine, STREAMING once its
 first event is written and FINISHING once its terminal event is on its way. It leaves
 the table ACKED (its terminal event written and its entry acknowledged), LOST (another
 worker holds its entry now), SETTLED (acknowledged with no output of ours: a repeat, a
 duplicate, an output stream Redis refuses) or HANDED_BACK (still pending at exit, for
 another worker to resume). The intake, the publisher, the lease keeper and the cancel
-listener all go through this table; only it tells the engine to drop a request.
+listener all go through this table, and change a request only through its methods;
+only it tells the engine to drop a request. What crosses to the engine and back is a
+`RequestRef` (id and entry), never a copy of the route or the timings kept here.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
-from .messages import Route
+from client.protocol import Done, Event
+
+from .messages import RequestRef, Route
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -34,7 +38,7 @@ class RequestStatus(enum.Enum):
 
     READ = "read"
     ADMITTED = "admitted"
-    RUNNING = "running"
+    STREAMING = "streaming"
     FINISHING = "finishing"
     ACKED = "acked"
     LOST = "lost"
@@ -55,7 +59,21 @@ class HeldRequest:
     cancel_requested: bool = False  # a cancel was seen, maybe before the engine had the request
     read_at: float = field(default_factory=time.time)  # unix seconds, for the request's stage timings
     arrived_at: float | None = None  # its entry id's stamp on this host's clock, once known
+    prepared_at: float | None = None  # when it was decoded, validated and tokenized
     first_published_at: float | None = None  # when its first delta was written
+
+    def timed(self, event: Event) -> Event:
+        """A `done` with the stages the engine does not see: read, prepared, first delta
+        written (the engine times the rest from the arrival)."""
+        if not isinstance(event, Done) or self.arrived_at is None:
+            return event
+
+        def since_arrival(at: float | None) -> float | None:
+            return None if at is None or self.arrived_at is None else round((at - self.arrived_at) * 1000.0, 1)
+
+        return replace(event, timing=replace(event.timing, read_ms=since_arrival(self.read_at),
+                                             prepared_ms=since_arrival(self.prepared_at),
+                                             published_ms=since_arrival(self.first_published_at)))
 
 
 class RequestTable:
@@ -87,10 +105,10 @@ class RequestTable:
     def get(self, request_id: str) -> HeldRequest | None:
         return self._held.get(request_id)
 
-    def holding(self, route: Route) -> HeldRequest | None:
+    def holding(self, ref: RequestRef) -> HeldRequest | None:
         """The request if this very entry is held (not another entry with its id)."""
-        held = self._held.get(route.id)
-        return held if held is not None and held.route.entry_id == route.entry_id else None
+        held = self._held.get(ref.id)
+        return held if held is not None and held.route.entry_id == ref.entry_id else None
 
     def read(self, route: Route) -> HeldRequest:
         """Hold a request just read from the stream."""
@@ -103,6 +121,17 @@ class RequestTable:
         held.route = replace(held.route, **changes)  # type: ignore[arg-type]
         return held.route
 
+    def fenced(self, request_id: str, token: str, written: int) -> None:
+        """This worker took the request's fence: its token, and the events already written."""
+        held = self._held[request_id]
+        held.route = replace(held.route, fence=token)
+        held.written = written
+
+    def prepared(self, request_id: str, arrived_at: float) -> None:
+        """The request is decoded, validated and tokenized; its entry id says it arrived at `arrived_at`."""
+        held = self._held[request_id]
+        held.arrived_at, held.prepared_at = arrived_at, time.time()
+
     def advance(self, request_id: str, status: RequestStatus) -> None:
         """Move a held request forward (not to an end: see `end`)."""
         assert status not in ENDED, status
@@ -110,18 +139,18 @@ class RequestTable:
         if held is not None:
             held.status = status
 
-    def wrote(self, route: Route, written: int, terminal: bool) -> None:
+    def wrote(self, ref: RequestRef, written: int, terminal: bool) -> None:
         """Events up to `written` of this entry are in its output stream; a terminal one ends it."""
-        held = self.holding(route)
+        held = self.holding(ref)
         if held is None:
             return
         if held.first_published_at is None and written > held.written and not terminal:
             held.first_published_at = time.time()
         held.written = written
         if terminal:
-            self.end(route.id, RequestStatus.ACKED)
+            self.end(ref.id, RequestStatus.ACKED)
         elif held.status is not RequestStatus.FINISHING:
-            held.status = RequestStatus.RUNNING
+            held.status = RequestStatus.STREAMING
 
     def cancel(self, request_id: str) -> bool:
         """Note a cancel for a held request; False if none is held under that id."""
@@ -137,14 +166,15 @@ class RequestTable:
         self._held[route.id] = HeldRequest(route, RequestStatus.FINISHING, written)
 
     def end(self, request_id: str, status: RequestStatus) -> None:
-        """The request leaves the table, and the engine drops whatever it still has of it
-        (nothing, when it finished there; the rest of it, when it ended early here)."""
+        """The request leaves the table. Unless its terminal event is written (ACKED: the
+        engine made it, or never had the request), the engine drops what it has of it."""
         assert status in ENDED, status
         held = self._held.pop(request_id, None)
         if held is None:
             return
         held.status = status
-        self._abandon(request_id)
+        if status is not RequestStatus.ACKED:
+            self._abandon(request_id)
         self._room.set()
 
     def by_stream(self) -> dict[str, list[str]]:
