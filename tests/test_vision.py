@@ -322,7 +322,7 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     while not produced:
         produced += [out.uid for out in backend.step()]
     prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy, len(ids)),
-                                images=images)
+                                media=images)
     for _ in range(3):  # a decode step and one prefill chunk each
         produced += [out.uid for out in backend.step()]
     assert prefilling not in produced, "still prefilling"
@@ -358,7 +358,7 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
         elif turns:
             turns[-1].append(token)
     assert [t.count(pad) for t in turns] == [4, 0, 8 + 16, 0]  # the last: the assistant's opening
-    assert [int(np.prod(image.grid)) // 4 for image in images] == [4, 8, 16]  # first, loose, second
+    assert [image.tokens for image in images] == [4, 8, 16]  # first, loose, second
     text = tokenizer.decode(turns[0])
     assert text.index("What is this?") < text.index("<|image_pad|>")
 

@@ -317,7 +317,7 @@ class Engine:
         try:
             uid = self._backend.insert(prompt[len(cached.tokens):] if cached else prompt,
                                        request.tokens_to_generate, build_sampler(request.sampling), processors,
-                                       cached, request.images)
+                                       cached, request.media)
         except Exception:
             if guide is not None:
                 self._guides.discard(guide)  # its bitmask row goes back

@@ -1,4 +1,4 @@
-"""A request's images and text turned into prompt tokens and image patches, off the engine thread.
+"""A request's images and text turned into prompt tokens and `PreparedMedia`, off the engine thread.
 
 Image bytes are decoded with Pillow under this worker's limits, resized and cut into
 patches by the model's own image processor (numpy, no MLX), and keyed by a hash of
@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import io
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from client.protocol import ErrorCode, RequestBody, RequestRejected, TextPart, decode_images
+
+from .media import PreparedMedia
 
 if TYPE_CHECKING:
     from PIL import Image
@@ -24,15 +25,6 @@ if TYPE_CHECKING:
 # The families whose processor and vision tower this module drives: numpy patches
 # with a (t, h, w) grid per image, and a tower that takes them one image at a time.
 SUPPORTED_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
-
-
-@dataclass(frozen=True)
-class PreparedImage:
-    """One image as the vision tower takes it."""
-
-    key: str  # the vision-embedding cache's key: the model and a hash of the image bytes
-    pixels: np.ndarray  # the processor's patches, (t * h * w, channels * patch volume)
-    grid: tuple[int, int, int]  # (t, h, w) in patches
 
 
 class VisionPrompts:
@@ -48,7 +40,7 @@ class VisionPrompts:
         self.image_token: str = processor.image_token
         self.merge = processor.image_processor.merge_size ** 2
 
-    def prepare(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
+    def prepare(self, body: RequestBody) -> tuple[list[int], list[PreparedMedia]]:
         """The prompt's token ids, image tokens expanded, and its images; raises `RequestRejected`."""
         assert body.images
         if len(body.images) > self.max_images:
@@ -89,14 +81,17 @@ class VisionPrompts:
             conversation.append({**message.model_dump(exclude_none=True), "content": parts})
         return conversation, order
 
-    def _prepare_image(self, index: int, data: bytes) -> PreparedImage:
+    def _prepare_image(self, index: int, data: bytes) -> PreparedMedia:
+        """The processor's patches (`pixel_values`: t * h * w rows) and their (t, h, w) grid
+        (`image_grid_thw`); one image token per `merge` patches."""
         image = decode_image(data, index, self.max_image_pixels)
         out = self.processor.image_processor([image])
-        t, h, w = (int(n) for n in out["image_grid_thw"][0])
+        grid = np.asarray(out["image_grid_thw"][:1], dtype=np.int64)
         key = f"{self.model_name}:{hashlib.sha256(data).hexdigest()}"
-        return PreparedImage(key=key, pixels=out["pixel_values"], grid=(t, h, w))
+        return PreparedMedia("image", key, {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": grid},
+                             int(np.prod(grid)) // self.merge)
 
-    def _tokens(self, conversation: str | list[Any], images: list[PreparedImage]) -> list[int]:
+    def _tokens(self, conversation: str | list[Any], images: list[PreparedMedia]) -> list[int]:
         from mlx_vlm.prompt_utils import apply_chat_template
 
         text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
@@ -106,7 +101,7 @@ class VisionPrompts:
                                  f"{len(images)} images")
         expanded = pieces[0]
         for image, piece in zip(images, pieces[1:], strict=True):
-            expanded += self.image_token * (int(np.prod(image.grid)) // self.merge) + piece
+            expanded += self.image_token * image.tokens + piece
         return list(self.processor.tokenizer.encode(expanded, add_special_tokens=False))
 
 

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.protocol import Encoding, Event
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
+
+    from .media import PreparedMedia
+    from .tools import ToolUse
 
 
 @dataclass(frozen=True)
@@ -99,13 +105,13 @@ class EngineRequest:
     deadline_at: float | None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
-    images: list[Any] | None = None  # `images.PreparedImage`s, whose tokens are in prompt_tokens
+    media: tuple[PreparedMedia, ...] = ()  # whose placeholder tokens are in prompt_tokens
     logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
     stop_tokens: frozenset[int] = frozenset()  # token ids that end it (eos unless ignore_eos, stop_token_ids)
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for
     include_stop: bool = False  # the stop string that ended the text stays in it
-    constraint: Any = None  # an llguidance matcher for its response_format, advanced over `resume`'s tokens
-    tools: Any = None  # `tools.ToolUse` when its output may call tools: they are parsed at the end
+    constraint: LLMatcher | None = None  # for its response_format (or forced call), advanced over `resume`'s tokens
+    tools: ToolUse | None = None  # when its output may call tools: they are parsed at the end
     thinking: Thinking | None = None  # on a thinking model: reasoning goes apart from the text
 
     @property

@@ -5,7 +5,7 @@ Runs off the engine thread: it only encodes with the tokenizer and checks limits
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -15,10 +15,13 @@ from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestR
 from .backends import ModelInfo
 from .constraints import Grammars, format_grammar
 from .faults import NONE, Faults
-from .images import PreparedImage
+from .media import PreparedMedia
 from .messages import EngineRequest, RequestRef, Resume, SamplingParams, Thinking
 from .settings import WorkerSettings
 from .tools import ToolFormat, ToolUse, forced_call_grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -58,7 +61,7 @@ class Preparer:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
         self._check_prompt_size(body)
-        tokens, images = self._tokenize_with_images(body) if body.images else (self._tokenize(body), None)
+        tokens, media = self._tokenize_with_images(body) if body.images else (self._tokenize(body), [])
         room = self._check_prompt_length(tokens)
         thinking = self._thinking(tokens)
         constraint = self._constraint(body, tools, _answer_tokens(resume, thinking))
@@ -77,7 +80,7 @@ class Preparer:
             deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
             metadata=body.metadata,
             resume=resume,
-            images=images,
+            media=tuple(media),
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
             min_tokens=self._min_tokens(body, max_tokens),
@@ -162,7 +165,7 @@ class Preparer:
                                  "mlx-lm can read")
         return ToolUse(fmt, [tool.model_dump(exclude_none=True) for tool in body.tools])
 
-    def _constraint(self, body: RequestBody, tools: ToolUse | None, answered: list[int]) -> Any:
+    def _constraint(self, body: RequestBody, tools: ToolUse | None, answered: list[int]) -> LLMatcher | None:
         """The request's compiled response_format, or the grammar of a forced tool call
         (None for neither)."""
         forced = tools is not None and body.tool_choice not in (None, "auto")
@@ -202,10 +205,10 @@ class Preparer:
                                  code=ErrorCode.TOO_LARGE)
         return body.max_tokens
 
-    def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedImage]]:
+    def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedMedia]]:
         if self.info.vision is None:
             raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
-        return self.info.vision.prepare(body)  # type: ignore[no-any-return]
+        return self.info.vision.prepare(body)
 
     def _tokenize(self, body: RequestBody) -> list[int]:
         tokenizer = self.info.tokenizer

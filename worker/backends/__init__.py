@@ -14,7 +14,7 @@ runs on the engine thread; this module imports no MLX itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,6 +24,8 @@ from ..messages import CacheStats
 if TYPE_CHECKING:
     from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
+    from ..images import VisionPrompts
+    from ..media import PreparedMedia
     from ..prefix_cache import PrefixCache
     from ..settings import WorkerSettings
 
@@ -56,9 +58,9 @@ class BatchBackend(Protocol):
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               images: list[Any] | None = None) -> int:
+               media: Sequence[PreparedMedia] = ()) -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
-        `images` (on a vision model) are those whose image tokens are in `prompt`."""
+        `media` (on a vision model) are those whose placeholder tokens are in `prompt`."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
@@ -83,7 +85,7 @@ class ModelInfo:
     tokenizer: Any
     context_length: int
     vocab_size: int
-    vision: Any = None  # on a vision model, what builds image prompts (`images.VisionPrompts`)
+    vision: VisionPrompts | None = None  # on a vision model, what builds image prompts
     logprobs: bool = True  # whether its backend gives each token's log-probability row
 
 

@@ -6,7 +6,7 @@ its tests see `BatchBackend`, which a fake can implement without a model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +14,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
+from ..media import PreparedMedia
 from ..prefix_cache import PrefixCache
 from ..sampling import warm_up
 from ..settings import WorkerSettings
@@ -47,8 +48,8 @@ class MlxBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               images: list[Any] | None = None) -> int:
-        assert not images, "a text model takes no images"
+               media: Sequence[PreparedMedia] = ()) -> int:
+        assert not media, "a text model takes no media"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],

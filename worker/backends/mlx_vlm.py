@@ -9,14 +9,15 @@ rotary positions). Like `mlx_lm`, only this module touches its library's batchin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from ..images import SUPPORTED_MODEL_TYPES, PreparedImage, VisionPrompts
+from ..images import SUPPORTED_MODEL_TYPES, VisionPrompts
+from ..media import PreparedMedia
 from ..messages import CacheStats
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
@@ -113,11 +114,11 @@ class VisionBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               images: list[PreparedImage] | None = None) -> int:
+               media: Sequence[PreparedMedia] = ()) -> int:
         processors = list(logits_processors)
         if sampler is not greedy_sampler:
             processors.append(_OwnSampler(sampler))
-        (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, images or [])],
+        (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, media)],
                                         logits_processors=[processors or None])
         return uid
 
@@ -139,26 +140,26 @@ class VisionBatchBackend:
     def close(self) -> None:
         self._generator.close()
 
-    def _embed(self, prompt: list[int], images: list[PreparedImage]) -> dict[str, mx.array]:
+    def _embed(self, prompt: list[int], images: Sequence[PreparedMedia]) -> dict[str, mx.array]:
         """The prompt's embeddings (image features merged in) and rotary positions."""
         ids = mx.array([prompt])
         if not images:
             out = self._model.get_input_embeddings(ids)
             extra = {}
         else:
-            grid = mx.array([image.grid for image in images])
+            grid = mx.array(np.concatenate([image.payload["image_grid_thw"] for image in images]))
             features = mx.concatenate([self._features(image) for image in images])
-            out = self._model.get_input_embeddings(ids, mx.array(np.concatenate([i.pixels for i in images])),
-                                                   image_grid_thw=grid, cached_image_features=features)
+            pixels = mx.array(np.concatenate([image.payload["pixel_values"] for image in images]))
+            out = self._model.get_input_embeddings(ids, pixels, image_grid_thw=grid, cached_image_features=features)
             extra = {"image_grid_thw": grid}
         return {**extra, **{k: v for k, v in out.to_dict().items() if v is not None}}
 
-    def _features(self, image: PreparedImage) -> mx.array:
+    def _features(self, image: PreparedMedia) -> mx.array:
         """The vision tower's output for one image, from the cache when it was seen before."""
         features = self._cache.get(image.key)
         if features is None:
-            features = self._model.vision_tower(mx.array(image.pixels), mx.array([image.grid]),
-                                                output_hidden_states=False)
+            features = self._model.vision_tower(mx.array(image.payload["pixel_values"]),
+                                                mx.array(image.payload["image_grid_thw"]), output_hidden_states=False)
             self._cache.put(image.key, features)
         return features
 

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
+from ..media import PreparedMedia
 from . import Coverage, Loaded, ModelInfo, TokenOut
 
 
@@ -28,7 +29,7 @@ class SimBackend:
         self._running: dict[int, list[int]] = {}  # uid -> [next token, left, seed]
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Any, logits_processors: Any,
-               cached: Coverage | None = None, images: list[Any] | None = None) -> int:
+               cached: Coverage | None = None, media: Sequence[PreparedMedia] = ()) -> int:
         uid = next(self._uids)
         self._running[uid] = [0, max_tokens, sum(prompt) + (len(cached.tokens) if cached else 0)]
         return uid
