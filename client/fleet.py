@@ -1,7 +1,8 @@
 """What the fleet looks like, read from Redis alone (`mlxq status`, the submit warning).
 
 Workers write a heartbeat (`mlxq:workers:<name>`, gone 3 heartbeats after they stop)
-and a stats hash (`mlxq:stats:<name>`: totals and their last heartbeat, kept for days),
+and a stats hash (`mlxq:stats:<name>`: totals and their last heartbeat, kept for days; read
+here with HGET alone, which the gateway's ACL allows, the totals from that heartbeat),
 and list themselves in `mlxq:fleet` (scored by when last seen). A worker with a live
 heartbeat is `ready` or `draining`; one whose heartbeat is gone is `stopped` if it said
 so on its way out, else `gone` (it died). Queues are those the workers serve, plus any
@@ -108,28 +109,37 @@ async def read_workers_async(redis: aioredis.Redis, keys: Keys) -> list[WorkerVi
         return _workers(names, await pipe.execute(), now)
 
 
+STATS_READ = ("heartbeat", "state", "last_seen")  # of each worker's stats hash; HGET only, as the gateway's ACL allows
+
+
 def _ask_for_workers(pipe: Any, keys: Keys, names: list[str]) -> None:
     for name in names:
         pipe.get(keys.worker(name))  # gone 3 heartbeats after the worker stopped
-        pipe.hgetall(keys.stats(name))  # its totals and last heartbeat, kept for days
+        for field_name in STATS_READ:
+            pipe.hget(keys.stats(name), field_name)  # its last heartbeat (with its totals), kept for days
 
 
 def _workers(names: list[str], replies: list[Any], now: float) -> list[WorkerView]:
-    workers = [_worker(name, live, stats, now) for name, live, stats in zip(names, replies[::2], replies[1::2],
-                                                                           strict=True)]
+    per = 1 + len(STATS_READ)
+    workers = []
+    for i, name in enumerate(names):
+        live, last, stored_state, last_seen = replies[i * per:(i + 1) * per]
+        workers.append(_worker(name, live, last, stored_state, last_seen, now))
     return sorted(workers, key=lambda w: w.name)
 
 
-def _worker(name: str, live: bytes | None, stats: dict[bytes, bytes], now: float) -> WorkerView:
-    heartbeat = Heartbeat.from_json(live) or Heartbeat.from_json(stats.get(b"heartbeat")) or Heartbeat(name)
-    stored_state = as_text(stats.get(b"state", b""))
+def _worker(name: str, live: bytes | None, last: bytes | None, stored_state: bytes | None, last_seen: bytes | None,
+            now: float) -> WorkerView:
+    heartbeat = Heartbeat.from_json(live) or Heartbeat.from_json(last) or Heartbeat(name)
     if live is not None:
         state: str = heartbeat.state
     else:
-        state = "stopped" if stored_state == "stopped" else "gone"
-    last_seen = float(stats.get(b"last_seen", b"0") or 0)
-    totals = {as_text(k): int(v) for k, v in stats.items() if v.isdigit()}
-    return WorkerView(name, state, round(max(0.0, now - last_seen), 1), heartbeat, totals)
+        state = "stopped" if as_text(stored_state or b"") == "stopped" else "gone"
+    try:
+        seen = float(last_seen or 0)
+    except ValueError:
+        seen = 0.0
+    return WorkerView(name, state, round(max(0.0, now - seen), 1), heartbeat, dict(heartbeat.totals))
 
 
 def read_stream(redis: redis_py.Redis, keys: Keys, queue: str, lane: str | None = None) -> StreamView:
