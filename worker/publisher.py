@@ -47,9 +47,8 @@ class Publisher:
     def hand_over(self, loop: asyncio.AbstractEventLoop, out: StepOutput, wait_s: float = HANDOFF_WAIT_S) -> None:
         """From the engine thread: queue a step's output and wait until this publisher,
         on `loop`, has taken it (at most `wait_s`, should the loop be busy). Left to run
-        on, the engine thread would build the next step's graph, holding the GIL for a
-        millisecond or more while the woken loop waits for it: the deltas reached the
-        client ~1.4 ms later at concurrency 1 (docs/benchmarks.md). The model computes the
+        on, the engine thread would build the next step's graph, holding the GIL while the
+        woken loop waits for it (docs/benchmarks.md, "The first delta"). The model computes the
         step already launched meanwhile, so the wait costs no throughput. While a write is
         in flight the step goes out after it anyway: then only the queueing is waited for."""
         loop.call_soon_threadsafe(self._receive, out)

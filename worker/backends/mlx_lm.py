@@ -99,8 +99,8 @@ class StepBudget:
     `MIN_PREFILL_CHUNK`, for as many prompts as fit (at least one, so prompts always
     advance), up to `prefill_batch_size`. With nothing decoding there is no stream to keep
     steady: the prompts get BatchGenerator's own sizes, and a burst of prompts into an
-    idle worker is prefilled in as few steps as in process (~7 % more tokens/s here for
-    16 prompts arriving together, docs/benchmarks.md)."""
+    idle worker is prefilled in as few steps as in process (docs/benchmarks.md, "Paired
+    runs")."""
 
     max_step_tokens: int
     prefill_batch_size: int

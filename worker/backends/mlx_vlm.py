@@ -83,7 +83,7 @@ def _prefix_cache(model: Any, budget_bytes: int) -> Any:
 
 
 # 32k tokens. mlx-vlm scans its whole block pool (Python objects) several times per
-# admitted prompt: 65,536 blocks cost ~80 ms of TTFT here, 2,048 about 6 ms.
+# admitted prompt, so TTFT grows with the pool (docs/benchmarks.md, "Images").
 MAX_PREFIX_BLOCKS = 2048
 
 
