@@ -25,7 +25,8 @@ from client import Delta, Done
 from mlxq.bench import Planned, Workload
 from worker.backends.mlx_lm import load_text_model
 from worker.engine import Engine
-from worker.messages import EngineRequest, Route, SamplingParams
+from worker.messages import EngineRequest, RequestRef, SamplingParams
+from worker.scheduler import SchedulingPolicy
 from worker.settings import WorkerSettings
 
 Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs
@@ -38,7 +39,7 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
         def submit() -> None:
             request, rid = waiting.pop(0), f"r{time.time_ns()}"
             started[rid] = time.perf_counter()
-            engine.submit(EngineRequest(Route(rid, "1-0", f"out:{rid}", "json", "q"), request.prompt_tokens,
+            engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens,
                                         request.max_tokens, SamplingParams(), [], 1, 0, time.time(), None))
 
         for _ in range(min(width, len(waiting))):
@@ -109,7 +110,7 @@ def main() -> None:
     args = parser.parse_args()
     loaded = load_text_model(WorkerSettings(model=args.model))
     outputs: queue.Queue = queue.Queue()
-    engine = Engine(lambda: loaded, args.concurrency, on_output=outputs.put, on_fatal=print)
+    engine = Engine(lambda: loaded, SchedulingPolicy(args.concurrency), on_output=outputs.put, on_fatal=print)
     engine.start()
     engine.wait_ready(60)
     spare = loaded.make_backend()  # the loaded model, for raw BatchGenerator beside the engine's

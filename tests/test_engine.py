@@ -5,71 +5,44 @@ from __future__ import annotations
 import dataclasses
 import queue
 import time
-from collections.abc import Iterable
 
 import pytest
 
 from client import Delta, Done, Error
 from worker.backends import Loaded, ModelInfo, TokenOut
+from worker.backends.sim import Letters, SimBackend
 from worker.engine import Engine
 from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, StepOutput
-from worker.scheduler import Scheduler
+from worker.scheduler import Scheduler, SchedulingPolicy, StepPlan
 
 
-class FakeDetokenizer:
-    def __init__(self) -> None:
-        self.text = ""
-
-    def add_token(self, token: int) -> None:
-        self.text += chr(ord("a") + token % 26)
-
-    def finalize(self) -> None:
-        pass
-
-
-class FakeBackend:
-    """One token per running sequence per step; optionally fails a step."""
+class CountingBackend(SimBackend):
+    """The simulated backend, counting what the engine asks of it; optionally fails a step."""
 
     def __init__(self, fail_on_step: int | None = None, step_s: float = 0.001) -> None:
-        self.running: dict[int, list[int]] = {}  # uid -> [generated, max_tokens]
-        self.next_uid = 0
+        super().__init__(step_s, slots=1_000)
         self.steps = 0
         self.most_running = 0
         self.fail_on_step = fail_on_step
-        self.step_s = step_s
         self.prompts: list[list[int]] = []
+        self.plans: list[tuple[int, StepPlan]] = []  # (sequences running, the step's plan)
 
-    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, images=None) -> int:
+    @property
+    def running(self) -> dict[int, list[int]]:
+        return self._running
+
+    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, media=()) -> int:
         self.prompts.append(prompt)
-        uid, self.next_uid = self.next_uid, self.next_uid + 1
-        self.running[uid] = [0, max_tokens]
-        self.most_running = max(self.most_running, len(self.running))
+        uid = super().insert(prompt, max_tokens, sampler, logits_processors, cached, media)
+        self.most_running = max(self.most_running, len(self._running))
         return uid
 
-    def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict:
-        for uid in uids:
-            self.running.pop(uid, None)
-        return {}
-
-    def step(self) -> list[TokenOut]:
+    def step(self, plan: StepPlan) -> list[TokenOut]:
+        self.plans.append((len(self._running), plan))
         self.steps += 1
-        time.sleep(self.step_s)
         if self.steps == self.fail_on_step:
             raise RuntimeError("boom")
-        outs = []
-        for uid, state in list(self.running.items()):
-            state[0] += 1
-            reason = "length" if state[0] >= state[1] else None
-            outs.append(TokenOut(uid, state[0], reason))
-            if reason:
-                del self.running[uid]
-        return outs
-
-    def upcoming_tokens(self) -> dict[int, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
+        return super().step(plan)
 
 
 def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None,
@@ -80,22 +53,23 @@ def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float
 
 
 class Harness:
-    def __init__(self, max_num_seqs: int = 2, **backend_args: object) -> None:
-        self.backends: list[FakeBackend] = []
+    def __init__(self, max_num_seqs: int = 2, policy: SchedulingPolicy | None = None, **backend_args: object) -> None:
+        self.backends: list[CountingBackend] = []
         self.outputs: queue.Queue[StepOutput] = queue.Queue()
 
-        def make_backend() -> FakeBackend:
+        def make_backend() -> CountingBackend:
             rebuilt = {k: v for k, v in backend_args.items() if k != "fail_on_step"}  # only the first one fails
-            backend = FakeBackend(**(rebuilt if self.backends else backend_args))  # type: ignore[arg-type]
+            backend = CountingBackend(**(rebuilt if self.backends else backend_args))  # type: ignore[arg-type]
             self.backends.append(backend)
             return backend
 
         def load() -> Loaded:
             info = ModelInfo("fake", tokenizer=None, context_length=100, vocab_size=26)
-            return Loaded(info, make_backend, FakeDetokenizer)
+            return Loaded(info, make_backend, Letters)
 
         self.fatal: list[BaseException] = []
-        self.engine = Engine(load, max_num_seqs, on_output=self.outputs.put, on_fatal=self.fatal.append)
+        self.engine = Engine(load, policy or SchedulingPolicy(max_num_seqs), on_output=self.outputs.put,
+                             on_fatal=self.fatal.append)
         self.engine.start()
         self.engine.wait_ready(5)
 
@@ -128,19 +102,36 @@ def test_never_more_than_max_num_seqs_in_the_batch():
     assert h.backends[0].most_running == 2
 
 
+def test_each_step_gets_the_schedulers_plan():
+    """The engine core asks its scheduler for each step's prefill: the configured sizes
+    while nothing decodes, what the token budget leaves once something does."""
+    h = Harness(policy=SchedulingPolicy(4, max_step_tokens=40, prefill_batch_size=8, prefill_step_size=512))
+    h.engine.submit(request("first", max_tokens=10**6))
+    h.outputs.get(timeout=5)
+    h.engine.submit(request("second", max_tokens=1))
+    while not any(isinstance(i.event, Done) and i.event.id == "second" for i in h.outputs.get(timeout=5).outgoing):
+        pass
+    h.engine.cancel("first")
+    h.events_until_terminal({"first"})
+    plans = h.backends[0].plans
+    assert plans[0] == (1, StepPlan(512, 8))  # its prompt alone: nothing decodes yet
+    assert (2, StepPlan(39, 2)) in plans  # one decodes: 39 tokens left of 40, two prompts of 16 at most
+
+
 def test_lower_priority_value_is_admitted_first():
     """With the slots full, a later request of priority -1 starts before earlier priority-0 ones."""
     h = Harness(max_num_seqs=1, step_s=0.01)
-    h.engine.submit(request("running", max_tokens=5))
-    h.outputs.get(timeout=5)  # "running" holds the only slot
+    h.engine.submit(request("running", max_tokens=10**6))
+    h.outputs.get(timeout=5)  # "running" holds the only slot, until cancelled
     h.engine.submit(request("early", max_tokens=1))
     h.engine.submit(request("urgent", max_tokens=1, priority=-1))
-    order: list[str] = ["running"]
-    while len(order) < 4:
+    h.engine.cancel("running")  # after both are queued, whatever the thread's pace
+    order: list[str] = []
+    while len(order) < 3:
         for item in h.outputs.get(timeout=5).outgoing:
             if isinstance(item.event, Done):
                 order.append(item.event.id)
-    assert order == ["running", "running", "urgent", "early"]
+    assert order == ["running", "urgent", "early"]
 
 
 def test_cancel_running_and_waiting_requests():
@@ -214,7 +205,7 @@ def test_a_failing_load_is_reported():
     def load() -> Loaded:
         raise FileNotFoundError("no such model")
 
-    engine = Engine(load, 1, on_output=lambda out: None, on_fatal=lambda e: None)
+    engine = Engine(load, SchedulingPolicy(1), on_output=lambda out: None, on_fatal=lambda e: None)
     engine.start()
     with pytest.raises(EngineFailed, match="no such model"):
         engine.wait_ready(5)
@@ -222,7 +213,7 @@ def test_a_failing_load_is_reported():
 
 def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
     """The scheduler orders by priority, then arrival; removed requests are never taken."""
-    s = Scheduler()
+    s = Scheduler(SchedulingPolicy(4))
     for rid, prio in [("a", 0), ("b", 1), ("c", 0), ("d", -1)]:
         s.add(request(rid, priority=prio))
     s.remove("c")
@@ -270,7 +261,7 @@ def test_an_abandoned_request_stops_without_a_word():
 def test_aging_lets_a_starved_request_in_eventually():
     """Priority 5 that has waited 6 aging periods goes before priority 0 that just came;
     one that has waited 4 does not."""
-    s = Scheduler(aging_s=1.0)
+    s = Scheduler(SchedulingPolicy(4, priority_aging_s=1.0))
     now = time.time()
     starved = dataclasses.replace(request("starved", priority=5), arrived_at=now - 6)
     patient = dataclasses.replace(request("patient", priority=5), arrived_at=now - 4)

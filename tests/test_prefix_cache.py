@@ -14,6 +14,7 @@ from worker.backends import Coverage
 from worker.backends.mlx_lm import MlxBatchBackend
 from worker.prefix_cache import PrefixCache
 from worker.sampling import build_logits_processors, build_sampler
+from worker.scheduler import StepPlan
 
 from worker.messages import SamplingParams  # isort: skip
 
@@ -32,15 +33,14 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
              ) -> tuple[list[int], Coverage, int]:
     """Greedy tokens, the finished sequence's cache, and how many prompt tokens came from `cache`."""
     net, tokenizer = model
-    backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8,
-                              prefill_step_size=2048, max_step_tokens=2048)
+    backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=2048)
     hit = cache.fetch(prompt) if cache else None
     cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
     uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),
                          build_logits_processors(GREEDY, len(prompt)), cached)
     tokens: list[int] = []
     while True:
-        for out in backend.step():
+        for out in backend.step(StepPlan(prefill_chunk=2048, prefill_prompts=8)):
             assert out.uid == uid
             tokens.append(out.token)
             if out.finish_reason is not None:

@@ -13,6 +13,7 @@ from client import Delta, Done
 from worker.backends.mlx_lm import load_text_model
 from worker.engine import Engine
 from worker.messages import EngineRequest, RequestRef, SamplingParams, StepOutput
+from worker.scheduler import SchedulingPolicy
 from worker.settings import WorkerSettings
 
 worker = worker_fixture(prefill_step_size=128)
@@ -93,7 +94,7 @@ def test_mlx_runs_on_the_engine_thread_only_and_an_idle_engine_blocks(demo_model
         return loaded
 
     outputs: queue.Queue[StepOutput] = queue.Queue()
-    engine = Engine(load, 4, on_output=outputs.put, on_fatal=lambda e: None)
+    engine = Engine(load, SchedulingPolicy(4), on_output=outputs.put, on_fatal=lambda e: None)
     commands = engine._commands = CountingQueue()
     engine.start()
     engine.wait_ready(60)

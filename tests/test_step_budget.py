@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from worker.backends.mlx_lm import MIN_PREFILL_CHUNK, MlxBatchBackend, StepBudget
+from worker.backends.mlx_lm import MlxBatchBackend
 from worker.messages import SamplingParams
 from worker.sampling import build_logits_processors, build_sampler
+from worker.scheduler import MIN_PREFILL_CHUNK, StepBudget, StepPlan
 
 GREEDY = SamplingParams()
 
@@ -23,7 +24,8 @@ GREEDY = SamplingParams()
     (16, 30, 3, (MIN_PREFILL_CHUNK, 1)),  # over budget already: one prompt still advances
 ])
 def test_a_step_is_shared_between_streams_and_prompt_chunks(budget, decoding, prefilling, split):
-    assert StepBudget(budget, prefill_batch_size=8, prefill_step_size=512).split(decoding, prefilling) == split
+    budget_of = StepBudget(budget, prefill_batch_size=8, prefill_step_size=512)
+    assert budget_of.plan(decoding, prefilling) == StepPlan(*split)
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,8 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
     first prompts are decoding; and, for each step that decoded anything, the tokens it
     processed beyond its budget."""
     net, _ = model
-    backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512,
-                              max_step_tokens=budget)
+    backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+    budget_of = StepBudget(budget, prefill_batch_size=8, prefill_step_size=512)
     tokens: dict[int, list[int]] = {}
 
     def insert(prompt: list[int]) -> int:
@@ -51,8 +53,9 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
     over, step = [], 0
     while any(len(t) < 24 for t in tokens.values()):
         decoding = sum(0 < len(t) < 24 for t in tokens.values())
+        prefilling = sum(not t for t in tokens.values())
         with backend._generator.stats() as stats:  # mlx-lm's own count of the prompt tokens it processed
-            out = backend.step()
+            out = backend.step(budget_of.plan(decoding, prefilling))
         if decoding:
             over.append(stats.prompt_tokens + decoding - budget)
         for token in out:

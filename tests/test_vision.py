@@ -20,6 +20,7 @@ from PIL import Image
 from support import ROOT, WorkerProcess, check_stream, start_worker, xadd_json
 
 from client import Client, Done, Error, decode_event
+from worker.scheduler import StepPlan
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -306,6 +307,9 @@ def backend_parts(vision_model: Path):
     return load_vision_model(settings), settings
 
 
+PLAN = StepPlan(prefill_chunk=8, prefill_prompts=8)  # what the vision backend is given (it keeps its own sizes)
+
+
 def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend_parts):
     """Removed while its prompt is still being prefilled (8 tokens a step), a request never
     yields a token; the request decoding beside it goes on to its end."""
@@ -320,15 +324,15 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     decoding = backend.insert([5, 6, 7], 30, build_sampler(greedy), build_logits_processors(greedy, 3))
     produced: list[int] = []
     while not produced:
-        produced += [out.uid for out in backend.step()]
+        produced += [out.uid for out in backend.step(PLAN)]
     prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy, len(ids)),
                                 media=images)
     for _ in range(3):  # a decode step and one prefill chunk each
-        produced += [out.uid for out in backend.step()]
+        produced += [out.uid for out in backend.step(PLAN)]
     assert prefilling not in produced, "still prefilling"
     backend.remove([prefilling])
     for _ in range(100):
-        produced += [out.uid for out in backend.step()]
+        produced += [out.uid for out in backend.step(PLAN)]
     assert prefilling not in produced
     assert produced.count(decoding) == 30, "the neighbour ran to its max_tokens"
     backend.close()

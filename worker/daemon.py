@@ -63,8 +63,8 @@ class Worker:
         self.redis_queue = RedisQueue(self.redis, self.keys, settings.queue, "", result_ttl_s=settings.result_ttl_s,
                                       dedupe_ttl_s=settings.dedupe_ttl_s, lanes=settings.lanes,
                                       dead_letter_maxlen=settings.dead_letter_maxlen)
-        self.engine = Engine(load, settings.max_num_seqs, on_output=self._on_output, on_fatal=self._on_fatal,
-                             on_stats=self._on_stats, priority_aging_s=settings.priority_aging_s, faults=self.faults)
+        self.engine = Engine(load, settings.scheduling(), on_output=self._on_output, on_fatal=self._on_fatal,
+                             on_stats=self._on_stats, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()
         self.metrics = Metrics(self.totals, self.requests) if settings.metrics_port is not None else None

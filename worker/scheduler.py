@@ -1,24 +1,75 @@
-"""Which waiting request runs next. Pure bookkeeping: no model, no tensors."""
+"""The scheduling policy, for every backend: which waiting request runs next, how many
+run at once, and how much prompt each step may prefill beside the running streams.
+Pure bookkeeping: no model, no tensors (the engine core applies it, its backend obeys).
+"""
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from dataclasses import dataclass
 
 from .messages import EngineRequest
 
+MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    """The knobs of one engine: its slots, its step budget and how waiting ages."""
+
+    max_num_seqs: int
+    max_step_tokens: int = 256  # tokens one step may process while streams run
+    prefill_batch_size: int = 8  # prompts prefilled together, at most
+    prefill_step_size: int = 512  # prompt tokens per prefill chunk, at most
+    priority_aging_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next step may prefill: chunks of `prefill_chunk` prompt tokens for up to
+    `prefill_prompts` prompts together (each running sequence decodes one token too)."""
+
+    prefill_chunk: int
+    prefill_prompts: int
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How a step's token budget is shared: each running sequence decodes one token; the
+    rest goes to prompt chunks, at most `prefill_step_size` tokens each and at least
+    `MIN_PREFILL_CHUNK`, for as many prompts as fit (at least one, so prompts always
+    advance), up to `prefill_batch_size`. With nothing decoding there is no stream to keep
+    steady: the prompts get the configured sizes, and a burst of prompts into an idle
+    worker is prefilled in as few steps as in process (docs/benchmarks.md, "Paired runs")."""
+
+    max_step_tokens: int
+    prefill_batch_size: int
+    prefill_step_size: int
+
+    def plan(self, decoding: int, prefilling: int) -> StepPlan:
+        """The next step's prefill, with `decoding` sequences decoding and `prefilling` prompting."""
+        if not decoding:
+            return StepPlan(self.prefill_step_size, self.prefill_batch_size)
+        left = max(self.max_step_tokens - decoding, MIN_PREFILL_CHUNK)
+        prompts = max(1, min(self.prefill_batch_size, left // MIN_PREFILL_CHUNK))
+        chunk = left // max(1, min(prompts, prefilling))
+        return StepPlan(max(MIN_PREFILL_CHUNK, min(self.prefill_step_size, chunk)), prompts)
+
 
 class Scheduler:
-    """Requests waiting for a slot: lower `priority` first, first come first served among
-    equals, and every `aging_s` seconds of waiting counts as one priority level better, so
-    that a low priority cannot starve forever.
+    """Requests waiting for a slot, and the plan of each step.
 
-    Aging is the same for every waiting request, so the order never changes while they
-    wait: ranking by `priority + arrived_at / aging_s` once, at arrival, is exact.
+    Waiting requests go lower `priority` first, first come first served among equals, and
+    every `priority_aging_s` seconds of waiting counts as one priority level better, so
+    that a low priority cannot starve forever. Aging is the same for every waiting
+    request, so the order never changes while they wait: ranking by
+    `priority + arrived_at / aging_s` once, at arrival, is exact.
     """
 
-    def __init__(self, aging_s: float = 10.0) -> None:
-        self.aging_s = aging_s
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self.budget = StepBudget(policy.max_step_tokens, policy.prefill_batch_size, policy.prefill_step_size)
         self._heap: list[tuple[float, int, str]] = []
         self._waiting: dict[str, tuple[int, EngineRequest]] = {}
         self._order = itertools.count()
@@ -31,7 +82,7 @@ class Scheduler:
 
     def add(self, request: EngineRequest) -> None:
         """Queue a request."""
-        rank = request.priority + request.arrived_at / self.aging_s  # first: it is what can fail
+        rank = request.priority + request.arrived_at / self.policy.priority_aging_s  # first: it is what can fail
         order = next(self._order)
         heapq.heappush(self._heap, (rank, order, request.id))
         self._waiting[request.id] = (order, request)
@@ -40,6 +91,13 @@ class Scheduler:
         """Take a waiting request out (cancelled); None if it is not waiting."""
         entry = self._waiting.pop(request_id, None)
         return None if entry is None else entry[1]
+
+    def admit(self, running: int) -> list[EngineRequest]:
+        """The requests to start now, best first, into the slots `running` leave free."""
+        return self.take(self.policy.max_num_seqs - running)
+
+    def plan(self, decoding: int, prefilling: int) -> StepPlan:
+        return self.budget.plan(decoding, prefilling)
 
     def take(self, slots: int) -> list[EngineRequest]:
         """Up to `slots` requests to start now, best first."""

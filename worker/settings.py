@@ -16,6 +16,8 @@ from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
+from .scheduler import SchedulingPolicy
+
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
 # MLXQ_* variables that are not worker settings: the crash tests' faults, the gateway's, the BLAS re-exec's.
@@ -113,6 +115,11 @@ class WorkerSettings(LayeredSettings):
             if not re.fullmatch(r"[A-Za-z0-9_.\-]+", lane) or lane == "dead":
                 raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream)")
         return lanes
+
+    def scheduling(self) -> SchedulingPolicy:
+        """The engine's policy: slots, step budget, aging."""
+        return SchedulingPolicy(self.max_num_seqs, self.max_step_tokens, self.prefill_batch_size,
+                                self.prefill_step_size, self.priority_aging_s)
 
     def cache_budget_bytes(self) -> int:
         """The prefix cache's byte budget."""

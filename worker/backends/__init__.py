@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ..images import VisionPrompts
     from ..media import PreparedMedia
     from ..prefix_cache import PrefixCache
+    from ..scheduler import StepPlan
     from ..settings import WorkerSettings
 
 VISION_EXTRA = "pip install '.[worker,vision]' in the mlxq checkout"
@@ -67,7 +68,9 @@ class BatchBackend(Protocol):
         """Stop sequences; with `keep_caches`, return their caches."""
         ...
 
-    def step(self) -> list[TokenOut]: ...
+    def step(self, plan: StepPlan) -> list[TokenOut]:
+        """Decode one token of every running sequence and prefill what `plan` allows."""
+        ...
 
     def upcoming_tokens(self) -> dict[int, int]:
         """Each sequence's next input token, which the next `step` appends to what its

@@ -7,7 +7,6 @@ its tests see `BatchBackend`, which a fake can implement without a model.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -17,34 +16,29 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler
 from ..media import PreparedMedia
 from ..prefix_cache import PrefixCache
 from ..sampling import warm_up
+from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from . import Coverage, Loaded, ModelInfo, TokenOut
 
-MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
-
 
 class MlxBatchBackend:
-    """`BatchBackend` over mlx-lm 0.32's BatchGenerator, with a token budget per step.
+    """`BatchBackend` over mlx-lm 0.32's BatchGenerator, stepped to the scheduler's plan.
 
     BatchGenerator's step decodes every running sequence and prefills a chunk of up to
     `prefill_step_size` tokens of each of up to `prefill_batch_size` prompts: eight new
     300-token prompts make one step of 2,400 prompt tokens, and every running stream
-    waits for it. Before each step the chunk size and the number of prompts prefilled
-    together are set (BatchGenerator's own two knobs) so that the running sequences plus
-    the prompt chunks stay within `max_step_tokens`, while any sequence is decoding.
+    waits for it. Before each step those two knobs are set to the plan's, which keeps
+    the step within the scheduler's token budget (`scheduler.StepBudget`).
     """
 
     def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
-                 prefill_step_size: int, max_step_tokens: int) -> None:
+                 prefill_step_size: int) -> None:
         self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size)
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
         self._no_stops = StopSequences([])
-        self._budget = StepBudget(max_step_tokens, prefill_batch_size, prefill_step_size)
-        self._sequences: set[int] = set()
-        self._prefilling: set[int] = set()  # inserted, no token made yet
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
@@ -54,26 +48,15 @@ class MlxBatchBackend:
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
-        self._sequences.add(uid)
-        self._prefilling.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
-        uids = list(uids)
-        self._sequences.difference_update(uids)
-        self._prefilling.difference_update(uids)
-        caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
+        caches = self._generator.remove(list(uids), return_prompt_caches=keep_caches)
         return {uid: Coverage(cache, list(tokens)) for uid, (cache, tokens) in (caches or {}).items()}
 
-    def step(self) -> list[TokenOut]:
-        decoding = len(self._sequences) - len(self._prefilling)
-        chunk, prompts = self._budget.split(decoding, len(self._prefilling))
-        self._generator.prefill_step_size, self._generator.prefill_batch_size = chunk, prompts
+    def step(self, plan: StepPlan) -> list[TokenOut]:
+        self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
         _, generated = self._generator.next()
-        for r in generated:
-            self._prefilling.discard(r.uid)
-            if r.finish_reason is not None:  # it leaves the batch by itself
-                self._sequences.discard(r.uid)
         return [TokenOut(r.uid, r.token, r.finish_reason,
                          None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
                          logprobs=r.logprobs)
@@ -92,30 +75,6 @@ class MlxBatchBackend:
         self._generator.close()
 
 
-@dataclass(frozen=True)
-class StepBudget:
-    """How a step's token budget is shared: each running sequence decodes one token; the
-    rest goes to prompt chunks, at most `prefill_step_size` tokens each and at least
-    `MIN_PREFILL_CHUNK`, for as many prompts as fit (at least one, so prompts always
-    advance), up to `prefill_batch_size`. With nothing decoding there is no stream to keep
-    steady: the prompts get BatchGenerator's own sizes, and a burst of prompts into an
-    idle worker is prefilled in as few steps as in process (docs/benchmarks.md, "Paired
-    runs")."""
-
-    max_step_tokens: int
-    prefill_batch_size: int
-    prefill_step_size: int
-
-    def split(self, decoding: int, prefilling: int) -> tuple[int, int]:
-        """(prompt tokens per chunk, prompts prefilled together) for the next step."""
-        if not decoding:
-            return self.prefill_step_size, self.prefill_batch_size
-        left = max(self.max_step_tokens - decoding, MIN_PREFILL_CHUNK)
-        prompts = max(1, min(self.prefill_batch_size, left // MIN_PREFILL_CHUNK))
-        chunk = left // max(1, min(prompts, prefilling))
-        return max(MIN_PREFILL_CHUNK, min(self.prefill_step_size, chunk)), prompts
-
-
 def load_text_model(settings: WorkerSettings) -> Loaded:
     """Load model and tokenizer (a local path or a Hugging Face id) through mlx-lm's `load()`."""
     from mlx_lm import load
@@ -132,8 +91,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     def make_backend() -> MlxBatchBackend:
         return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
-                               prefill_step_size=settings.prefill_step_size,
-                               max_step_tokens=settings.max_step_tokens)
+                               prefill_step_size=settings.prefill_step_size)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),

@@ -19,6 +19,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from ..images import SUPPORTED_MODEL_TYPES, VisionPrompts
 from ..media import PreparedMedia
 from ..messages import CacheStats
+from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
 from . import Coverage, Loaded, ModelInfo, TokenOut
@@ -128,7 +129,9 @@ class VisionBatchBackend:
             self._cached_tokens.pop(uid, None)
         return {}
 
-    def step(self) -> list[TokenOut]:
+    def step(self, plan: StepPlan) -> list[TokenOut]:
+        # mlx-vlm fixes a prompt batch's chunk when it forms it, and admits prompts only
+        # in whole prefill batches: the plan is not applied here yet (its own sizes rule).
         prefilled, generated = self._generator.next()
         self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
         return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None))

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ..media import PreparedMedia
+from ..scheduler import StepPlan
 from . import Coverage, Loaded, ModelInfo, TokenOut
 
 
@@ -39,7 +40,7 @@ class SimBackend:
             self._running.pop(uid, None)
         return {}
 
-    def step(self) -> list[TokenOut]:
+    def step(self, plan: StepPlan) -> list[TokenOut]:
         time.sleep(self.step_s)
         outs = []
         for uid, state in list(self._running.items())[: self.slots]:
@@ -57,7 +58,7 @@ class SimBackend:
         self._running.clear()
 
 
-class _Letters:
+class Letters:
     """Tokenizer and detokenizer of the simulation: token t is the letter chr(97 + t % 26)."""
 
     has_chat_template = False
@@ -79,6 +80,6 @@ def load_sim(spec: str) -> Loaded:
     """The simulated model described by `spec` (see the module docstring)."""
     options = dict(part.split("=", 1) for part in spec.removeprefix("sim:").split(",") if part)
     step_s, slots = float(options.get("step_ms", 25)) / 1000, int(options.get("slots", 64))
-    info = ModelInfo(name=spec, tokenizer=_Letters(), context_length=1_000_000, vocab_size=1_000_000,
+    info = ModelInfo(name=spec, tokenizer=Letters(), context_length=1_000_000, vocab_size=1_000_000,
                      logprobs=False)
-    return Loaded(info=info, make_backend=lambda: SimBackend(step_s, slots), new_detokenizer=_Letters)
+    return Loaded(info=info, make_backend=lambda: SimBackend(step_s, slots), new_detokenizer=Letters)

@@ -1,0 +1,207 @@
+"""The engine core: one model's batch, stepped. Schedule, execute, update.
+
+It holds the scheduler (the policy), the backend (the model's batch), each running
+request's output side and the constrained rows' masks, and turns commands into changes
+of the batch and each step into events (`Outgoing`). Its inputs and outputs are plain
+messages: it knows nothing of threads, Redis or the event loop (`engine.Engine` runs it
+on the thread that owns MLX). A step that raises fails the requests in the batch (each
+gets one `error` event) and the batch is rebuilt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from client.protocol import ErrorCode
+
+from .backends import Coverage, Loaded
+from .constraints import Guides
+from .faults import NONE, Faults
+from .logprobs import token_logprobs
+from .messages import EngineRequest, EngineTime, Outgoing, RequestRef, StepOutput
+from .output import RequestOutput, deadline_exceeded, failed, not_started, process_step
+from .sampling import build_logits_processors, build_sampler
+from .scheduler import Scheduler, SchedulingPolicy
+
+log = structlog.get_logger("mlxq.engine")
+
+
+class EngineCore:
+    """One loaded model's continuous batch."""
+
+    def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE) -> None:
+        self.loaded = loaded
+        self.scheduler = Scheduler(policy)
+        self.backend = loaded.make_backend()
+        self.guides = Guides(loaded.info.vocab_size, policy.max_num_seqs)
+        self.clock = clock  # the model's share of the thread's time is counted here
+        self.faults = faults
+        self.running: dict[int, RequestOutput] = {}  # by the backend's uid
+        self._uids: dict[str, int] = {}  # request id -> uid
+
+    def busy(self) -> bool:
+        return bool(self.running or len(self.scheduler))
+
+    def submit(self, request: EngineRequest, out: StepOutput) -> None:
+        try:
+            self.scheduler.add(request)
+        except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone
+            out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not queue the request: {e!r}"))
+
+    def cancel(self, request_id: str, out: StepOutput) -> None:
+        """End a request `cancelled`: running, with what it made; waiting, with nothing."""
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self.backend.remove([uid])
+            output = self._retire([uid])[0]
+            out.outgoing.extend(Outgoing(output.request.ref, e) for e in output.finish("cancelled", time.time()))
+            return
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            out.outgoing.append(not_started(request, time.time()))
+
+    def abandon(self, request_id: str) -> None:
+        """Drop a request without a word, running or waiting: another worker took it."""
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self.backend.remove([uid])
+            self._retire([uid])
+        else:
+            self.scheduler.remove(request_id)
+
+    def abandon_waiting(self) -> list[RequestRef]:
+        """Drop every waiting request (a shutdown), for the loop to hand back."""
+        return [request.ref for request in self.scheduler.drain()]
+
+    def abandon_running(self) -> list[RequestRef]:
+        """Stop every running request without a word (past the drain deadline)."""
+        uids = list(self.running)
+        self.backend.remove(uids)
+        return [output.request.ref for output in self._retire(uids)]
+
+    def slowed(self) -> bool:
+        """Whether a request marked by the test hook `MLXQ_TEST_SLOW_ON_TOKEN` runs."""
+        return self.faults.slow_token is not None and any(
+            self.faults.slows(o.request.prompt_tokens) for o in self.running.values())
+
+    def step(self, out: StepOutput) -> None:
+        """Admit what the policy lets in, run one step of the batch, and turn its tokens into events."""
+        self._admit(out)
+        if not self.running:
+            return
+        try:
+            if self.guides:  # every constrained row's mask for this step, in one fill
+                self.guides.prefill(self.backend.upcoming_tokens())
+            prefilling = sum(o.first_token_at is None for o in self.running.values())
+            plan = self.scheduler.plan(len(self.running) - prefilling, prefilling)
+            started = time.perf_counter()
+            tokens = self.backend.step(plan)
+            self.clock.model_s += time.perf_counter() - started
+            self.clock.steps += 1
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+            self._fail_batch(e, out)
+            return
+        wanted = {uid: o.request.logprobs for uid, o in self.running.items() if o.request.logprobs is not None}
+        picked = token_logprobs(tokens, wanted, self.loaded.info.tokenizer) if wanted else {}
+        outgoing, finished = process_step(self.running, tokens, time.time(), picked)
+        out.outgoing.extend(outgoing)
+        coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
+        # Those that ended on a stop string are still in the batch.
+        coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
+        self._retire(finished)
+        self._keep_caches([coverage[uid] for uid in finished if uid in coverage])
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def _keep_caches(self, finished: list[Coverage]) -> None:
+        cache = self.loaded.prefix_cache
+        if cache is None:
+            return
+        for coverage in finished:
+            try:
+                cache.store(coverage.tokens, coverage.cache)
+            except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
+                log.warning("could not keep a prompt cache", error=repr(e))
+
+    def _admit(self, out: StepOutput) -> None:
+        now = time.time()
+        for request in self.scheduler.admit(len(self.running)):
+            self.faults.fail_if_marked(request.prompt_tokens)
+            try:
+                self._admit_one(request, now, out)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.error("could not start a request", request_id=request.id, error=repr(e))
+                out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
+
+    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
+        if request.deadline_at is not None and now > request.deadline_at:
+            out.outgoing.append(deadline_exceeded(request))
+            return
+        output = RequestOutput(request, self.loaded.new_detokenizer(), now,
+                               self.loaded.new_detokenizer() if request.thinking else None)
+        if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
+            out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
+            return
+        uid = self._insert(request, output)
+        self.running[uid] = output
+        self._uids[request.id] = uid
+
+    def _insert(self, request: EngineRequest, output: RequestOutput) -> int:
+        """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
+        prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
+        cache = self.loaded.prefix_cache
+        hit = cache.fetch(prompt) if cache is not None else None
+        cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+        processors = build_logits_processors(request.sampling, len(request.prompt_tokens), request.stop_tokens,
+                                             request.min_tokens)
+        guide = None
+        if request.constraint is not None:  # last: it masks what the others left
+            guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
+                                          self._thinking_left(request))
+            processors.append(guide)
+        try:
+            uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
+                                      request.tokens_to_generate, build_sampler(request.sampling), processors,
+                                      cached, request.media)
+        except Exception:
+            if guide is not None:
+                self.guides.discard(guide)  # its bitmask row goes back
+            raise
+        if cache is not None:
+            cache.count(hit)
+        if guide is not None:
+            self.guides.attach(uid, guide)
+        output.cached_tokens = 0 if hit is None else hit.reused
+        return uid
+
+    @staticmethod
+    def _thinking_left(request: EngineRequest) -> Any:
+        """Where a constrained thinking request stands before its first new token: still
+        reasoning (the prompt opened it, or a resumed output is inside it), or not."""
+        thinking = request.thinking
+        if thinking is None:
+            return None
+        tokens = request.resume.tokens if request.resume else []
+        if not tokens:
+            return thinking
+        inside, _ = thinking.after(tokens)
+        return replace(thinking, open=True) if inside else None
+
+    def _retire(self, uids: list[int]) -> list[RequestOutput]:
+        outputs = [self.running.pop(uid) for uid in uids]
+        for uid, output in zip(uids, outputs, strict=True):
+            del self._uids[output.request.id]
+            self.guides.release(uid)
+        return outputs
+
+    def _fail_batch(self, error: Exception, out: StepOutput) -> None:
+        log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
+        for output in self._retire(list(self.running)):
+            out.outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"generation failed: {error}"))
+        self.backend.close()
+        self.backend = self.loaded.make_backend()
