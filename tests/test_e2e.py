@@ -7,7 +7,7 @@ import time
 
 import msgpack
 import redis
-from support import HELD, ON_EACH, Outputs, check_stream, settled, worker_fixture, xadd_json
+from support import HELD, ON_EACH, Outputs, check_stream, settled, wait_for_deltas, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
 from client.connect import is_cluster_url, parse_cluster_url
@@ -147,18 +147,8 @@ def start_long_requests(r: redis.Redis, queue: str, n: int, reply_to: str, new_i
     ids = [new_id("long") for _ in range(n)]
     for rid in ids:
         xadd_json(r, queue, rid, {**HELD, "reply_to": reply_to})  # runs until cancelled
-    _wait_for_deltas(r, reply_to, ids)
+    wait_for_deltas(r, reply_to, ids)
     return ids
-
-
-def _wait_for_deltas(r: redis.Redis, stream: str, ids: list[str], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        seen = {json.loads(f[b"json"])["id"] for _, f in r.xrange(stream) if f[b"type"] == b"delta"}
-        if set(ids) <= seen:
-            return
-        time.sleep(0.02)
-    raise TimeoutError(f"no deltas from {ids}")
 
 
 def test_greedy_output_is_unaffected_by_a_hot_neighbour(worker, r, outputs, new_id):
@@ -268,7 +258,8 @@ def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, ne
         xadd_json(r, worker.queue, rid, HELD)  # four slots taken until cancelled
     waiting = new_id("waiting")
     xadd_json(r, worker.queue, waiting, {"prompt": "Waiting", "max_tokens": 5})
-    _wait_for_deltas_on_own_streams(r, long_ids)
+    for rid in long_ids:
+        wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
     client.cancel(waiting)
     events = outputs.of(waiting)
     assert [type(e) for e in events] == [Done] and events[0].finish_reason == "cancelled"
@@ -276,11 +267,6 @@ def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, ne
         client.cancel(rid)
         check_stream(outputs.of(rid))
     client.close()
-
-
-def _wait_for_deltas_on_own_streams(r: redis.Redis, ids: list[str]) -> None:
-    for rid in ids:
-        _wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
 
 
 def test_deadline_in_the_past_is_an_error_without_compute(worker, r, outputs, new_id):

@@ -24,7 +24,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from support import Outputs, check_stream, worker_fixture
+from support import Outputs, check_stream, rss_mb, worker_fixture
 
 from client import Done
 
@@ -217,12 +217,6 @@ def valid(draw: st.DrawFn) -> Entry:
     return Entry("valid", {"id": rid, encoding: _json(body) if encoding == "json" else _pack(body)}, rid, prompt)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) / 1024
-
-
 @pytest.fixture(scope="module")
 def expected(worker: Any, valkey: str) -> dict[str, str]:
     """Each valid prompt's text, from the worker with nothing else running."""
@@ -235,7 +229,7 @@ def expected(worker: Any, valkey: str) -> dict[str, str]:
         done = check_stream(Outputs(r).of(rid, timeout=30))
         assert isinstance(done, Done)
         texts[prompt] = done.text
-    REPORT["rss_before_mb"] = _rss_mb(worker.process.pid)
+    REPORT["rss_before_mb"] = rss_mb(worker.process.pid)
     r.close()
     return texts
 
@@ -273,7 +267,7 @@ def test_any_entry_gets_one_answer_and_the_worker_stays_up(worker, r, expected, 
 def test_memory_stays_bounded_after_the_hostile_entries(worker, expected):
     """The worker's RSS after every hostile batch (megabyte prompts among them) is close
     to what it was before them: no body is tokenized or kept whole that should not be."""
-    REPORT["rss_after_mb"] = _rss_mb(worker.process.pid)
+    REPORT["rss_after_mb"] = rss_mb(worker.process.pid)
     assert REPORT["entries"] > 0
     assert REPORT["rss_after_mb"] < REPORT["rss_before_mb"] + 300
 

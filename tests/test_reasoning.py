@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 from support import Outputs, check_stream, start_worker
 
-from client import Client, Delta, Done
+from client import Delta, Done
 
 THINK, END_THINK = 3, 4  # the thinking demo model's <think> and </think> (checked below)
 ASK = [{"role": "user", "content": "Think first."}]
@@ -21,12 +21,6 @@ def worker(valkey, thinking_model, logs_dir):
     process = start_worker(valkey, thinking_model, f"think{uuid.uuid4().hex[:6]}", logs_dir)
     yield process
     process.stop()
-
-
-@pytest.fixture
-def client(worker):
-    with Client(worker.redis_url, queue=worker.queue) as c:
-        yield c
 
 
 def test_the_model_knows_its_think_tokens(thinking_model):

@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 import redis
-from support import HELD, ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, xadd_json
+from support import HELD, ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, wait_for_deltas, xadd_json
 
 from client import Client, Done, Error
 
@@ -34,11 +34,10 @@ def submit_all(r: redis.Redis, queue: str, max_tokens: int = LONG, tag: str = ""
     return ids
 
 
-def wait_for_deltas(r: redis.Redis, ids: list[str], at_least: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while min(r.xlen(f"mlxq:out:{{{i}}}") for i in ids) < at_least:
-        assert time.monotonic() < deadline, "the requests did not start"
-        time.sleep(0.01)
+def streaming(r: redis.Redis, ids: list[str], at_least: int) -> None:
+    """Wait until each request's own stream holds `at_least` deltas."""
+    for request_id in ids:
+        wait_for_deltas(r, f"mlxq:out:{{{request_id}}}", [request_id], at_least)
 
 
 def finished(outputs: Outputs, ids: list[str]) -> dict[str, Done]:
@@ -64,7 +63,7 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(redis_url, demo_model
     seq without gap or repeat, one `done`, and the same text as an uninterrupted run."""
     victim = start_worker(redis_url, demo_model, queue, logs_dir, consumer="victim")
     ids = submit_all(r, queue)
-    wait_for_deltas(r, ids, at_least=20)
+    streaming(r, ids, at_least=20)
     # Frozen mid-generation, then killed once the survivor is up: how long a worker takes to
     # start must not decide whether the kill lands in the middle.
     victim.signal(signal.SIGSTOP)
@@ -94,7 +93,7 @@ def test_a_frozen_worker_that_wakes_after_a_takeover_writes_nothing(redis_url, d
     no seq twice and the text of an uninterrupted run, and the woken worker drops them."""
     sleeper = start_worker(redis_url, demo_model, queue, logs_dir, consumer="sleeper")
     ids = submit_all(r, queue)
-    wait_for_deltas(r, ids, at_least=20)
+    streaming(r, ids, at_least=20)
     sleeper.signal(signal.SIGSTOP)
     taker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="taker", reclaim_interval_s=0.2)
     try:
@@ -116,7 +115,7 @@ def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, 
     owner = start_worker(valkey, demo_model, queue, logs_dir, consumer="owner")
     request_id = f"long-{uuid.uuid4().hex[:8]}"
     entry_id = xadd_json(r, queue, request_id, HELD)  # runs until cancelled
-    wait_for_deltas(r, [request_id], at_least=1)
+    streaming(r, [request_id], at_least=1)
     other = start_worker(valkey, demo_model, queue, logs_dir, consumer="other", reclaim_interval_s=0.1)
     try:
         until = time.monotonic() + 4.0  # four times the idle time after which an entry may be taken
@@ -139,7 +138,7 @@ def test_a_worker_restarted_under_its_name_resumes_its_own_pending(redis_url, de
     pending entries (no waiting for a heartbeat to expire) and resumes them."""
     worker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="phoenix")
     ids = submit_all(r, queue)
-    wait_for_deltas(r, ids, at_least=20)
+    streaming(r, ids, at_least=20)
     worker.process.kill()
     worker.wait()
     worker = start_worker(redis_url, demo_model, queue, logs_dir, consumer="phoenix")
@@ -190,7 +189,7 @@ def test_sigterm_hands_back_what_the_drain_could_not_finish(valkey, demo_model, 
     leaving = start_worker(valkey, demo_model, queue, logs_dir, consumer="leaving", heartbeat_s=5,
                            drain_timeout_s=0.3)
     ids = submit_all(r, queue)
-    wait_for_deltas(r, ids, at_least=20)
+    streaming(r, ids, at_least=20)
     staying = start_worker(valkey, demo_model, queue, logs_dir, consumer="staying", reclaim_interval_s=0.2)
     try:
         leaving.signal(signal.SIGTERM)
@@ -213,7 +212,7 @@ def test_a_fatal_engine_error_exits_non_zero_and_its_requests_are_taken_over(val
     running = f"running-{uuid.uuid4().hex[:8]}"
     xadd_json(r, queue, running, {"prompt": "Keep going", "max_tokens": LONG})
     try:
-        wait_for_deltas(r, [running], at_least=20)
+        streaming(r, [running], at_least=20)
         trigger = f"trigger-{uuid.uuid4().hex[:8]}"
         xadd_json(r, queue, trigger, {"prompt_tokens": [5, 1000, 7], "max_tokens": 3})
         assert broken.wait() == 1
@@ -232,7 +231,7 @@ def test_a_second_sigterm_exits_at_once_and_nothing_is_corrupted(valkey, demo_mo
     was running is resumed by the next worker with its stream intact."""
     worker = start_worker(valkey, demo_model, queue, logs_dir, consumer="impatient", drain_timeout_s=60)
     ids = submit_all(r, queue)
-    wait_for_deltas(r, ids, at_least=20)
+    streaming(r, ids, at_least=20)
     worker.signal(signal.SIGTERM)
     time.sleep(0.1)
     worker.signal(signal.SIGTERM)

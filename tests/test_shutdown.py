@@ -3,20 +3,11 @@
 from __future__ import annotations
 
 import signal
-import time
 import uuid
 
-import redis
-from support import HELD, Outputs, check_stream, start_worker, xadd_json
+from support import HELD, Outputs, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Done
-
-
-def _wait_for_first_delta(r: redis.Redis, rid: str) -> None:
-    deadline = time.monotonic() + 30
-    while not r.exists(f"mlxq:out:{{{rid}}}"):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
 
 
 def test_sigterm_lets_running_requests_finish(valkey, demo_model, logs_dir, r):
@@ -24,7 +15,7 @@ def test_sigterm_lets_running_requests_finish(valkey, demo_model, logs_dir, r):
     worker = start_worker(valkey, demo_model, f"drain-{uuid.uuid4().hex[:6]}", logs_dir, drain_timeout_s=60)
     rid = f"drain-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, rid, {"prompt": "Finish me", "max_tokens": 400})
-    _wait_for_first_delta(r, rid)
+    wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
     worker.signal(signal.SIGTERM)
     assert worker.wait(60) == 0, worker.log()
     done = check_stream(Outputs(r).of(rid, timeout=5))
@@ -40,7 +31,7 @@ def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey
     running, waiting = f"run-{uuid.uuid4().hex}", f"wait-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     xadd_json(r, worker.queue, waiting, {"prompt": "Queued", "max_tokens": 5})
-    _wait_for_first_delta(r, running)
+    wait_for_deltas(r, f"mlxq:out:{{{running}}}", [running])
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0, worker.log()
     pending = r.xpending_range(f"mlxq:q:{worker.queue}", "workers", min="-", max="+", count=10)

@@ -4,22 +4,17 @@ the worker's memory does not grow (RSS after a warm-up against RSS at the end)."
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 import uuid
 
 import pytest
-from support import settled, worker_fixture
+from support import rss_mb, settled, worker_fixture
 
 from client import decode_event
 
 pytestmark = pytest.mark.soak
 worker = worker_fixture(max_num_seqs=16)
 WARM_UP, TOTAL = 200, 2000
-
-
-def rss_mb(pid: int) -> float:
-    return int(subprocess.check_output(["ps", "-o", "rss=", "-p", str(pid)])) / 1024
 
 
 def run_requests(r, queue: str, count: int) -> list[str]:

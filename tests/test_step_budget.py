@@ -28,13 +28,6 @@ def test_a_step_is_shared_between_streams_and_prompt_chunks(budget, decoding, pr
     assert budget_of.plan(decoding, prefilling) == StepPlan(*split)
 
 
-@pytest.fixture(scope="module")
-def model(demo_model):
-    from mlx_lm import load
-
-    return load(str(demo_model))[:2]
-
-
 def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[dict[int, list[int]], list[int]]:
     """Greedy tokens of `prompts` (8 new tokens each), with `late` inserted once the
     first prompts are decoding; and, for each step that decoded anything, the tokens it
@@ -67,13 +60,13 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
     return {i: tokens[uid] for i, uid in enumerate(order)}, over
 
 
-def test_no_step_exceeds_its_budget_and_the_output_is_the_same(model):
+def test_no_step_exceeds_its_budget_and_the_output_is_the_same(loaded_demo_model):
     """Three 120-token prompts, then a 200-token one arriving while they decode: with a
     budget of 48 tokens no step that decodes processes more than 48 (running streams'
     tokens plus prompt chunks), and every greedy output equals the unbounded run's."""
     prompts = [[100 + (7 * i + j) % 900 for j in range(120)] for i in range(3)]
     late = [300 + j % 500 for j in range(200)]
-    bounded, over = run(model, 48, prompts, late)
-    unbounded, _ = run(model, 100_000, prompts, late)
+    bounded, over = run(loaded_demo_model, 48, prompts, late)
+    unbounded, _ = run(loaded_demo_model, 100_000, prompts, late)
     assert max(over) <= 0, over
     assert bounded == unbounded

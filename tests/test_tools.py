@@ -10,7 +10,7 @@ import jsonschema
 import pytest
 from support import worker_fixture
 
-from client import Client, JobFailed, RequestRejected
+from client import JobFailed, RequestRejected
 from worker.tools import MAX_FORCED_CALLS
 
 worker = worker_fixture()
@@ -32,12 +32,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 def parameters(name: str) -> dict:
     return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
-
-
-@pytest.fixture
-def client(worker):
-    with Client(worker.redis_url, queue=worker.queue) as c:
-        yield c
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 from PIL import Image
-from support import ROOT, WorkerProcess, check_stream, start_worker, xadd_json
+from support import ROOT, WorkerProcess, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Client, Done, Error, decode_event
 from worker.scheduler import StepPlan
@@ -116,13 +116,6 @@ def test_image_and_text_requests_batch_together_and_match_running_alone(worker, 
     order = [(type(e).__name__, e.id) for e in outputs.all_on(shared)]
     first_done = min(order.index(("Done", rid)) for rid in ids[:2])
     assert all(order.index(("Delta", rid)) < first_done for rid in ids[2:]), "the late two joined mid-decode"
-
-
-def wait_for_deltas(r: redis.Redis, stream: str, ids: list[str], timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while {decode_event(f).id for _, f in r.xrange(stream) if f[b"type"] == b"delta"} < set(ids):
-        assert time.monotonic() < deadline, f"no deltas from {ids}"
-        time.sleep(0.01)
 
 
 def test_sampling_is_per_request_on_the_vision_path(worker, r, outputs, new_id):
