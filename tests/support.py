@@ -27,15 +27,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MLXQ = [sys.executable, "-m", "mlxq"]  # the `mlxq` command, run from this checkout
 
 
-@dataclass
-class WorkerProcess:
-    """A real `mlxq worker` process serving one queue."""
+class ServiceProcess:
+    """A real `mlxq` process (worker or gateway) with its log."""
 
-    queue: str
-    consumer: str
     process: subprocess.Popen[bytes]
     log_path: Path
-    redis_url: str
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -46,16 +42,30 @@ class WorkerProcess:
     def wait(self, timeout: float = 60) -> int:
         return self.process.wait(timeout)
 
-    def stop(self) -> None:
+    def stop(self) -> int:
+        """SIGTERM, and its exit status; one that does not exit in 30 s dumps its threads'
+        stacks into its log (SIGUSR1) and is killed."""
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:
                 self.process.wait(30)
             except subprocess.TimeoutExpired:
-                self.process.send_signal(signal.SIGUSR1)  # its threads' stacks go to the log, then kill it
+                self.process.send_signal(signal.SIGUSR1)
                 time.sleep(1)
                 self.process.kill()
                 self.process.wait(5)
+        return self.process.returncode
+
+
+@dataclass
+class WorkerProcess(ServiceProcess):
+    """A real `mlxq worker` process serving one queue."""
+
+    queue: str
+    consumer: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    redis_url: str
 
 
 def build_demo_model(path: Path, *flags: str) -> Path:
@@ -273,27 +283,12 @@ def worker_fixture(**settings: Any) -> Any:
 
 
 @dataclass
-class GatewayProcess:
+class GatewayProcess(ServiceProcess):
     """A real `mlxq gateway` process."""
 
     url: str  # http://127.0.0.1:<port>
     process: subprocess.Popen[bytes]
     log_path: Path
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.send_signal(signal.SIGUSR1)  # its threads' stacks go to the log, then kill it
-                time.sleep(1)
-                self.process.kill()
-                self.process.wait(5)
-        return self.process.returncode
 
 
 def start_gateway(redis_url: str, log_dir: Path, *args: str, ready_timeout: float = 30) -> GatewayProcess:
