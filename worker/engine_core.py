@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 import structlog
 
@@ -22,8 +21,9 @@ from .backends import Coverage, Loaded
 from .constraints import Guides
 from .faults import NONE, Faults
 from .logprobs import token_logprobs
-from .messages import EngineRequest, EngineTime, Outgoing, RequestRef, StepOutput
+from .messages import EngineRequest, EngineTime, Outgoing, RequestRef, StepOutput, Thinking
 from .output import RequestOutput, deadline_exceeded, failed, not_started, process_step
+from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
 from .scheduler import Scheduler, SchedulingPolicy
 
@@ -113,20 +113,10 @@ class EngineCore:
         # Those that ended on a stop string are still in the batch.
         coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
         self._retire(finished)
-        self._keep_caches([coverage[uid] for uid in finished if uid in coverage])
+        _keep_caches(self.loaded.prefix_cache, [coverage[uid] for uid in finished if uid in coverage])
 
     def close(self) -> None:
         self.backend.close()
-
-    def _keep_caches(self, finished: list[Coverage]) -> None:
-        cache = self.loaded.prefix_cache
-        if cache is None:
-            return
-        for coverage in finished:
-            try:
-                cache.store(coverage.tokens, coverage.cache)
-            except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
-                log.warning("could not keep a prompt cache", error=repr(e))
 
     def _admit(self, out: StepOutput) -> None:
         now = time.time()
@@ -162,7 +152,7 @@ class EngineCore:
         guide = None
         if request.constraint is not None:  # last: it masks what the others left
             guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
-                                          self._thinking_left(request))
+                                          _thinking_left(request))
             processors.append(guide)
         try:
             uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
@@ -179,19 +169,6 @@ class EngineCore:
         output.cached_tokens = 0 if hit is None else hit.reused
         return uid
 
-    @staticmethod
-    def _thinking_left(request: EngineRequest) -> Any:
-        """Where a constrained thinking request stands before its first new token: still
-        reasoning (the prompt opened it, or a resumed output is inside it), or not."""
-        thinking = request.thinking
-        if thinking is None:
-            return None
-        tokens = request.resume.tokens if request.resume else []
-        if not tokens:
-            return thinking
-        inside, _ = thinking.after(tokens)
-        return replace(thinking, open=True) if inside else None
-
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
         outputs = [self.running.pop(uid) for uid in uids]
         for uid, output in zip(uids, outputs, strict=True):
@@ -205,3 +182,27 @@ class EngineCore:
             out.outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"generation failed: {error}"))
         self.backend.close()
         self.backend = self.loaded.make_backend()
+
+
+def _keep_caches(cache: PrefixCache | None, finished: list[Coverage]) -> None:
+    """Keep the finished sequences' caches for later prompts that share their prefix."""
+    if cache is None:
+        return
+    for coverage in finished:
+        try:
+            cache.store(coverage.tokens, coverage.cache)
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
+            log.warning("could not keep a prompt cache", error=repr(e))
+
+
+def _thinking_left(request: EngineRequest) -> Thinking | None:
+    """Where a constrained thinking request stands before its first new token: still
+    reasoning (the prompt opened it, or a resumed output is inside it), or not."""
+    thinking = request.thinking
+    if thinking is None:
+        return None
+    tokens = request.resume.tokens if request.resume else []
+    if not tokens:
+        return thinking
+    inside, _ = thinking.after(tokens)
+    return replace(thinking, open=True) if inside else None
