@@ -62,3 +62,25 @@ def test_a_done_gets_the_stages_the_table_saw():
     assert isinstance(timed, Done)
     assert (timed.timing.read_ms, timed.timing.prepared_ms, timed.timing.published_ms) == (10.0, 15.0, 30.0)
     assert (timed.timing.queued_ms, timed.timing.ttft_ms, timed.timing.total_ms) == (12.0, 25.0, 40.0)
+
+
+def test_an_answer_made_at_intake_drops_a_request_the_engine_already_has():
+    """Intake answers a request itself (its intake failed after the hand-over to the
+    engine): the engine is told to drop it, since the written terminal will not tell it."""
+    from types import SimpleNamespace
+
+    from client.protocol import ErrorCode
+    from worker.intake import Intake
+    from worker.output import failed
+
+    requests, _ = table()
+    told: list[str] = []
+    emitted: list[object] = []
+    intake = Intake(None, None, requests, None, None, SimpleNamespace(abandon=told.append),  # type: ignore[arg-type]
+                    emitted.append, 0.0, None)
+    for request_id, status in (("handed", RequestStatus.ADMITTED), ("unhanded", RequestStatus.READ)):
+        requests.read(route(request_id))
+        requests.advance(request_id, status)
+        intake._answer(failed(RequestRef(request_id, "1-0"), ErrorCode.INTERNAL, "x"))
+    assert told == ["handed"] and len(emitted) == 2
+    assert requests.get("handed").status is requests.get("unhanded").status is RequestStatus.FINISHING

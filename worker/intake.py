@@ -210,6 +210,11 @@ class Intake:
             self.totals.count("dead_letters")
 
     def _answer(self, outgoing: Outgoing) -> None:
-        """The request's terminal event, made here rather than by the engine."""
+        """The request's terminal event, made here rather than by the engine. One that
+        already reached the engine (its intake failed after the hand-over) is dropped
+        there: a written terminal tells the engine nothing (`RequestTable.end`)."""
+        held = self.requests.get(outgoing.ref.id)
+        if held is not None and held.status is RequestStatus.ADMITTED:
+            self.engine.abandon(outgoing.ref.id)
         self.requests.advance(outgoing.ref.id, RequestStatus.FINISHING)
         self.emit(outgoing)
