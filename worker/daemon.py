@@ -48,6 +48,8 @@ from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
 
+ENGINE_EXIT_WAIT_S = 30.0  # an idle engine thread ends at once on a shutdown; this bounds a stuck one
+
 
 class Worker:
     """One worker: a consumer in the queue's group, with one engine."""
@@ -106,6 +108,9 @@ class Worker:
         except NameTaken as e:
             log.critical("worker exiting: its consumer name is taken", error=str(e))
             self.engine.shutdown(0)
+            # The process must not end while the engine thread is still in MLX: its C++
+            # threads would be torn down under it ("terminate called", SIGABRT).
+            await asyncio.to_thread(self.engine.join, ENGINE_EXIT_WAIT_S)
             await self.redis.aclose()
             return 2
         intake = self._intake(info, clock_offset_s)
