@@ -93,10 +93,18 @@ class Worker:
         clock_offset_s = await retrying(self.redis_queue.clock_offset_s, "reading the server clock")
         self.engine.start()
         try:
+            return await self._serve_with_engine(clock_offset_s)
+        finally:
+            await self._stop_engine()
+
+    async def _serve_with_engine(self, clock_offset_s: float) -> int:
+        """Once the engine thread runs: wait for the model, claim a name, serve."""
+        try:
             info = await asyncio.to_thread(self.engine.wait_ready)
         except EngineFailed as e:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
+        assert self._loop is not None
         self._install_signal_handlers(self._loop)
         tools = ToolFormat.of(info.tokenizer)
         leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name, self.totals,
@@ -107,16 +115,20 @@ class Worker:
             await leases.claim_name()
         except NameTaken as e:
             log.critical("worker exiting: its consumer name is taken", error=str(e))
-            self.engine.shutdown(0)
-            # The process must not end while the engine thread is still in MLX: its C++
-            # threads would be torn down under it ("terminate called", SIGABRT).
-            await asyncio.to_thread(self.engine.join, ENGINE_EXIT_WAIT_S)
             await self.redis.aclose()
             return 2
         intake = self._intake(info, clock_offset_s)
         await retrying(intake.reclaimer.list_own, "listing this consumer's pending requests")  # before the first read
         self._announce(info)
         return await self._serve(intake, leases)
+
+    async def _stop_engine(self) -> None:
+        """However the worker exits, not while the engine thread is still in MLX: its C++
+        threads would be torn down under it ("terminate called", SIGABRT). After a drain
+        it has ended already."""
+        if self.engine.is_alive():
+            self.engine.shutdown(0)
+            await asyncio.to_thread(self.engine.join, ENGINE_EXIT_WAIT_S)
 
     def _listen_for_scrapes(self) -> socket.socket | None:
         """Bind the metrics port, if one is set; a busy port stops the start (`OSError`)."""
