@@ -12,6 +12,7 @@ default, so a heartbeat of an older or newer worker still reads.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast, get_args
 
@@ -130,7 +131,10 @@ def _int(value: Any) -> int | None:
 
 
 def _float(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """A finite number (JSON as Python reads it has NaN and Infinity too), else None."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+        return None
+    return float(value)
 
 
 def _strings(value: Any) -> tuple[str, ...]:

@@ -109,7 +109,6 @@ class MediaPart(_Format):
 
 
 ContentPart = Annotated[TextPart | MediaPart, Field(discriminator="type")]
-MEDIA_LISTS = {"image": "images", "video": "videos", "audio": "audio"}  # a part's kind -> the request's field
 
 
 class Message(BaseModel):

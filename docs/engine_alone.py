@@ -48,7 +48,7 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             out = outputs.get()
             now = time.perf_counter()
             for item in out.outgoing:
-                rid = item.route.id
+                rid = item.ref.id
                 if isinstance(item.event, Delta):
                     gaps = itl if rid in last else ttft
                     gaps.append(now - last.get(rid, started[rid]))

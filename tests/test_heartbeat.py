@@ -50,3 +50,5 @@ def test_whatever_else_a_heartbeat_key_holds_reads_without_an_error():
     assert (beat.state, beat.pid, beat.host, beat.in_flight, beat.totals, beat.last_error) == (
         "ready", None, "?", 0, {"c": 1}, None)
     assert beat.models == (ModelState("q", "q", "p", "available"),)
+    odd = Heartbeat.from_json('{"started_at": Infinity, "tok_s": NaN, "pid": 1e400}')  # JSON as Python reads it
+    assert odd is not None and (odd.started_at, odd.tok_s, odd.pid) == (0.0, None, None)

@@ -84,3 +84,15 @@ def test_an_answer_made_at_intake_drops_a_request_the_engine_already_has():
         intake._answer(failed(RequestRef(request_id, "1-0"), ErrorCode.INTERNAL, "x"))
     assert told == ["handed"] and len(emitted) == 2
     assert requests.get("handed").status is requests.get("unhanded").status is RequestStatus.FINISHING
+
+
+def test_a_request_taken_over_during_an_await_is_left_alone():
+    """Intake changes a request after awaiting Redis or a thread; if another worker took
+    it meanwhile (the lease keeper ended it LOST), those changes do nothing and raise nothing."""
+    requests, _ = table()
+    requests.read(route())
+    requests.end("r1", RequestStatus.LOST)
+    assert requests.reroute("r1", reply_to="mlxq:reply:x") is None
+    requests.fenced("r1", "token", 3)
+    requests.prepared("r1", arrived_at=1.0)
+    assert requests.get("r1") is None

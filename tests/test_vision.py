@@ -345,7 +345,7 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
     first, second, loose = png(56, 56, 1), png(112, 112, 2), png(56, 112, 3)  # 4, 16 and 8 image tokens
     body = RequestBody(images=[b64(second), b64(first), b64(loose)], messages=[
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "index": 1}]},
-        {"role": "assistant", "content": "A picture."},
+        {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "picture."}]},
         {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "And this?"}]}])
     ids, images = prompts.prepare(body)
     turns: list[list[int]] = []
@@ -358,6 +358,7 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
     assert [image.tokens for image in images] == [4, 8, 16]  # first, loose, second
     text = tokenizer.decode(turns[0])
     assert text.index("What is this?") < text.index("<|image_pad|>")
+    assert "A\npicture." in tokenizer.decode(turns[1])  # text parts joined, as on a text model
 
 
 def test_media_parts_that_point_nowhere_are_refused_before_any_work():

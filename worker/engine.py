@@ -135,7 +135,8 @@ class Engine:
             if self._drain_until is not None and time.monotonic() >= self._drain_until:
                 out.abandoned.extend(core.abandon_running())  # past the drain deadline: left un-acked
             if core.busy():
-                self._hold_if_slowed(out)
+                if self._faults.slow_token is not None:
+                    self._hold_if_slowed(out)
                 core.step(out)
             if out.outgoing or out.abandoned:
                 self._hand_off(out)

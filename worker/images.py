@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from client.protocol import ErrorCode, RequestBody, RequestRejected, TextPart, decode_images
+from client.protocol import ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
 
 from .media import PreparedMedia
 
@@ -67,18 +67,16 @@ class VisionPrompts:
         pointed = {part.index for m in body.messages for part in m.media_parts()}
         loose = [i for i in range(count) if i not in pointed]
         last_user = max(i for i, m in enumerate(body.messages) if m.role == "user")
-        conversation, order = [], []
+        conversation: list[Any] = []
+        order: list[int] = []
         for i, message in enumerate(body.messages):
-            parts: list[dict[str, Any]] = [{"type": "image"} for _ in loose] if i == last_user else []
-            order += loose if i == last_user else []
-            for part in message.content if isinstance(message.content, list) else [TextPart(type="text",
-                                                                                            text=message.text)]:
-                if isinstance(part, TextPart):
-                    parts.append({"type": "text", "text": part.text})
-                else:
-                    parts.append({"type": "image"})
-                    order.append(part.index)
-            conversation.append({**message.model_dump(exclude_none=True), "content": parts})
+            entry = message.model_dump(exclude_none=True)
+            first = loose if i == last_user else []
+            if message.media_parts() or first:
+                entry["content"] = _parts_with_images(message, first, order)
+            elif isinstance(message.content, list):
+                entry["content"] = message.text  # no image here: what a text model gets
+            conversation.append(entry)
         return conversation, order
 
     def _prepare_image(self, index: int, data: bytes) -> PreparedMedia:
@@ -103,6 +101,20 @@ class VisionPrompts:
         for image, piece in zip(images, pieces[1:], strict=True):
             expanded += self.image_token * image.tokens + piece
         return list(self.processor.tokenizer.encode(expanded, add_special_tokens=False))
+
+
+def _parts_with_images(message: Message, first: list[int], order: list[int]) -> list[dict[str, Any]]:
+    """The message's parts as mlx-vlm takes them, images `first` ahead of its own; the
+    index of each image placed is appended to `order`."""
+    parts: list[dict[str, Any]] = [{"type": "image"} for _ in first]
+    order += first
+    for part in message.content if isinstance(message.content, list) else [TextPart(type="text", text=message.text)]:
+        if isinstance(part, TextPart):
+            parts.append({"type": "text", "text": part.text})
+        else:
+            parts.append({"type": "image"})
+            order.append(part.index)
+    return parts
 
 
 def decode_image(data: bytes, index: int, max_pixels: int) -> Image.Image:

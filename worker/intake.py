@@ -143,7 +143,8 @@ class Intake:
         reply_to = envelope.reply_to
         if reply_to is not None and self.redis_queue.keys.reply_to_problem(reply_to):
             reply_to = None  # its error goes to the request's own stream
-        self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding)
+        if self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding) is None:
+            return  # taken over while it was read: the other worker serves it
         taken = await take_fence(self.redis_queue, self.requests, held)
         if taken is None:  # a repeat, or its output already complete
             return
@@ -175,6 +176,8 @@ class Intake:
         except RequestRejected as e:
             self._answer(failed(route.ref, e.code, str(e)))
             return
+        if self.requests.holding(route.ref) is None:
+            return  # taken over while it was prepared: the other worker serves it
         self.requests.prepared(route.id, arrived_at)
         if cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))

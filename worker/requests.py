@@ -115,21 +115,29 @@ class RequestTable:
         held = self._held[route.id] = HeldRequest(route)
         return held
 
-    def reroute(self, request_id: str, **changes: object) -> Route:
-        """Change where a held request's events go (its reply stream, its encoding)."""
-        held = self._held[request_id]
+    def reroute(self, request_id: str, **changes: object) -> Route | None:
+        """Change where a held request's events go (its reply stream, its encoding); None
+        if it is not held any more (these three are called after awaits, in which another
+        worker may have taken it: see `Leases`)."""
+        held = self._held.get(request_id)
+        if held is None:
+            return None
         held.route = replace(held.route, **changes)  # type: ignore[arg-type]
         return held.route
 
     def fenced(self, request_id: str, token: str, written: int) -> None:
         """This worker took the request's fence: its token, and the events already written."""
-        held = self._held[request_id]
+        held = self._held.get(request_id)
+        if held is None:
+            return
         held.route = replace(held.route, fence=token)
         held.written = written
 
     def prepared(self, request_id: str, arrived_at: float) -> None:
         """The request is decoded, validated and tokenized; its entry id says it arrived at `arrived_at`."""
-        held = self._held[request_id]
+        held = self._held.get(request_id)
+        if held is None:
+            return
         held.arrived_at, held.prepared_at = arrived_at, time.time()
 
     def advance(self, request_id: str, status: RequestStatus) -> None:
