@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import uuid
 
-from support import HELD, Outputs, check_stream, start_worker, wait_for_deltas, xadd_json
+from support import HELD, ROOT, Outputs, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Done
 
@@ -39,3 +41,28 @@ def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey
     terminal = [f for _, f in r.xrange(f"mlxq:out:{{{running}}}") if f[b"type"] != b"delta"]
     assert terminal == []
     assert not r.exists(f"mlxq:out:{{{waiting}}}")
+
+
+# The shortest exit after an engine thread ends: load, shut down, join, leave. Before the
+# thread freed its MLX streams itself, this aborted every time (SIGABRT): the thread's C++
+# TLS destructors took the GIL while the main thread was already finalizing.
+EXIT_RIGHT_AFTER_THE_ENGINE = """
+import sys
+from worker.backends import load_model
+from worker.engine import Engine
+from worker.settings import load_settings
+settings = load_settings(model=sys.argv[1])
+engine = Engine(lambda: load_model(settings), settings.scheduling(), on_output=lambda out: None,
+                on_fatal=lambda error: None)
+engine.start()
+engine.wait_ready(60)
+engine.shutdown(0)
+assert engine.join(30)
+"""
+
+
+def test_a_process_exits_cleanly_right_after_its_engine_thread_ends(demo_model):
+    for _ in range(3):
+        process = subprocess.run([sys.executable, "-c", EXIT_RIGHT_AFTER_THE_ENGINE, str(demo_model)], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=120)
+        assert process.returncode == 0, process.stderr[-2000:]

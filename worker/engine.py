@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 
+import mlx.core as mx
 import structlog
 
 from .backends import Loaded, ModelInfo
@@ -105,6 +106,16 @@ class Engine:
     # ---- the engine thread ---------------------------------------------------------
 
     def _main(self) -> None:
+        try:
+            self._run()
+        finally:
+            # MLX's per-thread streams are otherwise freed by this thread's C++ TLS
+            # destructors, which take the GIL: if the main thread is finalizing by then
+            # (it joined us and exited), the process aborts ("terminate called without an
+            # active exception"). mlx's own advice, and what mlx-vlm's server threads do.
+            mx.clear_streams()
+
+    def _run(self) -> None:
         try:
             loaded = self._load()
             core = EngineCore(loaded, self._policy, self._time, self._faults)
