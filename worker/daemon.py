@@ -31,18 +31,27 @@ from .backends import Loaded, ModelInfo
 from .cancels import listen_for_cancels
 from .engine import Engine, EngineFailed
 from .faults import Faults
+from .fencing import Fencing
 from .intake import Intake
 from .leases import Leases
+from .membership import Membership
 from .messages import EngineStats, StepOutput
 from .metrics import Metrics
 from .naming import NameTaken
 from .prepare import Preparer
 from .publisher import Publisher
 from .recovery import Reclaimer
-from .redis_queue import RedisQueue
 from .requests import RequestTable
 from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+from .streams import (
+    RequestMarks,
+    RequestStreams,
+    ensure_groups,
+    publish_limits,
+    request_streams,
+    server_clock_offset_s,
+)
 from .tools import ToolFormat
 from .totals import Totals
 
@@ -62,15 +71,15 @@ class Worker:
         self.keys = Keys(settings.prefix)
         self.faults = Faults.from_environment()
         self.redis = connect_async(redis_url, socket_timeout=10, health_check_interval=30)
-        self.redis_queue = RedisQueue(self.redis, self.keys, settings.queue, "", result_ttl_s=settings.result_ttl_s,
-                                      dedupe_ttl_s=settings.dedupe_ttl_s, lanes=settings.lanes,
-                                      dead_letter_maxlen=settings.dead_letter_maxlen)
+        self.request_streams = request_streams(self.keys, settings.queue, settings.lanes)
+        self.membership = Membership(self.redis, self.keys, self.request_streams)
+        self.marks = RequestMarks(self.redis, self.keys, settings.dedupe_ttl_s)
         self.engine = Engine(load, settings.scheduling(), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=self._on_stats, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()
         self.metrics = Metrics(self.totals, self.requests) if settings.metrics_port is not None else None
-        self.publisher = Publisher(self.redis_queue, self.requests, on_published=self._on_published)
+        self.publisher: Publisher | None = None  # made with the consumer name, once claimed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
@@ -87,10 +96,11 @@ class Worker:
             log.critical("worker exiting: the metrics port cannot be opened; choose another --metrics-port",
                          port=self.settings.metrics_port, host=self.settings.metrics_host, error=str(e))
             return 2
-        await retrying(self.redis_queue.ensure_group, f"connecting to {redacted(self.redis_url)}")
-        await retrying(partial(self.redis_queue.publish_limits, self.settings.queue, self.settings.max_queue_len),
+        await retrying(partial(ensure_groups, self.redis, self.request_streams),
+                       f"connecting to {redacted(self.redis_url)}")
+        await retrying(partial(publish_limits, self.redis, self.keys, self.settings.queue, self.settings.max_queue_len),
                        "publishing the queue's bound")
-        clock_offset_s = await retrying(self.redis_queue.clock_offset_s, "reading the server clock")
+        clock_offset_s = await retrying(partial(server_clock_offset_s, self.redis), "reading the server clock")
         self.engine.start()
         try:
             return await self._serve_with_engine(clock_offset_s)
@@ -107,20 +117,25 @@ class Worker:
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
         tools = ToolFormat.of(info.tokenizer)
-        leases = self._leases = Leases(self.settings, self.redis_queue, self.requests, info.name, self.totals,
+        leases = self._leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals,
                                        self.blas, (tools.start, tools.end) if tools else None)
         if self._stats is not None:
             leases.update(self._stats)
         try:
-            await leases.claim_name()
+            consumer = await leases.claim_name()
         except NameTaken as e:
             log.critical("worker exiting: its consumer name is taken", error=str(e))
             await self.redis.aclose()
             return 2
-        intake = self._intake(info, clock_offset_s)
+        streams = RequestStreams(self.redis, self.keys, self.settings.queue, consumer,
+                                 dedupe_ttl_s=self.settings.dedupe_ttl_s, lanes=self.settings.lanes,
+                                 dead_letter_maxlen=self.settings.dead_letter_maxlen)
+        fencing = Fencing(self.redis, self.keys, consumer, self.settings.result_ttl_s)
+        publisher = self.publisher = Publisher(streams, fencing, self.requests, on_published=self._on_published)
+        intake = self._intake(info, clock_offset_s, streams, fencing, publisher)
         await retrying(intake.reclaimer.list_own, "listing this consumer's pending requests")  # before the first read
-        self._announce(info)
-        return await self._serve(intake, leases)
+        self._announce(info, consumer)
+        return await self._serve(intake, leases, publisher)
 
     async def _stop_engine(self) -> None:
         """However the worker exits, not while the engine thread is still in MLX: its C++
@@ -155,20 +170,21 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             log.error("could not count a published event", request_id=event.id, error=repr(e))
 
-    def _intake(self, info: ModelInfo, clock_offset_s: float) -> Intake:
-        reclaimer = Reclaimer(self.redis_queue, self.settings.reclaim_interval_s,
+    def _intake(self, info: ModelInfo, clock_offset_s: float, streams: RequestStreams, fencing: Fencing,
+                publisher: Publisher) -> Intake:
+        reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
-        return Intake(self.settings, self.redis_queue, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults), self.engine, self.publisher.emit, clock_offset_s,
+        return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer,
+                      Preparer(info, self.settings, self.faults), self.engine, publisher.emit, clock_offset_s,
                       self.totals)
 
-    async def _serve(self, intake: Intake, leases: Leases) -> int:
+    async def _serve(self, intake: Intake, leases: Leases, publisher: Publisher) -> int:
         """Run the loops until a stop; then drain, hand back and close."""
         reading = asyncio.create_task(intake.run(self._stop), name="intake")
-        others = [asyncio.create_task(self.publisher.run(), name="publisher"),
+        others = [asyncio.create_task(publisher.run(), name="publisher"),
                   *([asyncio.create_task(metrics.serve(self.metrics, self._health, self._scrapes), name="metrics")]
                     if self.metrics is not None and self._scrapes is not None else []),
-                  asyncio.create_task(listen_for_cancels(self.redis, self.redis_queue, self.requests, self.engine,
+                  asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases")]
         for task in (reading, *others):
@@ -176,7 +192,7 @@ class Worker:
         await self._stop.wait()
         stuck = await _cancel(reading)
         await leases.draining()
-        status = await self._drain()
+        status = await self._drain(publisher)
         stuck |= await _cancel(*others)
         await leases.hand_back()
         await self.redis.aclose()
@@ -189,7 +205,7 @@ class Worker:
     # stats now and then, its death.
 
     def _on_output(self, out: StepOutput) -> None:
-        assert self._loop is not None
+        assert self._loop is not None and self.publisher is not None  # the engine gets requests once both are
         self.publisher.hand_over(self._loop, out)
 
     def _on_stats(self, stats: EngineStats) -> None:
@@ -207,19 +223,19 @@ class Worker:
         if self._leases is not None:
             self._leases.update(stats)
 
-    def _announce(self, info: ModelInfo) -> None:
+    def _announce(self, info: ModelInfo, consumer: str) -> None:
         if self.settings.completion_batch_size < self.settings.max_num_seqs:
             log.warning("completion_batch_size is below max_num_seqs: admitted requests beyond it wait inside "
                         "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
                         max_num_seqs=self.settings.max_num_seqs)
-        log.info("worker ready", queue=self.redis_queue.queue_stream, consumer=self.redis_queue.consumer,
+        log.info("worker ready", queue=self.keys.queue(self.settings.queue), consumer=consumer,
                  model=info.name, redis=redacted(self.redis_url), max_num_seqs=self.settings.max_num_seqs,
                  blas=self.blas)
         if self.blas == "reference":
             log.warning("MLX runs on the reference BLAS, which is slow: install the worker extra (mkl) or "
                         "`apt install libopenblas0-pthread`; see the README")
 
-    async def _drain(self) -> int:
+    async def _drain(self, publisher: Publisher) -> int:
         """Reading has stopped. Let running requests finish (cancels still apply) and publish
         what they produce, until the drain timeout."""
         if self._fatal is not None:
@@ -229,8 +245,8 @@ class Worker:
         self.engine.shutdown(self.settings.drain_timeout_s)
         while not self.engine.join(timeout=0):  # no executor thread: the loop stays free to publish
             await asyncio.sleep(0.02)
-        log.info("engine stopped; publishing what is left", events=self.publisher.outputs.qsize())
-        await self.publisher.outputs.join()
+        log.info("engine stopped; publishing what is left", events=publisher.outputs.qsize())
+        await publisher.outputs.join()
         return 0
 
     def _on_task_done(self, task: asyncio.Task[None]) -> None:

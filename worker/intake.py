@@ -3,7 +3,7 @@ request, an answer (a repeat, a cancel, an error) or a dead letter.
 
 Each entry is taken in on its own, so whatever one holds stays with it. Its preparation
 (decoding, validating, tokenizing) runs inside an attempt counted in Redis
-(`RedisQueue.arrive` / `close_attempt`): a worker that dies in there leaves the count
+(`RequestMarks.arrive` / `close_attempt`): a worker that dies in there leaves the count
 up, and the next worker dead-letters the request instead of dying too.
 """
 
@@ -19,15 +19,15 @@ import structlog
 from client.protocol import Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
 
 from .engine import Engine
-from .fences import take_fence
+from .fencing import Fencing, take_fence
 from .messages import Outgoing, Resume, Route
 from .output import failed, not_started
 from .prepare import Preparer
 from .recovery import Delivery, Reclaimer
-from .redis_queue import Arrival, RedisQueue
 from .requests import HeldRequest, RequestStatus, RequestTable
 from .retrying import describe, is_permission_error, retrying
 from .settings import WorkerSettings
+from .streams import Arrival, RequestMarks, RequestStreams
 from .totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
@@ -43,11 +43,13 @@ def entry_ms(entry_id: str) -> int:
 class Intake:
     """Reads the queue as room allows and starts what it reads."""
 
-    def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
-                 reclaimer: Reclaimer, preparer: Preparer, engine: Engine, emit: Callable[[Outgoing], None],
-                 clock_offset_s: float, totals: Totals) -> None:
+    def __init__(self, settings: WorkerSettings, streams: RequestStreams, marks: RequestMarks, fencing: Fencing,
+                 requests: RequestTable, reclaimer: Reclaimer, preparer: Preparer, engine: Engine,
+                 emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals) -> None:
         self.settings = settings
-        self.redis_queue = redis_queue
+        self.streams = streams
+        self.marks = marks
+        self.fencing = fencing
         self.requests = requests
         self.reclaimer = reclaimer
         self.preparer = preparer
@@ -68,7 +70,7 @@ class Intake:
                 await self._accept(delivery)
 
     async def _read(self, room: int) -> list[Delivery]:
-        read = partial(self.redis_queue.read, room, self.settings.block_ms)
+        read = partial(self.streams.read, room, self.settings.block_ms)
         return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
                 await retrying(read, "reading requests")]
 
@@ -96,13 +98,13 @@ class Intake:
         """Hold a new entry and start it, unless it has no id or is a repeat."""
         stream, entry_id, fields = delivery.stream, delivery.entry_id, delivery.fields
         if fields is None:  # deleted from the stream before we read it
-            await retrying(partial(self.redis_queue.settle, stream, [entry_id]), "settling a deleted entry")
+            await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a deleted entry")
             return
         try:
             request_id = read_id(fields)
         except Undeliverable as e:
             log.warning("dead letter", entry_id=entry_id, reason=str(e))
-            await retrying(partial(self.redis_queue.dead_letter, stream, entry_id, fields, str(e),
+            await retrying(partial(self.streams.dead_letter, stream, entry_id, fields, str(e),
                                    deliveries=delivery.deliveries), "dead-lettering")
             self.totals.count("dead_letters")
             return
@@ -110,23 +112,23 @@ class Intake:
         if held is not None:
             if held.route.entry_id != entry_id:  # the same id in another entry: a repeat
                 log.info("repeat of a running request ignored", request_id=request_id, entry_id=entry_id)
-                await retrying(partial(self.redis_queue.settle, stream, [entry_id]), "settling a repeat")
+                await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
             return
-        held = self.requests.read(Route(request_id, entry_id, self.redis_queue.keys.output(request_id), "json",
+        held = self.requests.read(Route(request_id, entry_id, self.streams.keys.output(request_id), "json",
                                         stream))  # before the flag check, so that no cancel slips between
-        arrival = await retrying(partial(self.redis_queue.arrive, request_id, self.settings.result_ttl_s),
+        arrival = await retrying(partial(self.marks.arrive, request_id, self.settings.result_ttl_s),
                                  "checking an arriving request")
         try:
             await self._start(delivery, held, arrival)
         finally:
-            await retrying(partial(self.redis_queue.close_attempt, request_id, arrival.attempt), "closing an attempt")
+            await retrying(partial(self.marks.close_attempt, request_id, arrival.attempt), "closing an attempt")
 
     async def _start(self, delivery: Delivery, held: HeldRequest, arrival: Arrival) -> None:
         """Answer a finished or poisoned request; else prepare it and hand it to the engine."""
         route = held.route
         if arrival.done:
             log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
-            await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a repeat")
+            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a repeat")
             self.requests.end(route.id, RequestStatus.SETTLED)
             return
         if arrival.crashes >= self.settings.max_crashes:
@@ -141,16 +143,16 @@ class Intake:
         large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
         envelope = await asyncio.to_thread(read) if large else read()
         reply_to = envelope.reply_to
-        if reply_to is not None and self.redis_queue.keys.reply_to_problem(reply_to):
+        if reply_to is not None and self.streams.keys.reply_to_problem(reply_to):
             reply_to = None  # its error goes to the request's own stream
         if self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding) is None:
             return  # taken over while it was read: the other worker serves it
-        taken = await take_fence(self.redis_queue, self.requests, held)
+        taken = await take_fence(self.fencing, self.streams, self.requests, held)
         if taken is None:  # a repeat, or its output already complete
             return
         route, resume = held.route, None
         if taken.written:  # an earlier delivery wrote output: continue after it
-            earlier = await retrying(partial(self.redis_queue.earlier_output, route, taken.written),
+            earlier = await retrying(partial(self.fencing.earlier_output, route, taken.written),
                                      "reading earlier output")
             if not earlier.whole:
                 self._answer(failed(route.ref, ErrorCode.INTERNAL, (
@@ -191,10 +193,10 @@ class Intake:
         """An entry that keeps killing or outliving workers: dead letter, and say so."""
         log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, reason=reason)
         assert delivery.fields is not None
-        await retrying(partial(self.redis_queue.record_dead, route.stream, route.entry_id, delivery.fields, reason,
+        await retrying(partial(self.streams.record_dead, route.stream, route.entry_id, delivery.fields, reason,
                                deliveries=delivery.deliveries), "dead-lettering")
         self.totals.count("dead_letters")
-        self._answer(failed(route.ref, ErrorCode.POISONED, f"{reason}; moved to {self.redis_queue.dead}"))
+        self._answer(failed(route.ref, ErrorCode.POISONED, f"{reason}; moved to {self.streams.dead}"))
 
     async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
         """An entry whose intake failed in a way nobody foresaw: its reader gets an
@@ -207,7 +209,7 @@ class Intake:
                                 f"the worker could not start this request: {reason}"))
             return
         if delivery.fields is not None:
-            await retrying(partial(self.redis_queue.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
+            await retrying(partial(self.streams.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
                                    f"the worker could not read this entry: {reason}",
                                    deliveries=delivery.deliveries), "dead-lettering")
             self.totals.count("dead_letters")

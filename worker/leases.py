@@ -15,15 +15,16 @@ import os
 import socket
 import time
 import uuid
+from functools import partial
 
 import structlog
 from redis.exceptions import RedisError
 
 from client.heartbeat import Heartbeat, ModelState, WorkerState
 
+from .membership import Membership
 from .messages import EngineStats
 from .naming import claim_consumer_name
-from .redis_queue import RedisQueue
 from .requests import RequestStatus, RequestTable
 from .retrying import describe, retrying
 from .settings import WorkerSettings
@@ -45,10 +46,11 @@ def _version() -> str:
 class Leases:
     """Claims a consumer name, then keeps it, the heartbeat and the entries' leases alive."""
 
-    def __init__(self, settings: WorkerSettings, redis_queue: RedisQueue, requests: RequestTable,
+    def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None) -> None:
         self.settings = settings
-        self.redis_queue = redis_queue
+        self.membership = membership
+        self.consumer = ""  # set once, by `claim_name`
         self.requests = requests
         self.model_name = model_name
         self.tool_call = tool_call  # the model's tool-call markers, for readers that split calls from text
@@ -61,18 +63,11 @@ class Leases:
         self.stats: EngineStats | None = None  # the engine's latest
         self.ttl_s = 3 * settings.heartbeat_s
 
-    @property
-    def consumer(self) -> str:
-        return self.redis_queue.consumer
-
     async def claim_name(self) -> str:
         """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
-        def heartbeat(name: str) -> str:
-            self.redis_queue.consumer = name
-            return self._heartbeat()
-
-        self.redis_queue.consumer = await claim_consumer_name(self.redis_queue, self.settings, heartbeat, self.ttl_s)
-        self.totals.restore(await retrying(self.redis_queue.read_stats, "reading this worker's totals"))
+        self.consumer = await claim_consumer_name(self.membership, self.settings, self._heartbeat, self.ttl_s)
+        self.totals.restore(await retrying(partial(self.membership.read_stats, self.consumer),
+                                           "reading this worker's totals"))
         await retrying(self._keep_alive, "writing the first heartbeat")  # with the totals restored
         return self.consumer
 
@@ -97,8 +92,8 @@ class Leases:
 
     async def _keep_alive(self) -> None:
         """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
-        heartbeat = self._heartbeat()
-        lost = await self.redis_queue.keep_mine(self.requests.by_stream(), heartbeat, ttl_s=self.ttl_s,
+        heartbeat = self._heartbeat(self.consumer)
+        lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat, ttl_s=self.ttl_s,
                                                 instance=self.instance)
         await self._record(heartbeat)
         for entry_id in lost:
@@ -112,10 +107,10 @@ class Leases:
         worker takes it over (and resumes it) at its next scan, not after a timeout."""
         left = list(self.requests)
         try:
-            await self.redis_queue.keep_mine(self.requests.by_stream(), heartbeat="", ttl_s=0,
+            await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat="", ttl_s=0,
                                              instance=self.instance, idle_ms=HAND_BACK_IDLE_MS)
             self.state = "stopped"
-            await self._record(self._heartbeat())
+            await self._record(self._heartbeat(self.consumer))
         except (RedisError, OSError) as e:
             log.warning("could not hand back; others take over when the heartbeat expires", reason=describe(e))
         for held in left:
@@ -126,14 +121,15 @@ class Leases:
         """Our totals and this heartbeat, kept in Redis past our heartbeat's expiry."""
         fields = {**self.totals.as_fields(), "heartbeat": heartbeat, "state": self.state,
                   "last_error": json.dumps(self.totals.last_error)}
-        await self.redis_queue.record_stats(fields, STATS_KEEP_S)
+        await self.membership.record_stats(self.consumer, fields, STATS_KEEP_S)
 
-    def _heartbeat(self) -> str:
-        """What this worker tells the fleet about itself (`mlxq:workers:<consumer>`)."""
+    def _heartbeat(self, consumer: str) -> str:
+        """What this worker tells the fleet about itself, under the name `consumer`
+        (`mlxq:workers:<consumer>`)."""
         model = ModelState(self.settings.queue, self.settings.queue, self.model_name, "loaded",
                            tuple(self.settings.lanes), self.tool_call)
         return Heartbeat(
-            consumer=self.consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
+            consumer=consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
             pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,

@@ -26,7 +26,7 @@ import structlog
 
 from client.heartbeat import Heartbeat
 
-from .redis_queue import RedisQueue
+from .membership import Membership
 from .retrying import retrying
 from .settings import WorkerSettings
 
@@ -40,7 +40,7 @@ class NameTaken(RuntimeError):
     """The consumer name asked for is held by a live worker."""
 
 
-async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
+async def claim_consumer_name(membership: Membership, settings: WorkerSettings,
                               heartbeat: Callable[[str], str], ttl_s: float) -> str:
     """Take `settings.consumer`, or `<host>-<worker_index>`, or, with neither given, the
     lowest free `<host>-<n>`; `heartbeat(name)` is the value written under the name.
@@ -49,12 +49,12 @@ async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
     explicit = settings.consumer or (None if settings.worker_index is None else f"{host}-{settings.worker_index}")
     names: Iterable[str] = [explicit] if explicit else (f"{host}-{i}" for i in range(MAX_INDEX))
     for name in names:
-        held = await _claim(redis_queue, name, heartbeat(name), ttl_s, host)
+        held = await _claim(membership, name, heartbeat(name), ttl_s, host)
         if held is not None and explicit and _host_of(held) != host:  # alive or not: unknowable
-            lapses_in_s = await retrying(partial(redis_queue.heartbeat_ttl_s, name), "reading a heartbeat's TTL")
+            lapses_in_s = await retrying(partial(membership.heartbeat_ttl_s, name), "reading a heartbeat's TTL")
             log.info("the consumer name is held; waiting for its heartbeat to lapse", name=name, holder=_describe(held),
                      wait_s=round(lapses_in_s, 1))
-            held = await _claim_when_lapsed(redis_queue, name, heartbeat(name), ttl_s, host, lapses_in_s)
+            held = await _claim_when_lapsed(membership, name, heartbeat(name), ttl_s, host, lapses_in_s)
         if held is None:
             return name
         if explicit:
@@ -63,23 +63,23 @@ async def claim_consumer_name(redis_queue: RedisQueue, settings: WorkerSettings,
     raise NameTaken(f"no free consumer name on {host}: {MAX_INDEX} workers are alive here")
 
 
-async def _claim(redis_queue: RedisQueue, name: str, heartbeat: str, ttl_s: float, host: str) -> bytes | None:
+async def _claim(membership: Membership, name: str, heartbeat: str, ttl_s: float, host: str) -> bytes | None:
     """Take `name` if free or left by a dead process of this host; else the holder's heartbeat."""
-    claim = partial(redis_queue.claim_name, name, heartbeat, ttl_s)
+    claim = partial(membership.claim_name, name, heartbeat, ttl_s)
     held = await retrying(claim, "claiming a consumer name")
     if held is not None and _left_by_dead_process(held, host):
         held = await retrying(partial(claim, replacing=held), "claiming a consumer name")
     return held
 
 
-async def _claim_when_lapsed(redis_queue: RedisQueue, name: str, heartbeat: str, ttl_s: float,
+async def _claim_when_lapsed(membership: Membership, name: str, heartbeat: str, ttl_s: float,
                              host: str, lapses_in_s: float) -> bytes | None:
     """Try again until the holder's heartbeat would have lapsed (a live holder renews it);
     None once taken."""
     deadline = time.monotonic() + min(lapses_in_s, MAX_LAPSE_WAIT_S) + 1.0
     while True:
         await asyncio.sleep(0.25)
-        held = await _claim(redis_queue, name, heartbeat, ttl_s, host)
+        held = await _claim(membership, name, heartbeat, ttl_s, host)
         if held is None or time.monotonic() > deadline:
             return held
 

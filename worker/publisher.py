@@ -21,12 +21,12 @@ from redis.exceptions import RedisError
 
 from client.protocol import Done, Error, ErrorCode, Event
 
-from .fences import take_fence
+from .fencing import Fencing, OutputWrite, Published, PublishStatus, encode_write, take_fence
 from .messages import Outgoing, Route, StepOutput
 from .output import failed
-from .redis_queue import OutputWrite, Published, PublishStatus, RedisQueue, encode_write
 from .requests import RequestStatus, RequestTable
 from .retrying import describe, is_permission_error, retrying
+from .streams import RequestStreams
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -36,9 +36,10 @@ HANDOFF_WAIT_S = 0.005  # the most the engine thread waits for a step to be take
 class Publisher:
     """Owns the queue of step outputs; writes them for the requests the table holds."""
 
-    def __init__(self, redis_queue: RedisQueue, requests: RequestTable,
+    def __init__(self, streams: RequestStreams, fencing: Fencing, requests: RequestTable,
                  on_published: Callable[[Event], None] = lambda _: None) -> None:
-        self.redis_queue = redis_queue
+        self.streams = streams
+        self.fencing = fencing
         self.requests = requests
         self.on_published = on_published  # each event once it is written (totals, metrics)
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -113,7 +114,7 @@ class Publisher:
         stream replaced by another type, say), their readers are answered already: the
         entries stay pending, and whoever takes them next finds their fences finished."""
         try:
-            await retrying(partial(self.redis_queue.finish, ended), "settling finished requests")
+            await retrying(partial(self.streams.finish, ended), "settling finished requests")
         except RedisError as e:
             if is_permission_error(e):
                 raise  # the worker's own keys: the worker's failure (see `retrying`)
@@ -128,13 +129,13 @@ class Publisher:
             if held is None or held.route.fence:
                 continue
             try:
-                await take_fence(self.redis_queue, self.requests, held)
+                await take_fence(self.fencing, self.streams, self.requests, held)
             except RedisError as e:
                 if is_permission_error(e):
                     raise  # the worker's own keys: the worker's failure (see `retrying`)
                 log.error("redis refused this request's fence; settling it unanswered", request_id=held.route.id,
                           reason=describe(e))
-                await retrying(partial(self.redis_queue.settle_unanswered, held.route), "settling a request")
+                await retrying(partial(self.streams.settle_unanswered, held.route), "settling a request")
                 self.requests.end(held.route.id, RequestStatus.SETTLED)
 
     async def _write(self, writes: list[OutputWrite]) -> list[Published]:
@@ -143,7 +144,7 @@ class Publisher:
         if not writes:
             return []
         try:
-            return await retrying(partial(self.redis_queue.publish, writes), "publishing")
+            return await retrying(partial(self.fencing.publish, writes), "publishing")
         except RedisError as e:
             if len(writes) == 1:
                 return [Published(PublishStatus.REFUSED, describe(e))]
@@ -188,13 +189,13 @@ class Publisher:
             log.error("the request's fence expired before its output was written; failing it", request_id=route.id)
             return self._fail_afresh(route, (
                 f"this request's output fence expired: nothing was written for longer than result_ttl_s "
-                f"({self.redis_queue.result_ttl_s} s)"), ErrorCode.INTERNAL)
+                f"({self.fencing.result_ttl_s} s)"), ErrorCode.INTERNAL)
         if status is PublishStatus.LOST:
             return await self._lost(route)
         self.requests.end(route.id, RequestStatus.SETTLED)
         log.warning("another entry with this id is served; dropping this one", request_id=route.id,
                     entry_id=route.entry_id)
-        await retrying(partial(self.redis_queue.settle, route.stream, [route.entry_id]), "settling a duplicate")
+        await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a duplicate")
         return []
 
     async def _lost(self, route: Route) -> list[Outgoing]:
@@ -215,7 +216,7 @@ class Publisher:
         """Whether the pending list says we hold the entry; a refusal (no such group any
         more, say) means we do not."""
         try:
-            return await retrying(partial(self.redis_queue.owns, route), "checking who holds a request")
+            return await retrying(partial(self.streams.owns, route), "checking who holds a request")
         except RedisError as e:
             if is_permission_error(e):
                 raise
@@ -226,7 +227,7 @@ class Publisher:
         """Redis refused this request's output: say so on its own output stream, or, if
         even that is refused, settle it unanswered."""
         route = write.route
-        own = self.redis_queue.keys.output(route.id)
+        own = self.streams.keys.output(route.id)
         if route.reply_to != own:
             log.error("redis refused the reply stream; the error goes to the request's own output stream",
                       request_id=route.id, reply_to=route.reply_to, reason=reason)
@@ -235,7 +236,7 @@ class Publisher:
                                      ErrorCode.INVALID_REQUEST)
         log.error("redis refused the request's output stream; settling it unanswered", request_id=route.id,
                   reason=reason)
-        await retrying(partial(self.redis_queue.settle_unanswered, route), "settling an unanswerable request")
+        await retrying(partial(self.streams.settle_unanswered, route), "settling an unanswerable request")
         self.requests.end(route.id, RequestStatus.SETTLED)
         return []
 

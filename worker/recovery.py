@@ -16,7 +16,7 @@ from typing import Any
 
 import structlog
 
-from .redis_queue import RedisQueue
+from .streams import RequestStreams
 from .totals import Totals
 
 log = structlog.get_logger("mlxq.recovery")
@@ -37,8 +37,8 @@ class Reclaimer:
     first read, so that nothing read afterwards is mistaken for it), then, every
     `interval_s`, what silent consumers held for at least `min_idle_ms`."""
 
-    def __init__(self, redis_queue: RedisQueue, interval_s: float, min_idle_ms: int, totals: Totals) -> None:
-        self.redis_queue = redis_queue
+    def __init__(self, streams: RequestStreams, interval_s: float, min_idle_ms: int, totals: Totals) -> None:
+        self.streams = streams
         self.totals = totals
         self.interval_s = interval_s
         self.min_idle_ms = min_idle_ms
@@ -48,10 +48,10 @@ class Reclaimer:
     async def list_own(self) -> None:
         """List the entries an earlier run under our consumer name left pending."""
         self._own = []
-        for stream in self.redis_queue.request_streams:
+        for stream in self.streams.request_streams:
             after = "-"
             while True:
-                rows = await self.redis_queue.pending(stream, self.redis_queue.consumer, 100, 0, after=after)
+                rows = await self.streams.pending(stream, self.streams.consumer, 100, 0, after=after)
                 self._own += [(stream, entry_id, deliveries) for entry_id, deliveries in rows]
                 if len(rows) < 100:
                     break
@@ -66,16 +66,16 @@ class Reclaimer:
         if time.monotonic() < self._next_scan:
             return []
         self._next_scan = time.monotonic() + self.interval_s
-        for stream in self.redis_queue.request_streams:
-            for consumer in await self.redis_queue.dead_consumers(stream):
-                rows = await self.redis_queue.pending(stream, consumer, room, self.min_idle_ms)
+        for stream in self.streams.request_streams:
+            for consumer in await self.streams.dead_consumers(stream):
+                rows = await self.streams.pending(stream, consumer, room, self.min_idle_ms)
                 taken = await self._claim(stream, rows, self.min_idle_ms)
                 if taken:
                     self.totals.count("takeovers", len(taken))
                     log.warning("took over the requests of a silent worker", consumer=consumer, entries=len(taken))
                     self._next_scan = 0.0  # there may be more
                     return taken
-                if await self.redis_queue.forget_consumer(stream, consumer):
+                if await self.streams.forget_consumer(stream, consumer):
                     log.info("removed a consumer that left", consumer=consumer, stream=stream)
         return []
 
@@ -89,5 +89,5 @@ class Reclaimer:
 
     async def _claim(self, stream: str, rows: list[tuple[str, int]], min_idle_ms: int) -> list[Delivery]:
         counts = dict(rows)
-        entries = await self.redis_queue.claim(stream, [entry_id for entry_id, _ in rows], min_idle_ms)
+        entries = await self.streams.claim(stream, [entry_id for entry_id, _ in rows], min_idle_ms)
         return [Delivery(stream, entry_id, fields, counts[entry_id] + 1) for entry_id, fields in entries]

@@ -13,6 +13,13 @@ whatever a request's keys hold, the script answers for that request alone.
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import NoScriptError
+
 # KEYS[1] a request's fence. ARGV: entry id, a new token, the consumer, the fence's TTL in s.
 # Returns {status, events written, 1 if the terminal event is written}; status is
 #   taken      the token is the fence's now: writes under any earlier token are refused
@@ -144,3 +151,43 @@ local pending = redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2])
 if #pending > 0 then return 0 end
 return redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2]) + 1
 """
+
+
+@functools.cache
+def _sha1(script: str) -> str:
+    """The hash Redis knows a script by (computed once: the publish script runs every step)."""
+    return hashlib.sha1(script.encode()).hexdigest()
+
+
+class ScriptRunner:
+    """Runs Lua scripts by hash, loading one when Redis does not have it (after a restart)."""
+
+    def __init__(self, redis: aioredis.Redis) -> None:
+        self.redis = redis
+
+    async def run(self, script: str, keys: list[str], args: list[Any]) -> Any:
+        sha = _sha1(script)
+        try:
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+        except NoScriptError:
+            await self.redis.script_load(script)
+            return await self.redis.evalsha(sha, len(keys), *keys, *args)  # type: ignore[misc]
+
+    async def run_many(self, script: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One call of `script` per (keys, args), pipelined (on a cluster, grouped by node);
+        the script is loaded once if a node lacks it, and every call sent again: each is a
+        no-op where it already ran (see `PUBLISH`)."""
+        if len(calls) == 1:
+            return [await self.run(script, *calls[0])]
+        try:
+            return await self._pipelined(_sha1(script), calls)
+        except NoScriptError:
+            await self.redis.script_load(script)
+            return await self._pipelined(_sha1(script), calls)
+
+    async def _pipelined(self, sha: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                # execute_command: a cluster pipeline refuses its evalsha() method
+                pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
+            return await pipe.execute()  # type: ignore[no-any-return]
