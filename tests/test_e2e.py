@@ -7,7 +7,7 @@ import time
 
 import msgpack
 import redis
-from support import HELD, ON_EACH, Outputs, check_stream, settled, wait_for_deltas, worker_fixture, xadd_json
+from support import HELD, KEYS, ON_EACH, Outputs, check_stream, settled, wait_for_deltas, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, Usage
 from client.connect import is_cluster_url, parse_cluster_url
@@ -41,20 +41,20 @@ def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs,
     assert 0 <= done.timing.queued_ms <= done.timing.ttft_ms <= done.timing.total_ms
     t = done.timing  # the stages, in the order the request went through them
     assert 0 <= t.read_ms <= t.prepared_ms <= t.queued_ms <= t.ttft_ms <= t.published_ms <= t.total_ms
-    assert r.ttl(f"mlxq:out:{{{rid}}}") > 0, "output streams expire"
-    assert settled(r, f"mlxq:q:{worker.queue}")
+    assert r.ttl(KEYS.output(rid)) > 0, "output streams expire"
+    assert settled(r, KEYS.queue(worker.queue))
 
 
 def test_msgpack_request_gets_msgpack_output(worker, r, outputs, new_id):
     """A msgpack request is answered in msgpack, with the same invariants."""
     rid = new_id()
     body = {"prompt_tokens": [5, 6, 7, 8], "max_tokens": 9, "metadata": {"blob": b"\x00\x01"}}
-    r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
+    r.xadd(KEYS.queue(worker.queue), {"id": rid, "msgpack": msgpack.packb(body, use_bin_type=True)})
     done = check_stream(outputs.of(rid))
     assert isinstance(done, Done)
     assert done.usage == Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=0)
     assert done.metadata == {"blob": b"\x00\x01"}
-    raw = r.xrange(f"mlxq:out:{{{rid}}}")
+    raw = r.xrange(KEYS.output(rid))
     assert all(b"msgpack" in fields and b"json" not in fields for _, fields in raw)
 
 
@@ -63,7 +63,7 @@ def test_output_encoding_can_be_chosen(worker, r, outputs, new_id):
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "Hi", "max_tokens": 3, "encoding": "msgpack"})
     check_stream(outputs.of(rid))
-    assert all(b"msgpack" in fields for _, fields in r.xrange(f"mlxq:out:{{{rid}}}"))
+    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(rid)))
 
 
 def test_max_tokens_one_gives_exactly_one_token(worker, r, outputs, new_id):
@@ -100,7 +100,7 @@ def most_at_once(outputs: Outputs, queue: str, n: int, r: redis.Redis, new_id) -
     with r.pipeline(transaction=False) as arrival:  # one write: all arrive together, however slow this process
         for i, rid in enumerate(ids):
             body = {"prompt": f"Request number {i}", "max_tokens": 12, "reply_to": shared}
-            arrival.xadd(f"mlxq:q:{queue}", {"id": rid, "json": json.dumps(body)})
+            arrival.xadd(KEYS.queue(queue), {"id": rid, "json": json.dumps(body)})
         arrival.execute()
     for rid in ids:
         check_stream(outputs.events(shared, rid))
@@ -239,7 +239,7 @@ def test_a_cancel_published_through_any_node_stops_the_request(worker, redis_url
     for node_url in nodes:
         (rid,) = start_long_requests(r, worker.queue, 1, shared, new_id)
         with redis.Redis.from_url(node_url) as node:
-            node.publish("mlxq:cancel", rid)
+            node.publish(KEYS.cancel_channel, rid)
         assert check_stream(outputs.events(shared, rid)).finish_reason == "cancelled"
 
 
@@ -259,7 +259,7 @@ def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, ne
     waiting = new_id("waiting")
     xadd_json(r, worker.queue, waiting, {"prompt": "Waiting", "max_tokens": 5})
     for rid in long_ids:
-        wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
+        wait_for_deltas(r, KEYS.output(rid), [rid])
     client.cancel(waiting)
     events = outputs.of(waiting)
     assert [type(e) for e in events] == [Done] and events[0].finish_reason == "cancelled"
@@ -283,13 +283,13 @@ def test_a_repeated_finished_id_is_not_computed_again(worker, r, outputs, new_id
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "Once", "max_tokens": 5})
     check_stream(outputs.of(rid))
-    written = len(r.xrange(f"mlxq:out:{{{rid}}}"))
+    written = len(r.xrange(KEYS.output(rid)))
     xadd_json(r, worker.queue, rid, {"prompt": "Once", "max_tokens": 5})
     later = new_id()
     xadd_json(r, worker.queue, later, {"prompt": "After", "max_tokens": 5})
     check_stream(outputs.of(later))  # the worker reads in order: the repeat was handled by now
-    assert len(r.xrange(f"mlxq:out:{{{rid}}}")) == written
-    assert settled(r, f"mlxq:q:{worker.queue}")
+    assert len(r.xrange(KEYS.output(rid))) == written
+    assert settled(r, KEYS.queue(worker.queue))
 
 
 def test_each_finished_request_gets_a_summary_log_line(worker, r, outputs, new_id):

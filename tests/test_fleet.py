@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 import redis
-from support import AUTO, ROOT, check_stream, settled, start_worker, wait_for, xadd_json
+from support import AUTO, KEYS, ROOT, check_stream, settled, start_worker, wait_for, xadd_json
 
 from client import Done, Error
 
@@ -34,7 +34,7 @@ def submit(r: redis.Redis, queue: str, n: int, max_tokens: int, prefix: str = "r
 
 def holders(r: redis.Redis, queue: str) -> dict[str, int]:
     """Consumer name -> entries it holds pending on the queue."""
-    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(f"mlxq:q:{queue}", "workers")}
+    return {c["name"].decode(): int(c["pending"]) for c in r.xinfo_consumers(KEYS.queue(queue), "workers")}
 
 
 def test_two_unnamed_workers_on_one_host_get_two_names_and_survive_kill_9(valkey, demo_model, logs_dir, r,
@@ -56,7 +56,7 @@ def test_two_unnamed_workers_on_one_host_get_two_names_and_survive_kill_9(valkey
         for rid in ids:
             done = check_stream(outputs.of(rid, timeout=90))
             assert isinstance(done, Done) and done.usage.completion_tokens == 300
-        assert settled(r, f"mlxq:q:{queue}")
+        assert settled(r, KEYS.queue(queue))
     finally:
         first.stop()
         second.stop()
@@ -70,7 +70,7 @@ def test_a_worker_restarted_after_kill_9_gets_its_name_back(valkey, demo_model, 
     wait_for(lambda: holders(r, queue).get(victim.consumer, 0) == 3, what="the victim to hold all three")
     victim.signal(signal.SIGKILL)
     victim.wait(10)
-    assert r.exists(f"mlxq:workers:{victim.consumer}"), "its heartbeat outlives it (30 s here)"
+    assert r.exists(KEYS.worker(victim.consumer)), "its heartbeat outlives it (30 s here)"
     again = start_worker(valkey, demo_model, queue, logs_dir, consumer=AUTO)
     try:
         assert again.consumer == victim.consumer
@@ -105,7 +105,7 @@ def test_a_name_held_by_another_hosts_lapsing_heartbeat_is_taken_once_it_lapses(
     """A worker recreated on another host (a container's new hostname) asks for its old
     name while the old heartbeat still runs out: it waits for it to lapse, then takes it."""
     name = f"moved-{queue}"
-    r.set(f"mlxq:workers:{name}", json.dumps({"host": "old-container", "pid": 1, "queue": queue}), px=6000)
+    r.set(KEYS.worker(name), json.dumps({"host": "old-container", "pid": 1, "queue": queue}), px=6000)
     log_path = logs_dir / f"moved-{queue}.log"
     with open(log_path, "wb") as log_file:
         process = subprocess.Popen(
@@ -118,7 +118,7 @@ def test_a_name_held_by_another_hosts_lapsing_heartbeat_is_taken_once_it_lapses(
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
         assert "waiting for its heartbeat to lapse" in log_path.read_text()
-        assert json.loads(r.get(f"mlxq:workers:{name}"))["pid"] == process.pid
+        assert json.loads(r.get(KEYS.worker(name)))["pid"] == process.pid
     finally:
         process.terminate()
         process.wait(60)
@@ -144,9 +144,9 @@ def test_a_poison_request_costs_one_worker_not_the_fleet(valkey, demo_model, log
             assert isinstance(check_stream(outputs.of(rid, timeout=60)), Done)
         exits = [w.process.poll() for w in workers]
         assert sorted(exits, key=str) == [70, 70, None], exits
-        (letter,) = [f for _, f in r.xrange(f"mlxq:q:{queue}:dead")]
+        (letter,) = [f for _, f in r.xrange(KEYS.dead(queue))]
         assert letter[b"field:id"] == poison.encode()
-        assert settled(r, f"mlxq:q:{queue}")
+        assert settled(r, KEYS.queue(queue))
     finally:
         for w in workers:
             w.stop()
@@ -163,6 +163,6 @@ def test_a_burst_as_a_worker_with_lanes_starts_is_all_answered(valkey, demo_mode
         for rid in ids:
             assert isinstance(check_stream(outputs.of(rid, timeout=60)), Done)
         assert "another worker took this request over" not in worker.log()
-        wait_for(lambda: r.xpending(f"mlxq:q:{queue}", "workers")["pending"] == 0, what="nothing pending")
+        wait_for(lambda: r.xpending(KEYS.queue(queue), "workers")["pending"] == 0, what="nothing pending")
     finally:
         worker.stop()

@@ -24,7 +24,7 @@ import pytest
 import redis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from support import Outputs, check_stream, rss_mb, worker_fixture
+from support import KEYS, Outputs, check_stream, rss_mb, worker_fixture
 
 from client import Done
 
@@ -225,7 +225,7 @@ def expected(worker: Any, valkey: str) -> dict[str, str]:
     texts = {}
     for prompt in VALID_PROMPTS:
         rid = f"alone-{uuid.uuid4().hex}"
-        r.xadd(f"mlxq:q:{worker.queue}", {"id": rid, "json": _json({"prompt": prompt, "max_tokens": 6})})
+        r.xadd(KEYS.queue(worker.queue), {"id": rid, "json": _json({"prompt": prompt, "max_tokens": 6})})
         done = check_stream(Outputs(r).of(rid, timeout=30))
         assert isinstance(done, Done)
         texts[prompt] = done.text
@@ -241,10 +241,10 @@ def expected(worker: Any, valkey: str) -> dict[str, str]:
 def test_any_entry_gets_one_answer_and_the_worker_stays_up(worker, r, expected, batch):
     """Every readable id is answered once on its own stream, valid ones with their text;
     unreadable ones are dead-lettered; the worker is alive after each batch."""
-    dead = f"mlxq:q:{worker.queue}:dead"
+    dead = KEYS.dead(worker.queue)
     dead_before = r.xlen(dead)
     for entry in batch:
-        r.xadd(f"mlxq:q:{worker.queue}", entry.fields)
+        r.xadd(KEYS.queue(worker.queue), entry.fields)
         SHAPES[entry.shape.split(" ")[0]] += 1
     outputs = Outputs(r)
     for entry in batch:

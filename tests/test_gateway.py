@@ -23,7 +23,7 @@ import jsonschema
 import openai
 import pytest
 import redis
-from support import HELD, ON_BOTH, ROOT, start_gateway, start_worker, wait_for
+from support import HELD, KEYS, ON_BOTH, ROOT, start_gateway, start_worker, wait_for
 from test_vision import png
 
 from client import Client, JobCancelled
@@ -266,7 +266,7 @@ def totals_when(r: redis.Redis, consumer: str, ready: Callable[[dict[str, int]],
     A worker counts a request's events before it lets the request go, so such a
     heartbeat's counters include every request it has let go."""
     def idle() -> dict[str, int] | None:
-        beat = json.loads(r.get(f"mlxq:workers:{consumer}"))
+        beat = json.loads(r.get(KEYS.worker(consumer)))
         return beat["totals"] if beat["in_flight"] == 0 and ready(beat["totals"]) else None
 
     return wait_for(idle, 60, f"{consumer}'s counters")
@@ -277,7 +277,7 @@ def changed(before: dict[str, int], after: dict[str, int], *names: str) -> int:
 
 
 def in_flight(r: redis.Redis, consumer: str) -> int:
-    return json.loads(r.get(f"mlxq:workers:{consumer}"))["in_flight"]
+    return json.loads(r.get(KEYS.worker(consumer)))["in_flight"]
 
 
 def test_a_disconnect_mid_stream_cancels_the_request(gateway, worker, r):
@@ -312,7 +312,7 @@ def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, 
         assert wait_for(lambda: in_flight(r, one_slot.consumer) == 1)
         sock = raw_post(gateway.url, "/v1/chat/completions", {"model": one_slot.queue, "messages": ASK,
                                                                "stream": True, "max_tokens": 8})
-        wait_for(lambda: r.xlen(f"mlxq:q:{one_slot.queue}") == 2, 30, "the gateway's request queued")
+        wait_for(lambda: r.xlen(KEYS.queue(one_slot.queue)) == 2, 30, "the gateway's request queued")
         if leaves == "after a keep-alive":
             received = b""
             sock.settimeout(30)
@@ -321,7 +321,7 @@ def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, 
                 assert chunk, f"the gateway closed the stream: {received!r}"
                 received += chunk
         sock.close()
-        wait_for(lambda: r.exists(f"mlxq:cancel:{{{_queued_id(r, one_slot.queue)}}}"), 30, "the gateway's cancel")
+        wait_for(lambda: r.exists(KEYS.cancel_flag(_queued_id(r, one_slot.queue))), 30, "the gateway's cancel")
         blocker.cancel()
         with pytest.raises(JobCancelled) as cancelled:
             blocker.result(timeout=30)
@@ -332,7 +332,7 @@ def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, 
 
 def _queued_id(r: redis.Redis, queue: str) -> str:
     """The id of the newest request on `queue`."""
-    [(_, fields)] = r.xrevrange(f"mlxq:q:{queue}", count=1)
+    [(_, fields)] = r.xrevrange(KEYS.queue(queue), count=1)
     return fields[b"id"].decode()
 
 
@@ -360,7 +360,7 @@ def test_models_lists_the_models_of_live_workers_on_two_queues(sdk, worker, valk
         assert {str(demo_model), "small"} <= ids and "ghost" not in ids
         assert sdk.completions.create(model=str(other_model), prompt="x", max_tokens=2).usage.completion_tokens == 2
         deadline = time.monotonic() + 5
-        while r.hget(f"mlxq:stats:{other.consumer}", "finished:length") != b"1":
+        while r.hget(KEYS.stats(other.consumer), "finished:length") != b"1":
             assert time.monotonic() < deadline, "the request did not go to the other model's queue"
             time.sleep(0.2)
         assert sdk.models.retrieve("small").id == "small"

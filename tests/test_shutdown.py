@@ -7,7 +7,7 @@ import subprocess
 import sys
 import uuid
 
-from support import HELD, ROOT, Outputs, check_stream, start_worker, wait_for_deltas, xadd_json
+from support import HELD, KEYS, ROOT, Outputs, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Done
 
@@ -17,12 +17,12 @@ def test_sigterm_lets_running_requests_finish(valkey, demo_model, logs_dir, r):
     worker = start_worker(valkey, demo_model, f"drain-{uuid.uuid4().hex[:6]}", logs_dir, drain_timeout_s=60)
     rid = f"drain-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, rid, {"prompt": "Finish me", "max_tokens": 400})
-    wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
+    wait_for_deltas(r, KEYS.output(rid), [rid])
     worker.signal(signal.SIGTERM)
     assert worker.wait(60) == 0, worker.log()
     done = check_stream(Outputs(r).of(rid, timeout=5))
     assert isinstance(done, Done) and done.finish_reason == "length"
-    assert r.xpending(f"mlxq:q:{worker.queue}", "workers")["pending"] == 0
+    assert r.xpending(KEYS.queue(worker.queue), "workers")["pending"] == 0
     assert "worker stopped" in worker.log()
 
 
@@ -33,14 +33,14 @@ def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey
     running, waiting = f"run-{uuid.uuid4().hex}", f"wait-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     xadd_json(r, worker.queue, waiting, {"prompt": "Queued", "max_tokens": 5})
-    wait_for_deltas(r, f"mlxq:out:{{{running}}}", [running])
+    wait_for_deltas(r, KEYS.output(running), [running])
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0, worker.log()
-    pending = r.xpending_range(f"mlxq:q:{worker.queue}", "workers", min="-", max="+", count=10)
+    pending = r.xpending_range(KEYS.queue(worker.queue), "workers", min="-", max="+", count=10)
     assert len(pending) == 2 and {p["consumer"].decode() for p in pending} == {worker.consumer}
-    terminal = [f for _, f in r.xrange(f"mlxq:out:{{{running}}}") if f[b"type"] != b"delta"]
+    terminal = [f for _, f in r.xrange(KEYS.output(running)) if f[b"type"] != b"delta"]
     assert terminal == []
-    assert not r.exists(f"mlxq:out:{{{waiting}}}")
+    assert not r.exists(KEYS.output(waiting))
 
 
 # The shortest exit after an engine thread ends: load, shut down, join, leave. Before the

@@ -12,7 +12,7 @@ import uuid
 
 import jsonschema
 import pytest
-from support import Outputs, check_stream, start_worker, worker_fixture, xadd_json
+from support import KEYS, Outputs, check_stream, start_worker, worker_fixture, xadd_json
 
 from client import Client, Done, JobFailed, RequestRejected
 
@@ -81,7 +81,7 @@ def test_a_mixed_burst_gives_valid_outputs_and_free_requests_as_alone(worker):
 
 
 def _heartbeat(client: Client, consumer: str) -> dict:
-    return json.loads(client.redis.get(f"mlxq:workers:{consumer}"))
+    return json.loads(client.redis.get(KEYS.worker(consumer)))
 
 
 def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, demo_model):
@@ -148,7 +148,7 @@ def test_a_constrained_request_resumed_after_a_takeover_stays_valid(valkey, demo
     xadd_json(r, queue, request_id, {"prompt": "List", "max_tokens": 600, "response_format": {
         "type": "json_schema", "json_schema": {"name": "items", "schema": schema}}})
     deadline = time.monotonic() + 60
-    while r.xlen(f"mlxq:out:{{{request_id}}}") < 15:
+    while r.xlen(KEYS.output(request_id)) < 15:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     victim.signal(signal.SIGSTOP)

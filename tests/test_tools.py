@@ -8,7 +8,7 @@ import json
 
 import jsonschema
 import pytest
-from support import worker_fixture
+from support import KEYS, worker_fixture
 
 from client import JobFailed, RequestRejected
 from worker.tools import MAX_FORCED_CALLS
@@ -89,12 +89,12 @@ def test_bad_tool_requests_are_refused_precisely(client, worker):
         client.submit(messages=ASK, tool_choice="required")
     with pytest.raises(RequestRejected, match="tools and chat_template_kwargs go with messages"):
         client.submit("a prompt", tools=TOOLS)
-    client.redis.xadd(f"mlxq:q:{worker.queue}", {"id": "tools-not-a-list", "json": json.dumps(
+    client.redis.xadd(KEYS.queue(worker.queue), {"id": "tools-not-a-list", "json": json.dumps(
         {"messages": ASK, "tools": {"name": "x"}})})
     from client import Job
 
     with pytest.raises(JobFailed) as failed:
-        Job(client, "tools-not-a-list", "mlxq:out:{tools-not-a-list}").result(timeout=60)
+        Job(client, "tools-not-a-list", KEYS.output("tools-not-a-list")).result(timeout=60)
     assert failed.value.code == "invalid_request" and failed.value.message.startswith("tools: Input should be a")
     with pytest.raises(JobFailed, match="chat_template_kwargs: tokenize cannot be set by a request"):
         client.generate(messages=ASK, chat_template_kwargs={"tokenize": False}, timeout=60)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 from PIL import Image
-from support import ROOT, WorkerProcess, check_stream, start_worker, wait_for_deltas, xadd_json
+from support import KEYS, ROOT, WorkerProcess, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Client, Done, Error, decode_event
 from worker.scheduler import StepPlan
@@ -49,7 +49,7 @@ def ask(r: redis.Redis, queue: str, request_id: str, prompt: str, images: list[b
 
 
 def stats(r: redis.Redis, worker: WorkerProcess) -> dict:
-    return json.loads(r.get(f"mlxq:workers:{worker.consumer}"))
+    return json.loads(r.get(KEYS.worker(worker.consumer)))
 
 
 def settled_stats(r: redis.Redis, worker: WorkerProcess) -> dict:
@@ -79,11 +79,11 @@ def test_image_request_in_json_and_in_msgpack(worker, r, outputs, new_id):
                                            "max_tokens": 24})
     ask(r, worker.queue, in_json, "What is in the picture?", [image], max_tokens=24)
     body = msgpack.packb({"prompt": "What is in the picture?", "images": [image], "max_tokens": 24})
-    r.xadd(f"mlxq:q:{worker.queue}", {"id": in_msgpack, "msgpack": body})
+    r.xadd(KEYS.queue(worker.queue), {"id": in_msgpack, "msgpack": body})
     plain = check_stream(outputs.of(text_only))
     from_json = check_stream(outputs.of(in_json))
     from_msgpack = check_stream(outputs.of(in_msgpack))
-    assert all(b"msgpack" in fields for _, fields in r.xrange(f"mlxq:out:{{{in_msgpack}}}"))
+    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(in_msgpack)))
     assert isinstance(from_json, Done) and isinstance(from_msgpack, Done)
     assert from_json.text == from_msgpack.text and from_json.usage == from_msgpack.usage
     assert from_json.text != plain.text, "the image changed what the model saw"
@@ -266,7 +266,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
                              "--queue", worker.queue, "--image", str(photo), "--max-tokens", "8", "--id", rid,
                              "What is in the picture?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    done = decode_event(r.xrange(f"mlxq:out:{{{rid}}}")[-1][1])
+    done = decode_event(r.xrange(KEYS.output(rid))[-1][1])
     assert isinstance(done, Done) and result.stdout == done.text + "\n"
     assert done.usage.prompt_tokens > IMAGE_168x112_TOKENS
     assert f"{done.usage.prompt_tokens} prompt + 8 completion tokens" in result.stderr
@@ -278,7 +278,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
 def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
     rid = new_id("cancel")
     ask(r, worker.queue, rid, "A long look", [png(168, 168, 8)], max_tokens=2000)
-    wait_for_deltas(r, f"mlxq:out:{{{rid}}}", [rid])
+    wait_for_deltas(r, KEYS.output(rid), [rid])
     with Client(worker.redis_url) as client:
         client.cancel(rid)
     done = check_stream(outputs.of(rid))
