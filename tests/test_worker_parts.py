@@ -1,0 +1,194 @@
+"""The worker's loops one by one, against a real Valkey and without a model: leases
+(name, heartbeat, takeovers seen, hand-back), the reclaimer (own entries first, then a
+silent consumer's), the cancel listener and intake's answers that need no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import uuid
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import pytest
+import redis.asyncio as aioredis
+from support import KEYS
+
+from client import Error, decode_event
+from client.heartbeat import Heartbeat
+from client.keys import GROUP
+from worker.cancels import listen_for_cancels
+from worker.fencing import Fencing
+from worker.intake import Intake
+from worker.leases import HAND_BACK_IDLE_MS, Leases
+from worker.membership import Membership
+from worker.messages import Outgoing, Route
+from worker.naming import NameTaken
+from worker.recovery import Delivery, Reclaimer
+from worker.requests import RequestStatus, RequestTable
+from worker.settings import load_settings
+from worker.streams import RequestMarks, RequestStreams, ensure_groups, request_streams
+from worker.totals import Totals
+
+
+@pytest.fixture
+async def r(valkey: str) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.Redis.from_url(valkey)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def queue() -> str:
+    return f"parts{uuid.uuid4().hex[:8]}"
+
+
+async def pending_entry(r: aioredis.Redis, queue: str, consumer: str, request_id: str) -> str:
+    """An entry of `request_id` that `consumer` read (so holds, pending); its id."""
+    await ensure_groups(r, [KEYS.queue(queue)])
+    entry_id = (await r.xadd(KEYS.queue(queue), {"id": request_id, "json": "{}"})).decode()
+    await r.xreadgroup(GROUP, consumer, {KEYS.queue(queue): ">"}, count=1)
+    return entry_id
+
+
+def route(queue: str, request_id: str, entry_id: str) -> Route:
+    return Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
+
+
+def leases(r: aioredis.Redis, queue: str, consumer: str, requests: RequestTable) -> Leases:
+    settings = load_settings(queue=queue, consumer=consumer, heartbeat_s=30)
+    return Leases(settings, Membership(r, KEYS, request_streams(KEYS, queue)), requests, "demo", Totals(), "mkl")
+
+
+# ---- leases ----------------------------------------------------------------------------
+
+async def test_leases_claim_a_name_and_write_its_heartbeat(r, queue):
+    first = leases(r, queue, f"w-{queue}", RequestTable(4, abandon=lambda _: None))
+    assert await first.claim_name() == f"w-{queue}"
+    beat = Heartbeat.from_json(await r.get(KEYS.worker(f"w-{queue}")))
+    assert beat is not None and beat.consumer == f"w-{queue}" and beat.model is not None
+    assert beat.model.queue == queue and beat.state == "ready"
+
+
+async def test_leases_refuse_a_name_a_live_process_of_this_host_holds(r, queue):
+    holder = Heartbeat(f"w-{queue}", host=socket.gethostname(), pid=1)  # pid 1 is always alive
+    await r.set(KEYS.worker(f"w-{queue}"), holder.to_json(), px=60_000)
+    with pytest.raises(NameTaken, match="held by a live worker"):
+        await leases(r, queue, f"w-{queue}", RequestTable(4, abandon=lambda _: None)).claim_name()
+    assert Heartbeat.from_json(await r.get(KEYS.worker(f"w-{queue}"))) == holder
+
+
+async def test_leases_drop_a_request_another_worker_took_and_keep_their_own(r, queue):
+    dropped: list[str] = []
+    requests = RequestTable(4, abandon=dropped.append)
+    mine = leases(r, queue, "c1", requests)
+    await mine.claim_name()
+    kept, taken = (await pending_entry(r, queue, "c1", "kept"), await pending_entry(r, queue, "c1", "taken"))
+    requests.read(route(queue, "kept", kept))
+    requests.read(route(queue, "taken", taken))
+    await r.xclaim(KEYS.queue(queue), GROUP, "c2", 0, [taken])  # another worker took it over
+    await mine._keep_alive()
+    assert dropped == ["taken"] and requests.get("taken") is None and requests.get("kept") is not None
+    (row,) = await r.xpending_range(KEYS.queue(queue), GROUP, kept, kept, 1)
+    assert row["consumer"] == b"c1"
+
+
+async def test_hand_back_removes_the_heartbeat_and_leaves_the_entries_long_idle(r, queue):
+    requests = RequestTable(4, abandon=lambda _: None)
+    mine = leases(r, queue, "c1", requests)
+    await mine.claim_name()
+    entry_id = await pending_entry(r, queue, "c1", "left")
+    requests.read(route(queue, "left", entry_id))
+    await mine.hand_back()
+    assert not await r.exists(KEYS.worker("c1")) and len(requests) == 0
+    (row,) = await r.xpending_range(KEYS.queue(queue), GROUP, entry_id, entry_id, 1)
+    assert row["time_since_delivered"] >= HAND_BACK_IDLE_MS
+    assert await r.hget(KEYS.stats("c1"), "state") == b"stopped"
+
+
+# ---- the reclaimer -----------------------------------------------------------------------
+
+async def test_the_reclaimer_resumes_its_own_entries_then_takes_a_silent_consumers(r, queue):
+    own = await pending_entry(r, queue, "c1", "own")
+    silent = await pending_entry(r, queue, "gone", "silent")
+    alive = await pending_entry(r, queue, "alive", "alive")
+    await r.set(KEYS.worker("alive"), "{}")  # a heartbeat: its entry must stay where it is
+    reclaimer = Reclaimer(RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60), 0.0, min_idle_ms=0, totals=Totals())
+    await reclaimer.list_own()
+    (first,) = await reclaimer.take(10)
+    assert (first.entry_id, first.deliveries) == (own, 2)
+    (second,) = await reclaimer.take(10)
+    assert second.entry_id == silent and second.fields[b"id"] == b"silent"
+    assert await reclaimer.take(10) == []
+    owners = {row["message_id"].decode(): row["consumer"] for row in
+              await r.xpending_range(KEYS.queue(queue), GROUP, "-", "+", 10)}
+    assert owners == {own: b"c1", silent: b"c1", alive: b"alive"}
+
+
+# ---- cancels ------------------------------------------------------------------------------
+
+async def test_a_published_cancel_reaches_the_engine_once_and_its_flag_gets_a_ttl(r, queue):
+    requests = RequestTable(4, abandon=lambda _: None)
+    held = requests.read(route(queue, "held", "1-0"))
+    cancelled: list[str] = []
+    engine = SimpleNamespace(cancel=cancelled.append)
+    await r.set(KEYS.cancel_flag("held"), 1)  # set without a TTL, as a careless producer would
+    listener = asyncio.create_task(listen_for_cancels(r, RequestMarks(r, KEYS, 60), requests, engine,  # type: ignore[arg-type]
+                                                      flag_ttl_s=60))
+    try:
+        while (await r.pubsub_numsub(KEYS.cancel_channel))[0][1] < 1:
+            await asyncio.sleep(0.01)
+        await r.publish(KEYS.cancel_channel, "not-held")
+        await r.publish(KEYS.cancel_channel, "held")
+        while not cancelled:
+            await asyncio.sleep(0.01)
+        while await r.ttl(KEYS.cancel_flag("held")) < 0:
+            await asyncio.sleep(0.01)
+    finally:
+        listener.cancel()
+    assert cancelled == ["held"] and held.cancel_requested
+    assert 0 < await r.ttl(KEYS.cancel_flag("held")) <= 60
+
+
+# ---- intake ---------------------------------------------------------------------------------
+
+def intake(r: aioredis.Redis, queue: str, requests: RequestTable, emitted: list[Outgoing],
+           submitted: list[object]) -> Intake:
+    """Intake with everything real but the engine (which records what it is handed) and
+    the preparer (never reached by the entries below)."""
+    settings = load_settings(queue=queue, consumer="c1")
+    streams = RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60)
+    reclaimer = Reclaimer(streams, 60.0, min_idle_ms=60_000, totals=Totals())
+    engine = SimpleNamespace(submit=submitted.append, abandon=lambda _: None)
+    return Intake(settings, streams, RequestMarks(r, KEYS, 60), Fencing(r, KEYS, "c1", 60), requests, reclaimer,
+                  None, engine, emitted.append, 0.0, Totals())  # type: ignore[arg-type]
+
+
+async def test_intake_settles_a_repeat_of_a_finished_request_and_dead_letters_an_entry_without_id(r, queue):
+    requests, emitted, submitted = RequestTable(4, abandon=lambda _: None), [], []
+    taking = intake(r, queue, requests, emitted, submitted)
+    await r.set(KEYS.done("finished"), "0-1")
+    repeat = await pending_entry(r, queue, "c1", "finished")
+    no_id = (await r.xadd(KEYS.queue(queue), {"json": json.dumps({"prompt": "hi"})})).decode()
+    await r.xreadgroup(GROUP, "c1", {KEYS.queue(queue): ">"}, count=1)
+    await taking._accept(Delivery(KEYS.queue(queue), repeat, {b"id": b"finished", b"json": b"{}"}))
+    await taking._accept(Delivery(KEYS.queue(queue), no_id, {b"json": b'{"prompt": "hi"}'}))
+    assert submitted == [] and emitted == [] and len(requests) == 0
+    assert await r.xlen(KEYS.queue(queue)) == 0 and (await r.xpending(KEYS.queue(queue), GROUP))["pending"] == 0
+    ((_, letter),) = await r.xrange(KEYS.dead(queue))
+    assert letter[b"entry_id"] == no_id.encode() and b"id" in letter[b"reason"]
+
+
+async def test_intake_answers_a_request_whose_preparations_killed_workers_with_poisoned(r, queue):
+    requests, emitted, submitted = RequestTable(4, abandon=lambda _: None), [], []
+    taking = intake(r, queue, requests, emitted, submitted)
+    entry_id = await pending_entry(r, queue, "c1", "poison")
+    await r.sadd(KEYS.crashes("poison"), *[f"died-{i}" for i in range(taking.settings.max_crashes)])
+    await taking._accept(Delivery(KEYS.queue(queue), entry_id, {b"id": b"poison", b"json": b"{}"}))
+    (answer,) = emitted
+    assert submitted == [] and isinstance(answer.event, Error) and answer.event.code == "poisoned"
+    assert requests.get("poison").status is RequestStatus.FINISHING
+    ((_, letter),) = await r.xrange(KEYS.dead(queue))
+    assert letter[b"entry_id"] == entry_id.encode() and b"died while preparing" in letter[b"reason"]
+    assert not [decode_event(f) for _, f in await r.xrange(KEYS.output("poison"))], "the publisher writes it"
