@@ -594,16 +594,25 @@ Event = Delta | Done | Error
 _EVENT_TYPES: dict[str, type[Delta] | type[Done] | type[Error]] = {"delta": Delta, "done": Done, "error": Error}
 
 
+# Made once: json.dumps with options builds a new encoder on every call.
+_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+
 def _encode(body: dict[str, Any], encoding: Encoding) -> bytes:
     """UTF-8 JSON (strict: no NaN) or msgpack; raises ValueError (or TypeError) on what
     cannot travel, here rather than in the Redis client's send."""
     if encoding == "json":
-        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+        return _to_json(body).encode()
     return msgpack.packb(body, use_bin_type=True)
 
 
 def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
     """The stream entry fields of an output event; raises ValueError or TypeError if it cannot be encoded."""
+    if isinstance(event, Delta) and event.logprobs is None:  # nearly every event: no deep copy of flat fields
+        body: dict[str, Any] = {"id": event.id, "seq": event.seq, "text": event.text, "tokens": event.tokens}
+        if event.reasoning is not None:
+            body["reasoning"] = event.reasoning
+        return {"type": "delta", encoding: _encode(body, encoding)}
     body = asdict(event)
     kind = body.pop("type")
     for optional in ("logprobs", "tool_calls", "reasoning"):  # only now and then: absent, not null

@@ -136,12 +136,15 @@ async def _commandstats(redis: Any) -> dict[str, Any]:
 
 
 def in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
-               sequential: bool = False) -> list[RequestTiming]:
+               sequential: bool = False, detokenize: bool = False) -> list[RequestTiming]:
     """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
-    queue): the ceiling the worker is measured against. `sequential` runs one at a time."""
+    queue): the ceiling the worker is measured against. `sequential` runs one at a time;
+    `detokenize` turns every token into text with mlx-lm's streaming detokenizer, one per
+    request, as mlx-lm's server does (the worker must too, raw BatchGenerator does not)."""
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = _loaded(model_path)
+    texts: dict[int, Any] = {}
     width = 1 if sequential else (concurrency or len(planned))
     generator = BatchGenerator(model, stop_tokens=[[i] for i in tokenizer.eos_token_ids],
                                completion_batch_size=width, prefill_batch_size=min(width, 8))
@@ -155,6 +158,8 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
         while waiting and running < width and (sequential or start + waiting[0].send_at <= now):
             request = waiting.pop(0)
             (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
+            if detokenize:
+                texts[uid] = tokenizer.detokenizer
             # Submitted when it was due and had room, like the Redis client's request: not
             # when this loop got to it, which is after the step in progress (a prefill can
             # take hundreds of ms) and would leave that wait out of its TTFT.
@@ -171,7 +176,12 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
             if response.finish_reason != "stop":
                 timing.token_times.append((arrived, 1))
                 timing.tokens += 1
+                if detokenize:
+                    texts[response.uid].add_token(response.token)
+                    _ = texts[response.uid].last_segment
             if response.finish_reason is not None:
+                if detokenize:
+                    texts.pop(response.uid).finalize()
                 timing.done = arrived
                 running -= 1
                 freed.append(arrived)

@@ -78,7 +78,8 @@ def _paired_level(baseline: str, levels: list[int | None]) -> int | None:
 
 def _baseline_run(args: argparse.Namespace, baseline: str, planned: list[Any], level: int | None) -> dict[str, Any]:
     with _progress(baseline, len(planned)) as tick:
-        timings = in_process(args.model, planned, level, tick, sequential=baseline == "sequential")
+        timings = in_process(args.model, planned, level, tick, sequential=baseline == "sequential",
+                             detokenize=baseline == "detokenizing")
     return {"name": baseline, "concurrency": 1 if baseline == "sequential" else level, **summarize(timings)}
 
 
@@ -211,7 +212,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _print_ratios(report: dict[str, Any]) -> None:
-    for name in ("inprocess", "sequential"):
+    for name in ("inprocess", "detokenizing", "sequential"):
         if f"ratio_to_{name}" in report:
             paired = report[f"paired_with_{name}"]
             each = f" (median of {len(paired['ratios'])} pairs: {', '.join(map(str, paired['ratios']))})" \
@@ -264,13 +265,14 @@ def _plot(rows: list[dict[str, Any]], path: Any, title: str) -> bool:
         print("mlxq bench: --plot needs matplotlib (pip install '.[bench]' in the mlxq checkout)", file=sys.stderr)
         return False
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for label, marker in (("redis", "o"), ("gateway", "D"), ("inprocess", "s"), ("sequential", "^")):
+    for label, marker in (("redis", "o"), ("gateway", "D"), ("inprocess", "s"), ("detokenizing", "v"),
+                          ("sequential", "^")):
         series = [r for r in rows if r["name"].split(" ")[0] == label]
         if not series:
             continue
         levels = [r["concurrency"] or r["requests"] for r in series]
         name = {"redis": "through Redis", "gateway": "through the gateway", "inprocess": "BatchGenerator in process",
-                "sequential": "sequential in process"}[label]
+                "detokenizing": "BatchGenerator + detokenizer", "sequential": "sequential in process"}[label]
         left.plot(levels, [r["throughput_tok_s"] for r in series], marker=marker, label=name)
         right.plot(levels, [r["ttft_ms"]["p50"] for r in series], marker=marker, label=f"{name}, p50")
         right.plot(levels, [r["ttft_ms"]["p99"] for r in series], marker=marker, linestyle="--",

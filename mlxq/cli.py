@@ -242,8 +242,10 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     bench.add_argument("--seed", type=int, help="seed of the workload (default: random, so that prompts are new "
                                                "to the workers' prefix cache; the report has it)")
-    bench.add_argument("--baseline", action="append", choices=["inprocess", "sequential"], default=[],
-                       help="also run the workload through mlx-lm in this process (needs --model)")
+    bench.add_argument("--baseline", action="append", choices=["inprocess", "detokenizing", "sequential"],
+                       default=[], help="also run the workload through mlx-lm in this process (needs --model): "
+                       "raw BatchGenerator, the same with every token detokenized as mlx-lm's server does, or "
+                       "one request at a time")
     bench.add_argument("--model", help="model path for the baselines (the workers' model)")
     bench.add_argument("--gateway", metavar="URL", help="also send the workload through an mlxq gateway at URL "
                        "(e.g. http://127.0.0.1:8000), the queue's name as the model, and compare")

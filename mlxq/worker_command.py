@@ -7,6 +7,7 @@ import asyncio
 import faulthandler
 import signal
 import sys
+from collections.abc import Coroutine
 from functools import partial
 from typing import Any
 
@@ -29,10 +30,21 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
     server, url = _redis_for(settings)
     try:
-        return asyncio.run(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
+        return _run_on_fast_loop(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
     finally:
         if server is not None:
             _release(server, settings.embedded_port)
+
+
+def _run_on_fast_loop(main: Coroutine[Any, Any, int]) -> int:
+    """On uvloop's loop where it is installed (the worker extra): the loop's own cost per
+    step, wake-ups from the engine thread included, is a large part of the worker's on a
+    fast model (docs/benchmarks.md, "Speed on fast models")."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _redis_for(settings: Any) -> tuple[Any, str]:

@@ -75,23 +75,25 @@ def test_repeated_runs_that_disagree_are_flagged(capsys):
 
 
 def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_path):
-    """A small sweep through Redis plus both baselines, each baseline run right after the
+    """A small sweep through Redis plus the three baselines, each run right after the
     Redis run it is compared with (sequential with concurrency 1, the batch with the top
     level): the JSON has the documented keys and every pair's ratio."""
     out = tmp_path / "bench.json"
     run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
                           worker.queue, "--requests", "8", "--concurrency", "1,4", "--input-len", "20",
                           "--output-len", "8", "--vocab", "900", "--baseline", "inprocess", "--baseline",
-                          "sequential", "--model", str(demo_model), "--json", str(out), "--seed", "5",
-                          "--repeat", "2", "--plot", str(tmp_path / "bench.png")],
+                          "detokenizing", "--baseline", "sequential", "--model", str(demo_model), "--json", str(out),
+                          "--seed", "5", "--repeat", "2", "--plot", str(tmp_path / "bench.png")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "through Redis c=4 / inprocess" in run.stdout and "(median of 2 pairs: " in run.stdout
+    assert "through Redis c=4 / detokenizing" in run.stdout
     assert f"workload: 8 requests (a burst), 20 prompt + 8 new tokens, seed 5; model {demo_model}" in run.stdout
     assert f"plot written to {tmp_path / 'bench.png'}" in run.stdout
     assert (tmp_path / "bench.png").read_bytes().startswith(b"\x89PNG")
     report = json.loads(out.read_text())
-    for key in ("throughput_tok_s", "ttft_ms", "itl_ms", "baseline_inprocess_tok_s", "baseline_sequential_tok_s"):
+    for key in ("throughput_tok_s", "ttft_ms", "itl_ms", "baseline_inprocess_tok_s", "baseline_detokenizing_tok_s",
+                "baseline_sequential_tok_s"):
         assert report[key] is not None, key
     assert set(report["ttft_ms"]) == {"p50", "p95", "p99", "max"}
     redis_runs = [r for r in report["runs"] if r["name"].startswith("redis")]
@@ -99,8 +101,8 @@ def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_pat
     assert all(r["finished"] == 8 and r["tokens"] == 64 and len(r["repeats_tok_s"]) == 2 for r in redis_runs)
     assert redis_runs[0]["redis"]["by_command"]["evalsha"] > 0
     assert [(r["name"], r["concurrency"]) for r in report["runs"]] == [
-        ("redis c=1", 1), ("sequential", 1), ("redis c=4", 4), ("inprocess", 4)]
-    for name, level in (("sequential", 1), ("inprocess", 4)):
+        ("redis c=1", 1), ("sequential", 1), ("redis c=4", 4), ("inprocess", 4), ("detokenizing", 4)]
+    for name, level in (("sequential", 1), ("inprocess", 4), ("detokenizing", 4)):
         paired = report[f"paired_with_{name}"]
         assert paired["concurrency"] == level and len(paired["ratios"]) == len(paired["ttft_p50_gaps_ms"]) == 2
         assert report[f"ratio_to_{name}"] == pytest.approx(statistics.median(paired["ratios"]), abs=1e-3)

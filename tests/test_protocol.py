@@ -18,6 +18,7 @@ from client.replies import stream_entries
 
 @pytest.mark.parametrize("event", [
     Delta(id="a", seq=0, text="héllo", tokens=[1, 2]),
+    Delta(id="a", seq=2, text="", tokens=[5], reasoning="hmm"),
     Delta(id="a", seq=1, text=" yes", tokens=[7], logprobs=[TokenLogprob(
         token_id=7, text=" yes", logprob=-0.25, top_logprobs=[TopLogprob(token_id=7, text=" yes", logprob=-0.25),
                                                               TopLogprob(token_id=9, text=" no", logprob=-1.5)])]),
@@ -38,6 +39,8 @@ def test_event_json_is_plain_for_other_languages():
     """A JSON event body is a flat object any language can read."""
     fields = encode_event(Delta(id="a", seq=3, text="t", tokens=[9]), "json")
     assert json.loads(fields["json"]) == {"id": "a", "seq": 3, "text": "t", "tokens": [9]}
+    fields = encode_event(Delta(id="a", seq=4, text="", tokens=[2], reasoning="so"), "json")
+    assert json.loads(fields["json"]) == {"id": "a", "seq": 4, "text": "", "tokens": [2], "reasoning": "so"}
 
 
 def test_request_envelope_reads_id_reply_to_and_encoding():

@@ -5,6 +5,7 @@ group still says it is ours is failed with `internal`, never left unanswered."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -136,29 +137,59 @@ async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     assert requests.get(route.id) is None
 
 
-async def test_a_step_handed_over_from_the_engine_thread_is_taken_when_the_hand_over_returns(r):
-    """The engine thread goes on once the publisher has taken its step, so that the loop
-    writes it before that thread holds the GIL for the next step's graph; with nothing
-    taking it (a busy loop), the hand-over returns anyway, after its bound; while a write
-    is in flight, as soon as the step is queued behind it."""
+def hand_over_while_the_loop_sleeps(publisher: Publisher, loop: asyncio.AbstractEventLoop, out: StepOutput,
+                                    wait_s: float, sleep_s: float) -> float:
+    """Hand `out` over from another thread while the loop's own thread is busy for
+    `sleep_s`; how long the hand-over took."""
+    took: list[float] = []
+
+    def engine() -> None:
+        started = time.monotonic()
+        publisher.hand_over(loop, out, wait_s)
+        took.append(time.monotonic() - started)
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    time.sleep(sleep_s)  # the loop cannot take anything meanwhile
+    thread.join()
+    return took[0]
+
+
+async def test_only_a_step_with_a_first_delta_or_an_end_waits_to_be_taken(r):
+    """A step a reader waits on most (a first delta, an end) waits until the loop has
+    taken it, at most its bound when the loop is busy; any other step does not wait."""
     sides, requests, route = await serving(r, "c1")
     publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
-    started = time.monotonic()
-    await asyncio.to_thread(publisher.hand_over, loop, StepOutput(), 0.05)
-    assert time.monotonic() - started >= 0.05
-    publisher._writing = True  # as while a call to Redis is in flight
-    behind = StepOutput()
-    await asyncio.to_thread(publisher.hand_over, loop, behind, 30)
-    assert behind.taken.is_set() and time.monotonic() - started < 10
-    publisher._writing = False
+    later = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=5, text="a", tokens=[1]))])
+    assert hand_over_while_the_loop_sleeps(publisher, loop, later, 30, 0.3) < 0.3 and not later.taken.is_set()
+    first = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
+    assert 0.05 <= hand_over_while_the_loop_sleeps(publisher, loop, first, 0.05, 0.3) < 0.3
+    await asyncio.sleep(0)  # the loop takes both now
+    assert later.taken.is_set() and first.taken.is_set() and publisher.outputs.qsize() == 2
     task = asyncio.create_task(publisher.run())
-    step = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
+    done = StepOutput([Outgoing(route.ref, Done(id=route.id, finish_reason="length", text="a", usage=Usage(1, 1),
+                                                timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0)))])
     started = time.monotonic()
-    await asyncio.to_thread(publisher.hand_over, loop, step, 30)
-    assert step.taken.is_set() and time.monotonic() - started < 10
+    await asyncio.to_thread(publisher.hand_over, loop, done, 30)
+    assert done.taken.is_set() and time.monotonic() - started < 10
     await asyncio.wait_for(publisher.outputs.join(), 10)
     task.cancel()
-    assert await r.xlen(route.reply_to) == 1
+    assert await r.xlen(route.reply_to) == 3
+
+
+async def test_steps_handed_over_while_a_write_is_in_flight_go_out_when_it_returns(r):
+    """A write in flight wakes nothing: what the engine hands over meanwhile waits beside
+    it, unqueued, and is queued the moment the write returns."""
+    sides, requests, route = await serving(r, "c1")
+    publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
+    publisher._set_writing(True)
+    steps = [StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=i, text="a", tokens=[1]))]) for i in range(3)]
+    for step in steps:
+        await asyncio.to_thread(publisher.hand_over, loop, step, 30)  # the first one does not wait: nothing wakes
+    await asyncio.sleep(0.05)
+    assert publisher.outputs.qsize() == 0 and not any(step.taken.is_set() for step in steps)
+    publisher._set_writing(False)
+    assert publisher.outputs.qsize() == 3 and all(step.taken.is_set() for step in steps)
 
 
 async def test_a_written_done_is_counted_before_its_entry_is_settled(r):

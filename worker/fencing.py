@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import msgpack
 import redis.asyncio as aioredis
 import structlog
 from redis.crc import key_slot
@@ -65,18 +66,14 @@ class Fencing:
         calls = []
         for group in groups:
             keys: list[str] = []
-            args: list[Any] = [self.result_ttl_s]
             for write in group:
-                route = write.route
-                keys += [route.reply_to, self.keys.progress(route.id, route.reply_to)]
-                args += [route.entry_id, route.fence, write.first, int(write.terminal), len(write.entries)]
-                for kind, body in write.entries:
-                    args += [kind, route.encoding, body]
-            calls.append((keys, args))
+                keys += [write.route.reply_to, self.keys.progress(write.route.id, write.route.reply_to)]
+            packed = msgpack.packb([write.packed() for write in group], use_bin_type=False)  # Lua's cmsgpack: no bin
+            calls.append((keys, [self.result_ttl_s, packed]))
         statuses = {}
         for group, reply in zip(groups, await self._scripts.run_many(scripts.PUBLISH, calls), strict=True):
-            for write, status in zip(group, reply, strict=True):
-                statuses[id(write)] = Published.parse(as_text(status))
+            for write, status in zip(group, msgpack.unpackb(reply, raw=False), strict=True):
+                statuses[id(write)] = Published.parse(status)
         return [statuses[id(write)] for write in writes]
 
     def _by_slot(self, writes: list[OutputWrite]) -> list[list[OutputWrite]]:
@@ -131,6 +128,12 @@ class OutputWrite:
     def terminal(self) -> bool:
         """Whether the last event ends the request."""
         return not isinstance(self.events[-1], Delta)
+
+    def packed(self) -> list[Any]:
+        """This write as the publish script reads it (see `scripts.PUBLISH`)."""
+        route = self.route
+        return [route.entry_id, route.fence, self.first, self.terminal, route.encoding,
+                [part for entry in self.entries for part in entry]]
 
 
 class PublishStatus(enum.Enum):

@@ -6,7 +6,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from client.protocol import Encoding, Event
+from client.protocol import Delta, Encoding, Event
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -171,6 +171,11 @@ class StepOutput:
     outgoing: list[Outgoing] = field(default_factory=list)
     abandoned: list[RequestRef] = field(default_factory=list)  # left un-acked at shutdown
     taken: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
+
+    @property
+    def urgent(self) -> bool:
+        """Whether it holds what a reader waits on most: a first delta, or an end."""
+        return any(not isinstance(item.event, Delta) or item.event.seq == 0 for item in self.outgoing)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ or whether Redis refused its output stream (answer it on its own stream).
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -43,22 +44,47 @@ class Publisher:
         self.requests = requests
         self.on_published = on_published  # each event once it is written (totals, metrics)
         self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self._writing = False  # a call to Redis is in flight
+        # Shared with the engine thread, under the lock: steps handed over and not yet
+        # queued, whether a write is in flight, whether the loop is due to take them.
+        self._handed_lock = threading.Lock()
+        self._handed: list[StepOutput] = []
+        self._writing = False
+        self._wake_pending = False
 
     def hand_over(self, loop: asyncio.AbstractEventLoop, out: StepOutput, wait_s: float = HANDOFF_WAIT_S) -> None:
-        """From the engine thread: queue a step's output and wait until this publisher,
-        on `loop`, has taken it (at most `wait_s`, should the loop be busy). Left to run
-        on, the engine thread would build the next step's graph, holding the GIL while the
-        woken loop waits for it (docs/benchmarks.md, "The first delta"). The model computes the
-        step already launched meanwhile, so the wait costs no throughput. While a write is
-        in flight the step goes out after it anyway: then only the queueing is waited for."""
-        loop.call_soon_threadsafe(self._receive, out)
-        out.taken.wait(wait_s)
+        """From the engine thread: queue a step's output for this publisher, on `loop`.
+        The loop is woken only when no write is in flight and no wake-up is pending; a
+        write in flight takes what came meanwhile when it returns, so a busy loop costs
+        the engine nothing. A step holding a first delta or an end waits (at most `wait_s`)
+        until the loop has taken it: left to run on, the engine thread would build the next
+        step's graph holding the GIL while the woken loop waits to write what a reader is
+        waiting for (docs/benchmarks.md, "The first delta"); the model computes the step
+        already launched meanwhile. Other steps do not wait: on one core the wait and the
+        two wake-ups it takes cost ~8 % of a small model's throughput."""
+        with self._handed_lock:
+            self._handed.append(out)
+            writing = self._writing
+            wake = not (writing or self._wake_pending)
+            self._wake_pending = self._wake_pending or wake
+        if wake:
+            loop.call_soon_threadsafe(self._take_handed)
+        if not writing and out.urgent:
+            out.taken.wait(wait_s)
 
-    def _receive(self, out: StepOutput) -> None:
-        self.outputs.put_nowait(out)
-        if self._writing:
+    def _take_handed(self) -> None:
+        """Move what the engine handed over into the queue of outputs (on the loop)."""
+        with self._handed_lock:
+            handed, self._handed = self._handed, []
+            self._wake_pending = False
+        for out in handed:
             out.taken.set()
+            self.outputs.put_nowait(out)
+
+    def _set_writing(self, writing: bool) -> None:
+        with self._handed_lock:
+            self._writing = writing
+        if not writing:
+            self._take_handed()  # what came while the write was in flight goes out next
 
     def emit(self, outgoing: Outgoing) -> None:
         """Publish one event made outside the engine (an error, a cancel before start)."""
@@ -70,15 +96,13 @@ class Publisher:
             outputs = [await self.outputs.get()]
             while not self.outputs.empty():
                 outputs.append(self.outputs.get_nowait())
-            for out in outputs:
-                out.taken.set()  # the engine thread may go on: the write below goes out before this loop waits again
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                self._writing = True
+                self._set_writing(True)
                 try:
                     await asyncio.shield(self._publish(outgoing))
                 finally:
-                    self._writing = False
+                    self._set_writing(False)
             left = sum(len(out.abandoned) for out in outputs)
             if left:
                 log.info("requests left unfinished at the drain deadline; they are handed back", requests=left)

@@ -32,12 +32,13 @@ redis.call('EXPIRE', KEYS[1], ARGV[4])
 return {'taken', tonumber(fence[2] or '0'), fence[3] and 1 or 0}
 """
 
-# Per request and step: HMGET, XADD per event, HSET; TTL refreshes only now and then.
+# Per request and step: HMGET, XADD per event, HSET; TTLs refreshed only now and then.
 # KEYS: per request, the stream it writes and its fence (one slot).
-# ARGV: result_ttl_s; then per request: entry id, fence token, the position of its first
-#   event, 1 if its last event is terminal, the event count, and type / encoding / body
-#   for each event.
-# One status per request:
+# ARGV: result_ttl_s, then every request's write as one msgpack array (one argument,
+#   unpacked here: packing a step's hundreds of arguments one by one cost the worker
+#   more than the step), each [entry id, fence token, position of its first event,
+#   true if its last event is terminal, encoding, {type, body, type, body, ...}].
+# Returns one status per request, msgpack-packed:
 #   applied    written (or already written by an earlier try of this same call)
 #   lost       another taking holds the fence now: write nothing
 #   duplicate  another entry with the same request id writes this output
@@ -53,17 +54,18 @@ local result_ttl = ARGV[1]
 local passing = {OOM = true, READONLY = true, BUSY = true, LOADING = true, MASTERDOWN = true,
                  TRYAGAIN = true, CLUSTERDOWN = true}
 
-local function publish_one(reply, progress, entry, token, first, terminal, events, last)
+local function publish_one(reply, progress, write)
+  local entry, token, first, terminal, encoding, events = write[1], write[2], write[3], write[4], write[5], write[6]
   local fence = redis.call('HMGET', progress, 'entry', 'next', 'token')
   if not fence[1] then return 'expired' end
   if fence[1] ~= entry then return 'duplicate' end
   if fence[3] ~= token then return 'lost' end
   local written = tonumber(fence[2] or '0')
-  local count = (last - events + 1) / 3
+  local count = #events / 2
   if written == first + count then return 'applied' end  -- a retry of this very call
   if written ~= first then return 'gap:' .. written end
-  for i = events, last, 3 do
-    redis.call('XADD', reply, '*', 'type', ARGV[i], ARGV[i + 1], ARGV[i + 2])
+  for i = 1, #events, 2 do
+    redis.call('XADD', reply, '*', 'type', events[i], encoding, events[i + 1])
   end
   redis.call('HSET', progress, 'next', first + count)
   if terminal then redis.call('HSET', progress, 'finished', 1) end
@@ -75,22 +77,18 @@ local function publish_one(reply, progress, entry, token, first, terminal, event
   return 'applied'
 end
 
+local writes = cmsgpack.unpack(ARGV[2])
 local statuses = {}
-local arg = 2
-for k = 1, #KEYS, 2 do
-  local entry, token, first = ARGV[arg], ARGV[arg + 1], tonumber(ARGV[arg + 2])
-  local terminal, count = ARGV[arg + 3] == '1', tonumber(ARGV[arg + 4])
-  local events = arg + 5
-  arg = events + 3 * count
-  local ok, status = pcall(publish_one, KEYS[k], KEYS[k + 1], entry, token, first, terminal, events, arg - 1)
+for k = 1, #writes do
+  local ok, status = pcall(publish_one, KEYS[2 * k - 1], KEYS[2 * k], writes[k])
   if not ok then
     local message = type(status) == 'table' and status.err or tostring(status)
     if passing[string.match(message, '^(%u+)')] then return redis.error_reply(message) end
     status = 'refused:' .. message
   end
-  statuses[#statuses + 1] = status
+  statuses[k] = status
 end
-return statuses
+return cmsgpack.pack(statuses)
 """
 
 # KEYS[1] this worker's heartbeat key. ARGV: the heartbeat ('' deletes it), its TTL in
