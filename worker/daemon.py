@@ -245,6 +245,7 @@ class Worker:
         self.engine.shutdown(self.settings.drain_timeout_s)
         while not self.engine.join(timeout=0):  # no executor thread: the loop stays free to publish
             await asyncio.sleep(0.02)
+        publisher.take_handed()
         log.info("engine stopped; publishing what is left", events=publisher.outputs.qsize())
         await publisher.outputs.join()
         return 0

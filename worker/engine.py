@@ -159,9 +159,9 @@ class Engine:
                 return
 
     def _hand_off(self, out: StepOutput) -> None:
-        """Give the step's events to the event loop. Timed apart: the worker's `on_output`
-        returns once the loop has taken them (`Publisher.hand_over`), while the model
-        computes the step already launched."""
+        """Give the step's events to the event loop. Timed apart: for a step with a first
+        delta or an end, the worker's `on_output` returns once the loop has taken it
+        (`Publisher.hand_over`), while the model computes the step already launched."""
         started = time.perf_counter()
         self._on_output(out)
         self._time.handoff_s += time.perf_counter() - started

@@ -67,12 +67,13 @@ class Publisher:
             wake = not (writing or self._wake_pending)
             self._wake_pending = self._wake_pending or wake
         if wake:
-            loop.call_soon_threadsafe(self._take_handed)
+            loop.call_soon_threadsafe(self.take_handed)
         if not writing and out.urgent:
             out.taken.wait(wait_s)
 
-    def _take_handed(self) -> None:
-        """Move what the engine handed over into the queue of outputs (on the loop)."""
+    def take_handed(self) -> None:
+        """Move what the engine handed over into the queue of outputs (on the loop; the
+        drain calls it once the engine thread has ended, lest a wake-up still be due)."""
         with self._handed_lock:
             handed, self._handed = self._handed, []
             self._wake_pending = False
@@ -84,7 +85,7 @@ class Publisher:
         with self._handed_lock:
             self._writing = writing
         if not writing:
-            self._take_handed()  # what came while the write was in flight goes out next
+            self.take_handed()  # what came while the write was in flight goes out next
 
     def emit(self, outgoing: Outgoing) -> None:
         """Publish one event made outside the engine (an error, a cancel before start)."""

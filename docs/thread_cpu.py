@@ -1,0 +1,56 @@
+"""CPU seconds each thread of a running worker spends while a command runs (Linux).
+
+    .venv/bin/python docs/thread_cpu.py WORKER_PID -- .venv/bin/mlxq bench --redis-url ... --concurrency 16
+
+Reads /proc/PID/task/*/stat before and after the command; threads are named through
+`py-spy dump` when py-spy is installed (`pip install py-spy`), else shown by id (MLX's
+compute thread is the busy one without a Python name).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+
+def cpu_seconds(pid: int) -> dict[int, float]:
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            stat = open(f"/proc/{pid}/task/{tid}/stat").read()
+        except FileNotFoundError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return seconds
+
+
+def python_names(pid: int) -> dict[int, str]:
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    if not os.path.exists(spy):
+        return {}
+    dump = subprocess.run([spy, "dump", "-p", str(pid)], capture_output=True, text=True).stdout
+    return {int(line.split()[1]): line.rsplit(":", 1)[-1].strip().strip('"')
+            for line in dump.splitlines() if line.startswith("Thread ")}
+
+
+def main() -> None:
+    pid, command = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
+    names = python_names(pid)
+    before, started = cpu_seconds(pid), time.time()
+    result = subprocess.run(command, capture_output=True, text=True)
+    after, wall = cpu_seconds(pid), time.time() - started
+    print(result.stdout.strip())
+    spent = sorted(((s - before.get(tid, 0.0), tid) for tid, s in after.items()), reverse=True)
+    for seconds, tid in spent:
+        if seconds >= 0.05:
+            print(f"{tid:>8} {names.get(tid, 'native'):<14} {seconds:6.2f} s")
+    print(f"all threads {sum(s for s, _ in spent):.2f} s over {wall:.2f} s of wall time")
+
+
+if __name__ == "__main__":
+    main()
