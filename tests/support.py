@@ -93,6 +93,7 @@ AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n
 # prompt starts with), so its 2,000 tokens take minutes; a cancel still ends it at once.
 SLOW_TOKEN = 1023
 HELD = {"prompt_tokens": [SLOW_TOKEN, 68, 766], "max_tokens": 2000, "ignore_eos": True}
+HELD_PROMPT = " complete the story"  # the same as text, for what sends text (mlxq submit): it encodes to 1023, ...
 
 
 def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, ready_timeout: float = 60,

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import redis
-from support import KEYS, MLXQ, ROOT, free_port, worker_fixture
+from support import HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, worker_fixture
 
 from client import Client, Done, decode_event
 
@@ -125,9 +125,12 @@ def test_ctrl_c_on_submit_cancels_the_request(worker, tmp_path):
     rid = f"cli-interrupt-{time.monotonic_ns()}"
     log = tmp_path / "submit.log"
     with open(log, "wb") as out:
+        # Its own SIGINT as a terminal gives it, even where the tests' runner ignores it
+        # (a background job of a non-interactive shell does, and Python then keeps ignoring it).
         process = subprocess.Popen([*MLXQ, "submit", "--redis-url", worker.redis_url, "--queue", worker.queue,
-                                    "--stream", "--max-tokens", "1500", "--id", rid, "Go on and on"],
-                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                    "--stream", "--max-tokens", "1500", "--id", rid, HELD_PROMPT],
+                                   cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                   preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     r = redis.Redis.from_url(worker.redis_url)
     deadline = time.monotonic() + 30
     while not r.exists(KEYS.output(rid)):
