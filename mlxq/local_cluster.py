@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import socket
 import time
 from dataclasses import dataclass
@@ -40,8 +41,8 @@ def start_cluster(directory: Path, primaries: int = 3, ready_timeout_s: float = 
     says it is ok."""
     servers, buses = [], []
     for i in range(primaries):
-        buses.append(_free_port())  # given: the default bus port (port + 10000) may be taken or out of range
-        server = ValkeyServer(port=_free_port(), data_dir=directory / f"node{i}", config={
+        buses.append(free_port())  # given: the default bus port (port + 10000) may be taken or out of range
+        server = ValkeyServer(port=free_port(), data_dir=directory / f"node{i}", config={
             "save": "", "appendonly": "no", "cluster-enabled": "yes", "cluster-port": str(buses[-1]),
             "cluster-config-file": str(directory / f"nodes-{i}.conf"), "cluster-node-timeout": "2000"})
         server.start()
@@ -68,7 +69,25 @@ def start_cluster(directory: Path, primaries: int = 3, ready_timeout_s: float = 
     return LocalCluster(servers)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+LISTEN_PORTS = range(10_000, 32_768)  # below Linux's ephemeral range (32768-60999) and macOS's (49152-)
+_handed_out: set[int] = set()
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now, for a server about to start there. Not the
+    kernel's pick (`bind(0)`): that comes from the ephemeral range, where every outgoing
+    connection also takes its local port, so one could take it before the server binds
+    it (a cluster node's bus port was, once: "bind: Address already in use"). Never the
+    same port twice in one process."""
+    for _ in range(1000):
+        port = random.choice(LISTEN_PORTS)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {LISTEN_PORTS.start}-{LISTEN_PORTS.stop - 1}")

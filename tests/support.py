@@ -6,7 +6,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from client import Delta, Done, Error, Event, decode_event
 from client.connect import connect
 from client.keys import Keys
 from client.replies import stream_entries
+from mlxq.local_cluster import free_port  # noqa: F401 - the tests' port picker
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = Keys()  # the default prefix's key names, as every process here uses them
@@ -78,11 +78,6 @@ def build_demo_model(path: Path, *flags: str) -> Path:
     return path
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the kernel's pick, not a fixed favourite)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n>
