@@ -137,10 +137,10 @@ async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     assert requests.get(route.id) is None
 
 
-def hand_over_while_the_loop_sleeps(publisher: Publisher, loop: asyncio.AbstractEventLoop, out: StepOutput,
-                                    wait_s: float, sleep_s: float) -> float:
-    """Hand `out` over from another thread while the loop's own thread is busy for
-    `sleep_s`; how long the hand-over took."""
+def hand_over_while_the_loop_is_busy(publisher: Publisher, loop: asyncio.AbstractEventLoop, out: StepOutput,
+                                     wait_s: float) -> float:
+    """Hand `out` over from another thread while the loop's own thread waits for that
+    thread (so it can take nothing); how long the hand-over took."""
     took: list[float] = []
 
     def engine() -> None:
@@ -150,7 +150,6 @@ def hand_over_while_the_loop_sleeps(publisher: Publisher, loop: asyncio.Abstract
 
     thread = threading.Thread(target=engine)
     thread.start()
-    time.sleep(sleep_s)  # the loop cannot take anything meanwhile
     thread.join()
     return took[0]
 
@@ -161,9 +160,11 @@ async def test_only_a_step_with_a_first_delta_or_an_end_waits_to_be_taken(r):
     sides, requests, route = await serving(r, "c1")
     publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
     later = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=5, text="a", tokens=[1]))])
-    assert hand_over_while_the_loop_sleeps(publisher, loop, later, 30, 0.3) < 0.3 and not later.taken.is_set()
+    # The loop's thread joins the hand-over's thread before it runs anything: a hand-over
+    # that waited for the loop would take its whole bound (30 s), never less.
+    assert hand_over_while_the_loop_is_busy(publisher, loop, later, 30) < 10 and not later.taken.is_set()
     first = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
-    assert 0.05 <= hand_over_while_the_loop_sleeps(publisher, loop, first, 0.05, 0.3) < 0.3
+    assert 0.05 <= hand_over_while_the_loop_is_busy(publisher, loop, first, 0.05) < 10
     await asyncio.sleep(0)  # the loop takes both now
     assert later.taken.is_set() and first.taken.is_set() and publisher.outputs.qsize() == 2
     task = asyncio.create_task(publisher.run())
