@@ -50,6 +50,7 @@ async def _stream_one(http: httpx.AsyncClient, model: str, request: Planned, str
     if request.response_format is not None:
         body["response_format"] = request.response_format
     timing = RequestTiming(submitted=time.monotonic())
+    arrivals = []
     async with http.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"the gateway answered {response.status_code}: {(await response.aread())[:300]!r}")
@@ -61,9 +62,18 @@ async def _stream_one(http: httpx.AsyncClient, model: str, request: Planned, str
                 timing.tokens = chunk["usage"]["completion_tokens"]
                 timing.cached_tokens = chunk["usage"]["prompt_tokens_details"]["cached_tokens"]
             elif chunk["choices"] and chunk["choices"][0]["text"]:
-                timing.token_times.append((time.monotonic(), stream_interval))
+                arrivals.append(time.monotonic())
     timing.done = time.monotonic()
+    timing.token_times = _spread(arrivals, timing.tokens or stream_interval * len(arrivals))
     return timing
+
+
+def _spread(arrivals: list[float], tokens: int) -> list[tuple[float, int]]:
+    """Each chunk's arrival with its share of the tokens: an API chunk does not say how
+    many it carries (the worker may join several steps' tokens into one), so they are
+    shared out evenly, the first chunks taking one more where they do not divide."""
+    share, extra = divmod(max(tokens, len(arrivals)), len(arrivals)) if arrivals else (0, 0)
+    return [(at, share + (i < extra)) for i, at in enumerate(arrivals)]
 
 
 async def _gateway_cpu_s(http: httpx.AsyncClient) -> float | None:

@@ -131,5 +131,6 @@ def test_bench_compares_the_gateway_with_redis(worker, valkey, logs_dir, tmp_pat
     assert [r["concurrency"] for r in gateway_runs] == [1, 3]
     assert all(r["finished"] == 6 and r["tokens"] > 0 and r["ttft_ms"]["p50"] > 0 for r in gateway_runs)
     assert [c["concurrency"] for c in report["gateway"]] == [1, 3]
-    assert all(c["throughput_over_redis"] > 0 and c["cpu_ms_per_1k_tokens"] > 0 for c in report["gateway"])
+    # The gateway's CPU is counted in clock ticks (10 ms): a run this small may count none.
+    assert all(c["throughput_over_redis"] > 0 and c["cpu_ms_per_1k_tokens"] >= 0 for c in report["gateway"])
     assert "gateway c=1 vs Redis: TTFT p50" in run.stdout

@@ -198,7 +198,9 @@ def test_stop_strings_cut_the_output(worker, r, outputs, new_id):
 
 
 def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
-    """stream_interval 1, 3 and 7 coalesce tokens differently but join to the same text."""
+    """stream_interval 1, 3 and 7 coalesce tokens differently but join to the same text;
+    every delta but the last carries at least the interval's tokens (more when the
+    worker's flush interval joined several steps)."""
     texts = set()
     for interval in (1, 3, 7):
         rid = new_id()
@@ -206,8 +208,9 @@ def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
         events = outputs.of(rid)
         done = check_stream(events)
         deltas = [e for e in events if isinstance(e, Delta)]
-        assert all(len(d.tokens) == interval for d in deltas[:-1])
-        assert len(deltas) == -(-20 // interval)
+        assert all(len(d.tokens) >= interval for d in deltas[:-1])
+        assert len(deltas[0].tokens) == interval  # the first delta waits for its tokens, not for a flush
+        assert 1 <= len(deltas) <= -(-20 // interval)
         texts.add(done.text)
     assert len(texts) == 1
 

@@ -102,6 +102,19 @@ def test_never_more_than_max_num_seqs_in_the_batch():
     assert h.backends[0].most_running == 2
 
 
+@pytest.mark.parametrize(("interval_s", "tokens_per_delta"), [(0.0, [1] * 6), (3600.0, [1, 5])])
+def test_between_flushes_a_running_streams_tokens_go_out_together(interval_s, tokens_per_delta):
+    """With a flush interval longer than the request, its first token goes out at once and
+    the rest with its end; with none, every step's token goes out as it comes."""
+    h = Harness(policy=SchedulingPolicy(2, flush_interval_s=interval_s))
+    h.engine.submit(request("r", max_tokens=6))
+    events = h.events_until_terminal({"r"})["r"]
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [len(d.tokens) for d in deltas] == tokens_per_delta
+    assert [d.seq for d in deltas] == list(range(len(deltas)))
+    assert isinstance(events[-1], Done) and events[-1].usage.completion_tokens == 6
+
+
 def test_each_step_gets_the_schedulers_plan():
     """The engine core asks its scheduler for each step's prefill: the configured sizes
     while nothing decodes, what the token budget leaves once something does."""

@@ -25,12 +25,14 @@ def make_request(stop: list[str] | None = None, interval: int = 1, max_tokens: i
                          arrived_at=100.0, deadline_at=None)
 
 
-def feed(tokenizer, request: EngineRequest, tokens: list[int], last_reason: str | None = "length"):
+def feed(tokenizer, request: EngineRequest, tokens: list[int], last_reason: str | None = "length",
+         flushes: set[int] | None = None):
+    """Events of `tokens` fed one a step; with `flushes`, only those steps flush."""
     stream = RequestOutput(request, tokenizer.detokenizer, admitted_at=100.5)
     events = []
     for i, token in enumerate(tokens):
         reason = last_reason if i == len(tokens) - 1 else None
-        events += stream.add(TokenOut(0, token, reason), now=101.0 + i)
+        events += stream.add(TokenOut(0, token, reason), now=101.0 + i, flush=flushes is None or i in flushes)
         if stream.done:
             break
     return events
@@ -85,6 +87,25 @@ def test_stream_interval_coalesces_tokens(tokenizer):
     deltas = [e for e in events if isinstance(e, Delta)]
     assert [len(d.tokens) for d in deltas] == [4] * (len(tokens) // 4) + ([len(tokens) % 4] if len(tokens) % 4 else [])
     assert [d.seq for d in deltas] == list(range(len(deltas)))
+
+
+def test_between_flushes_tokens_wait_for_one_delta_but_the_first_never_waits(tokenizer):
+    """Steps that do not flush hold their tokens; the next flush sends them as one delta,
+    the first token goes out at once, and the end sends what is held."""
+    tokens = tokenizer.encode("a b c d e f g h i j")
+    events = feed(tokenizer, make_request(), tokens, flushes={4})
+    deltas = [e for e in events if isinstance(e, Delta)]
+    assert [len(d.tokens) for d in deltas] == [1, 4, len(tokens) - 5]
+    assert [d.seq for d in deltas] == [0, 1, 2]
+    assert "".join(texts(events)) == events[-1].text == tokenizer.decode(tokens)
+
+
+def test_a_flush_sends_no_delta_shorter_than_the_stream_interval(tokenizer):
+    """With `stream_interval`, a flush sends held tokens only once there are enough (the
+    first delta too: it waits for its tokens, not for a flush)."""
+    tokens = tokenizer.encode("a b c d e f g h i j")
+    events = feed(tokenizer, make_request(interval=3), tokens, flushes={1, 4, 6})
+    assert [len(d.tokens) for d in events if isinstance(d, Delta)] == [3, 4, len(tokens) - 7]
 
 
 def test_timing_counts_from_arrival(tokenizer):

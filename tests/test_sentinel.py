@@ -77,14 +77,15 @@ def sigkill(server: ValkeyServer) -> None:
 
 def follow(url: str, request_id: str, seen: dict[str, list], stop: threading.Event) -> None:
     """Read a request's output as a reader would, through the failover: every event seen, in order."""
-    reader = redis.Redis(**_primary_kwargs(url))
+    reader = None
     last_id = "0-0"
     while not stop.is_set():
-        try:
+        try:  # mid-failover the Sentinels may name no primary yet (MasterNotFoundError): ask again
+            reader = reader or redis.Redis(**_primary_kwargs(url))
             reply = reader.xread({KEYS.output(request_id): last_id}, count=100, block=500)
         except redis.RedisError:
             time.sleep(0.2)
-            reader = redis.Redis(**_primary_kwargs(url))
+            reader = None
             continue
         for _, entries in reply or []:
             for entry_id, fields in entries:

@@ -41,6 +41,8 @@ class EngineCore:
         self.clock = clock  # the model's share of the thread's time is counted here
         self.faults = faults
         self.running: dict[int, RequestOutput] = {}  # by the backend's uid
+        self._flush_interval_s = policy.flush_interval_s
+        self._next_flush = 0.0  # perf_counter time from which running streams' held tokens go out
         self._uids: dict[str, int] = {}  # request id -> uid
 
     def busy(self) -> bool:
@@ -107,7 +109,7 @@ class EngineCore:
             return
         wanted = {uid: o.request.logprobs for uid, o in self.running.items() if o.request.logprobs is not None}
         picked = token_logprobs(tokens, wanted, self.loaded.info.tokenizer) if wanted else {}
-        outgoing, finished = process_step(self.running, tokens, time.time(), picked)
+        outgoing, finished = process_step(self.running, tokens, time.time(), picked, self._flush_due())
         out.outgoing.extend(outgoing)
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
@@ -117,6 +119,17 @@ class EngineCore:
 
     def close(self) -> None:
         self.backend.close()
+
+    def _flush_due(self) -> bool:
+        """Whether this step's deltas go out, or wait to go out with later steps' tokens.
+        A write costs the worker about as much CPU as a small model's step: with steps
+        shorter than the interval, several steps' tokens share one write, one delta per
+        request. First deltas and ends never wait (`RequestOutput.add`)."""
+        now = time.perf_counter()
+        if now < self._next_flush:
+            return False
+        self._next_flush = now + self._flush_interval_s
+        return True
 
     def _admit(self, out: StepOutput) -> None:
         now = time.time()

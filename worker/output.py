@@ -2,7 +2,8 @@
 
 Per request: mlx-lm's streaming detokenizer (never splits a UTF-8 sequence), stop
 strings found in the text and cut from it, text that could still become a stop string
-held back, and deltas coalesced every `stream_interval` tokens. The concatenated delta
+held back, and deltas coalesced every `stream_interval` tokens (and, while the engine
+holds running streams' tokens between flushes, until the next flush). The concatenated delta
 texts always equal the terminal `text`. On a thinking model, the tokens between the
 reasoning markers go through a second detokenizer into `reasoning`, never into `text`.
 """
@@ -81,8 +82,10 @@ class RequestOutput:
         """The reasoning so far, on a thinking model."""
         return None if self.request.thinking is None else self.reasoning_detokenizer.text
 
-    def add(self, out: TokenOut, now: float, logprob: TokenLogprob | None = None) -> list[Event]:
-        """Take one generated token (and its logprob, when asked for); returns the events it completes."""
+    def add(self, out: TokenOut, now: float, logprob: TokenLogprob | None = None, flush: bool = True) -> list[Event]:
+        """Take one generated token (and its logprob, when asked for); returns the events it
+        completes. Without `flush`, the tokens wait for a later delta, unless this is the
+        first (a reader waits for it most) or the request ends."""
         if self.first_token_at is None:
             self.first_token_at = now
         if out.cached_tokens is not None:
@@ -104,7 +107,7 @@ class RequestOutput:
             return self.finish("stop", now)
         if out.finish_reason is not None:
             return self.finish("length", now)
-        if len(self.pending) >= self.request.stream_interval:
+        if len(self.pending) >= self.request.stream_interval and (flush or self.seq == 0):
             return [self._delta(len(self.text) - self._held_back())]
         return []
 
@@ -176,9 +179,11 @@ class RequestOutput:
 
 
 def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], now: float,
-                 logprobs: Mapping[int, TokenLogprob] | None = None) -> tuple[list[Outgoing], list[int]]:
+                 logprobs: Mapping[int, TokenLogprob] | None = None,
+                 flush: bool = True) -> tuple[list[Outgoing], list[int]]:
     """Events for one step's tokens (with the logprobs of those whose request asked),
-    and the uids of the sequences that finished."""
+    and the uids of the sequences that finished; without `flush`, only first deltas and
+    ends (see `RequestOutput.add`)."""
     outgoing: list[Outgoing] = []
     finished: list[int] = []
     for out in tokens:
@@ -186,7 +191,7 @@ def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], 
         if output is None:  # removed this step (cancelled); its token is dropped
             continue
         try:
-            events = output.add(out, now, (logprobs or {}).get(out.uid))
+            events = output.add(out, now, (logprobs or {}).get(out.uid), flush)
         except Exception as e:  # noqa: BLE001 - this request alone fails
             outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"could not turn tokens into text: {e!r}"))
             finished.append(out.uid)

@@ -16,13 +16,15 @@ MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-s
 
 @dataclass(frozen=True)
 class SchedulingPolicy:
-    """The knobs of one engine: its slots, its step budget and how waiting ages."""
+    """The knobs of one engine: its slots, its step budget, how waiting ages and how
+    often running streams' tokens go out."""
 
     max_num_seqs: int
     max_step_tokens: int = 256  # tokens one step may process while streams run
     prefill_batch_size: int = 8  # prompts prefilled together, at most
     prefill_step_size: int = 512  # prompt tokens per prefill chunk, at most
     priority_aging_s: float = 10.0
+    flush_interval_s: float = 0.0  # how long running streams' new tokens may wait to go out together
 
 
 @dataclass(frozen=True)

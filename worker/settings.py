@@ -58,6 +58,10 @@ class WorkerSettings(LayeredSettings):
     priority_aging_s: float = Field(10.0, gt=0, description="waiting this long counts as one priority level "
                                     "better, so low priorities are not starved")
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
+    flush_interval_ms: float = Field(10.0, ge=0, description="while streams run, how long new tokens may wait "
+                                     "to go out together: each write then carries several steps' tokens, one "
+                                     "delta per request (a small model's steps are shorter than a write); first "
+                                     "deltas and ends go out at once; 0: every step")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request gives none")
     max_tokens_limit: int = Field(4096, ge=1, description="largest max_tokens a request may ask for")
     max_body_bytes: int = Field(8_388_608, ge=1, description="largest request body (json or msgpack field), "
@@ -119,7 +123,7 @@ class WorkerSettings(LayeredSettings):
     def scheduling(self) -> SchedulingPolicy:
         """The engine's policy: slots, step budget, aging."""
         return SchedulingPolicy(self.max_num_seqs, self.max_step_tokens, self.prefill_batch_size,
-                                self.prefill_step_size, self.priority_aging_s)
+                                self.prefill_step_size, self.priority_aging_s, self.flush_interval_ms / 1000)
 
     def cache_budget_bytes(self) -> int:
         """The prefix cache's byte budget."""
