@@ -5,14 +5,18 @@ driven in process: requests go in through `Engine.submit`, events come out of it
 `on_output`, and nothing else runs. Raw BatchGenerator runs the same requests on the
 main thread. The two alternate, `--pairs` times. Printed per run: tok/s, TTFT and ITL
 (concurrency 1), and how busy MLX's compute thread was (its CPU seconds over the run's
-wall time): a share below 100 % is time the model waited for Python.
+wall time): a share below 100 % is time the model waited for Python. With `--threads`
+(Linux), each busy thread's CPU and context switches per token, from /proc: how often
+MLX's compute thread went to sleep (voluntary) and the driving thread was preempted.
 
     .venv/bin/python -m mlxq.blas .venv/bin/python docs/engine_alone.py MODEL_DIR [--concurrency 16] [--pairs 3]
+        [--flush-ms 10] [--threads]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import queue
 import statistics
 import time
@@ -50,8 +54,11 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             for item in out.outgoing:
                 rid = item.ref.id
                 if isinstance(item.event, Delta):
-                    gaps = itl if rid in last else ttft
-                    gaps.append(now - last.get(rid, started[rid]))
+                    if rid in last:  # a delta may carry several steps' tokens (the flush)
+                        count = len(item.event.tokens)
+                        itl.extend([(now - last[rid]) / count] * count)
+                    else:
+                        ttft.append(now - started[rid])
                     last[rid] = now
                 elif isinstance(item.event, Done):
                     tokens += item.event.usage.completion_tokens
@@ -87,9 +94,19 @@ def raw(model: object) -> Run:
     return run
 
 
-def measured(name: str, run: Run, planned: list[Planned], width: int) -> None:
+def switches() -> dict[str, tuple[int, int]]:
+    """Each thread's (voluntary, involuntary) context switches so far (Linux)."""
+    counts = {}
+    for tid in os.listdir("/proc/self/task"):
+        fields = dict(line.split(":", 1) for line in open(f"/proc/self/task/{tid}/status"))
+        counts[tid] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+    return counts
+
+
+def measured(name: str, run: Run, planned: list[Planned], width: int, threads: bool = False) -> None:
     me = psutil.Process()
     before = {t.id: t.user_time + t.system_time for t in me.threads()}
+    switched = switches() if threads else {}
     started = time.perf_counter()
     tokens, ttft, itl = run(planned, width)
     wall = time.perf_counter() - started
@@ -99,6 +116,14 @@ def measured(name: str, run: Run, planned: list[Planned], width: int) -> None:
           f"ITL p50 {statistics.median(itl) * 1000:5.2f} ms  compute thread {100 * busiest / wall:5.1f}% busy, "
           f"{1000 * busiest / tokens:.2f} ms a token; all threads {total:.1f} s",
           flush=True)
+    if threads:
+        now = switches()
+        for t in me.threads():
+            cpu = t.user_time + t.system_time - before.get(t.id, 0.0)
+            if cpu > 0.05 * wall:
+                voluntary, involuntary = (a - b for a, b in zip(now[str(t.id)], switched.get(str(t.id), (0, 0)), strict=True))
+                print(f"       thread {t.id}: {1e6 * cpu / tokens:5.1f} us a token, switches a token: "
+                      f"{voluntary / tokens:.2f} voluntary, {involuntary / tokens:.2f} involuntary")
 
 
 def main() -> None:
@@ -107,10 +132,14 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--requests", type=int, default=0, help="default: 6 at concurrency 1, else 3 x concurrency")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--flush-ms", type=float, default=10.0, help="the engine's flush interval (flush_interval_ms)")
+    parser.add_argument("--output-len", type=int, default=96)
+    parser.add_argument("--threads", action="store_true", help="per-thread CPU and context switches (Linux)")
     args = parser.parse_args()
     loaded = load_text_model(WorkerSettings(model=args.model))
     outputs: queue.Queue = queue.Queue()
-    engine = Engine(lambda: loaded, SchedulingPolicy(args.concurrency), on_output=outputs.put, on_fatal=print)
+    engine = Engine(lambda: loaded, SchedulingPolicy(args.concurrency, flush_interval_s=args.flush_ms / 1000),
+                    on_output=outputs.put, on_fatal=print)
     engine.start()
     engine.wait_ready(60)
     spare = loaded.make_backend()  # the loaded model, for raw BatchGenerator beside the engine's
@@ -121,9 +150,9 @@ def main() -> None:
     for run in (raw(model), through_engine(engine, outputs)):
         run(warm_up, 2)
     for pair in range(args.pairs):
-        planned = Workload(requests=requests, input_len=100, output_len=96, seed=100 + pair).plan()
-        measured("raw", raw(model), planned, args.concurrency)
-        measured("engine", through_engine(engine, outputs), planned, args.concurrency)
+        planned = Workload(requests=requests, input_len=100, output_len=args.output_len, seed=100 + pair).plan()
+        measured("raw", raw(model), planned, args.concurrency, args.threads)
+        measured("engine", through_engine(engine, outputs), planned, args.concurrency, args.threads)
 
 
 if __name__ == "__main__":
