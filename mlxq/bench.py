@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import random
 import time
@@ -140,7 +141,31 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
     """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
     queue): the ceiling the worker is measured against. `sequential` runs one at a time;
     `detokenize` turns every token into text with mlx-lm's streaming detokenizer, one per
-    request, as mlx-lm's server does (the worker must too, raw BatchGenerator does not)."""
+    request, as mlx-lm's server does (the worker must too, raw BatchGenerator does not).
+    It runs as the worker runs its engine: on a thread of its own, batch-scheduled on
+    Linux (`worker.cpu_scheduling`), so that the ratio is the worker's own cost."""
+    return _on_engine_like_thread(functools.partial(_in_process, model_path, planned, concurrency, progress,
+                                                    sequential, detokenize))
+
+
+def _on_engine_like_thread(run: Callable[[], list[RequestTiming]]) -> list[RequestTiming]:
+    import mlx.core as mx
+
+    from worker.cpu_scheduling import use_batch_scheduling
+
+    def main() -> list[RequestTiming]:
+        use_batch_scheduling()
+        try:
+            return run()
+        finally:
+            mx.clear_streams()  # this thread's MLX streams, before the thread ends (see worker.engine)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(main).result()
+
+
+def _in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
+                sequential: bool, detokenize: bool) -> list[RequestTiming]:
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = _loaded(model_path)

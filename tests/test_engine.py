@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
+import threading
 import time
 
 import pytest
@@ -100,6 +102,16 @@ def test_never_more_than_max_num_seqs_in_the_batch():
     events = h.events_until_terminal({f"r{i}" for i in range(5)})
     assert all(isinstance(evs[-1], Done) and evs[-1].finish_reason == "length" for evs in events.values())
     assert h.backends[0].most_running == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_engine_thread_is_batch_scheduled_and_the_callers_are_not():
+    """The engine thread (and so the MLX threads it starts) runs SCHED_BATCH, so that
+    handing ops to MLX's stream thread does not switch to it at every op; the thread that
+    started the engine (the event loop's, in the worker) keeps its policy."""
+    h = Harness()
+    assert os.sched_getscheduler(h.engine._thread.native_id) == os.SCHED_BATCH
+    assert os.sched_getscheduler(threading.get_native_id()) == os.SCHED_OTHER
 
 
 @pytest.mark.parametrize(("interval_s", "tokens_per_delta"), [(0.0, [1] * 6), (3600.0, [1, 5])])

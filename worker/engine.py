@@ -18,6 +18,7 @@ import mlx.core as mx
 import structlog
 
 from .backends import Loaded, ModelInfo
+from .cpu_scheduling import use_batch_scheduling
 from .engine_core import EngineCore
 from .faults import NONE, SLOW_STEP_S, Faults
 from .messages import (
@@ -106,6 +107,7 @@ class Engine:
     # ---- the engine thread ---------------------------------------------------------
 
     def _main(self) -> None:
+        use_batch_scheduling()  # before loading: MLX's stream threads, started then, inherit it
         try:
             self._run()
         finally:
