@@ -1,23 +1,61 @@
 """vLLM's sampling parameters, per request in the shared batch: logit_bias, presence and
 frequency penalties (over the generated tokens), min_tokens, ignore_eos, stop_token_ids,
-include_stop_str_in_output. Real MLX on the demo model, through the worker."""
+include_stop_str_in_output. Real MLX through the worker, each test on a text model
+(mlx-lm's batch) and on a vision model (mlx-vlm's), the same requests on both."""
 
 from __future__ import annotations
 
+import uuid
 from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import pytest
-from support import check_stream, worker_fixture
+from support import WorkerProcess, check_stream, start_worker, worker_url
 
 from client import Client, Done, JobFailed
 
-worker = worker_fixture(max_num_seqs=8)
-
 PROMPT = [11, 23, 35, 47, 59, 71, 83, 95, 107, 119]
-# Greedy on the demo model picks 918 and 57 again after this prompt: penalties change its
-# output, and counting the prompt's tokens (which vLLM does not) would change it differently.
-REPEATING = [978, 883, 970, 869, 57, 93, 86, 369, 855, 173, 146, 918, 918, 57]
+# A bias of +20 makes greedy pick 500 on both demo models (their logits are wide), so
+# the penalties change the output; 500 in the prompt too, so that counting the prompt's
+# tokens (which vLLM does not) would change it differently.
+BIASED = {"500": 20}
+PENALISED_PROMPT = [*PROMPT, 500, 500]
+
+
+@pytest.fixture(scope="module", params=["text", "vision"])
+def served(request: pytest.FixtureRequest) -> tuple[str, Path]:
+    """Which kind of model the module's worker serves, and the model."""
+    return request.param, request.getfixturevalue("demo_model" if request.param == "text" else "vision_model")
+
+
+@pytest.fixture(scope="module")
+def worker(served: tuple[str, Path], redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
+    kind, model = served
+    process = start_worker(worker_url(redis_url), model, f"s{kind}{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=8)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+
+@pytest.fixture(scope="module")
+def reference(served: tuple[str, Path]) -> tuple[Any, Any, list[int]]:
+    """The served model loaded in this process by its library's own `load()`: the
+    language model, how to make its KV cache, and its eos ids."""
+    kind, model = served
+    if kind == "text":
+        from mlx_lm import load
+        from mlx_lm.models.cache import make_prompt_cache
+
+        net, tokenizer = load(str(model))[:2]
+        return net, make_prompt_cache, sorted(tokenizer.eos_token_ids)
+    from mlx_vlm import load as load_vlm
+    from mlx_vlm.models.cache import make_prompt_cache as make_vlm_cache
+
+    vlm, processor = load_vlm(str(model))
+    return vlm.language_model, make_vlm_cache, sorted(processor.tokenizer.stopping_criteria.eos_token_ids)
 
 
 def run(client: Client, **body) -> Done:
@@ -31,16 +69,20 @@ def tokens_of(client: Client, **body) -> tuple[list[int], Done]:
     return [t for d in deltas for t in d.tokens], job.result(timeout=60)
 
 
-def greedy_with_penalties(model: tuple, presence: float, frequency: float, steps: int) -> list[int]:
-    """Greedy decoding in process, penalising what was generated (not the prompt), as vLLM does."""
-    net, _ = model
-    generated: list[int] = []
+def greedy_with_penalties(reference: tuple, presence: float, frequency: float, steps: int) -> list[int]:
+    """Greedy decoding in process, biased as BIASED says, penalising what was generated
+    (not the prompt), as vLLM does."""
+    net, make_cache, _ = reference
+    cache, generated, feed = make_cache(net), [], PENALISED_PROMPT
     for _ in range(steps):
-        logits = net(mx.array([REPEATING + generated]))[0, -1].astype(mx.float32)
-        counts = Counter(generated)
-        for token, n in counts.items():
+        out = net(mx.array([feed]), cache=cache)
+        logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
+        for token, bias in BIASED.items():
+            logits[int(token)] += bias
+        for token, n in Counter(generated).items():
             logits[token] -= presence + frequency * n
         generated.append(int(mx.argmax(logits).item()))
+        feed = generated[-1:]
     return generated
 
 
@@ -53,18 +95,18 @@ def test_a_large_logit_bias_decides_the_token(client):
     assert banned[0] != plain[0]
 
 
-@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (1.5, 0.0), (0.0, 1.0)])
-def test_penalties_count_the_generated_tokens_as_vllm_does(client, loaded_demo_model, presence, frequency):
+@pytest.mark.parametrize(("presence", "frequency"), [(0.0, 2.0), (2.0, 0.0), (0.0, 1.0)])
+def test_penalties_count_the_generated_tokens_as_vllm_does(client, reference, presence, frequency):
     """Greedy with presence/frequency penalties equals greedy decoding in process with the
     penalties applied to the generated tokens only (the prompt's are not penalised)."""
-    plain, _ = tokens_of(client, prompt_tokens=REPEATING, max_tokens=16)
-    generated, _ = tokens_of(client, prompt_tokens=REPEATING, presence_penalty=presence,
+    plain, _ = tokens_of(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, max_tokens=16)
+    generated, _ = tokens_of(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, presence_penalty=presence,
                              frequency_penalty=frequency, max_tokens=16)
     assert generated != plain, "the penalty must change something here, or this test shows nothing"
-    assert generated == greedy_with_penalties(loaded_demo_model, presence, frequency, 16)
+    assert generated == greedy_with_penalties(reference, presence, frequency, 16)
 
 
-def test_stop_token_ids_min_tokens_and_ignore_eos(client, loaded_demo_model):
+def test_stop_token_ids_min_tokens_and_ignore_eos(client, reference):
     """A stop token ends the output before it (finish stop); min_tokens holds stop tokens
     back until then; ignore_eos runs past eos to max_tokens, eos output like any token."""
     plain, _ = tokens_of(client)
@@ -73,7 +115,7 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(client, loaded_demo_model):
     assert cut == plain[:stop_at] and done.finish_reason == "stop"
     held, done = tokens_of(client, stop_token_ids=[plain[stop_at]], min_tokens=stop_at + 3)
     assert len(held) >= stop_at + 3 and plain[stop_at] not in held[:stop_at + 3]
-    eos = sorted(loaded_demo_model[1].eos_token_ids)[0]
+    eos = reference[2][0]
     stopped, done = tokens_of(client, logit_bias={str(eos): 100})
     assert stopped == [] and done.finish_reason == "stop"
     ignored, done = tokens_of(client, logit_bias={str(eos): 100}, ignore_eos=True)

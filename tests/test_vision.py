@@ -136,6 +136,23 @@ def test_sampling_is_per_request_on_the_vision_path(worker, r, outputs, new_id):
     assert check_stream(outputs.of(other)).text != first
 
 
+def test_eos_min_tokens_and_ignore_eos_on_image_requests(worker, r, outputs, new_id, vision_model):
+    """The engine, not mlx-vlm's batch, ends a sequence at eos, so that image requests get
+    min_tokens and ignore_eos as text requests do: with eos pushed to the top, a request
+    ends at once, runs to max_tokens with ignore_eos, and holds eos back for min_tokens."""
+    eos = json.loads((vision_model / "config.json").read_text())["eos_token_id"]
+    eos = eos[0] if isinstance(eos, list) else eos
+    image, forced = png(112, 112, 4), {"logit_bias": {str(eos): 100}, "max_tokens": 6}
+    cases = {"plain": {}, "ignore_eos": {"ignore_eos": True}, "min_tokens": {"min_tokens": 4}}
+    ids = {name: new_id(name) for name in cases}
+    for name, extra in cases.items():
+        ask(r, worker.queue, ids[name], "Look", [image], **forced, **extra)
+    ended = {name: check_stream(outputs.of(rid)) for name, rid in ids.items()}
+    assert ended["plain"].usage.completion_tokens == 0 and ended["plain"].finish_reason == "stop"
+    assert ended["ignore_eos"].usage.completion_tokens == 6 and ended["ignore_eos"].finish_reason == "length"
+    assert ended["min_tokens"].usage.completion_tokens == 4 and ended["min_tokens"].finish_reason == "stop"
+
+
 def test_constrained_image_requests_give_valid_output(worker, r, outputs, new_id):
     """response_format on the vision path: a schema, a regex and a choice, greedy and
     sampled, with images and beside a free image request, each valid and ended by itself."""
@@ -225,8 +242,6 @@ BAD_IMAGES = [
      "images: send them with prompt or messages"),
     ("logprobs", {"images": [b64(png(56, 56))], "logprobs": True}, "invalid_request",
      "logprobs: this worker's model"),  # not yet on mlx-vlm's batch: refused, never ignored
-    ("penalties", {"images": [b64(png(56, 56))], "frequency_penalty": 1.0}, "invalid_request",
-     "frequency_penalty: not available on a vision model"),
 ]
 
 

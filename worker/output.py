@@ -91,7 +91,7 @@ class RequestOutput:
         if out.cached_tokens is not None:
             self.cached_tokens = out.cached_tokens
         self.last_token_at = now
-        # A stop token (eos, stop_token_ids) is not output; a vision batch stops at eos itself.
+        # A stop token (eos unless ignore_eos, stop_token_ids) is not output.
         stopped = out.finish_reason == "stop" or out.token in self.request.stop_tokens
         if not stopped:
             self._take(out.token)

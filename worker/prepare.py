@@ -53,8 +53,6 @@ class Preparer:
         self._check_stop(body.stop)
         if body.logprobs and not self.info.logprobs:
             raise RequestRejected(f"logprobs: this worker's model ({self.info.name}) does not give them yet")
-        if self.info.vision is not None:
-            self._check_vision_sampling(body)
         self._check_token_ids(body)
         tools = self._tool_use(body)
         if body.metadata is not None:
@@ -132,13 +130,6 @@ class Preparer:
         if size > self.settings.max_metadata_bytes:
             raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
                                  f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
-
-    def _check_vision_sampling(self, body: RequestBody) -> None:
-        """What mlx-vlm's batch cannot do as asked yet: refused, never ignored. Its logits
-        processors see the generated tokens only, not the prompt; it stops at eos itself."""
-        for field in ("presence_penalty", "frequency_penalty", "min_tokens", "ignore_eos"):
-            if getattr(body, field):
-                raise RequestRejected(f"{field}: not available on a vision model ({self.info.name}) yet")
 
     def _thinking(self, prompt: list[int]) -> Thinking | None:
         """The model's reasoning markers, if it has single-token ones, and whether the

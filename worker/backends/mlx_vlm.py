@@ -47,6 +47,9 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     # The text side exactly as on a text model: mlx-lm's tokenizer wrapper (chat template,
     # streaming detokenizer) with the eos ids mlx-vlm stops on.
     tokenizer = load_tokenizer(local, eos_token_ids=sorted(processor.tokenizer.stopping_criteria.eos_token_ids))
+    # Nor eos stops its batch, as on mlx-lm's: each request's stop tokens (eos unless it
+    # says ignore_eos, its stop_token_ids, min_tokens holding them back) are the engine's.
+    processor.tokenizer.stopping_criteria = _NoStops()
     text_config = model.config.text_config
     prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
                             max_image_pixels=settings.max_image_pixels)
@@ -165,6 +168,20 @@ class VisionBatchBackend:
                                                 mx.array(image.payload["image_grid_thw"]), output_hidden_states=False)
             self._cache.put(image.key, features)
         return features
+
+
+class _NoStops:
+    """mlx-vlm's stopping criteria (eos ids it ends a sequence on), with none."""
+
+    eos_token_ids: list[int] = []
+
+    def add_eos_token_ids(self, new_eos_token_ids: Any = None) -> None:
+        """The generator adds its `stop_tokens` here (we give none)."""
+
+    def reset(self, eos_token_ids: Any = None) -> None: ...
+
+    def __call__(self, token: Any) -> bool:
+        return False
 
 
 class _OwnSampler:
