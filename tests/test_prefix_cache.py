@@ -37,7 +37,7 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
     hit = cache.fetch(prompt) if cache else None
     cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
     uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),
-                         build_logits_processors(GREEDY, len(prompt)), cached)
+                         build_logits_processors(GREEDY), cached)
     tokens: list[int] = []
     while True:
         for out in backend.step(StepPlan(prefill_chunk=2048, prefill_prompts=8)):

@@ -69,11 +69,15 @@ def tokens_of(client: Client, **body) -> tuple[list[int], Done]:
     return [t for d in deltas for t in d.tokens], job.result(timeout=60)
 
 
-def greedy_with_penalties(reference: tuple, presence: float, frequency: float, steps: int) -> list[int]:
+def greedy_with_penalties(reference: tuple, presence: float, frequency: float, steps: int,
+                          prompt: list[int] = PENALISED_PROMPT) -> list[int]:
     """Greedy decoding in process, biased as BIASED says, penalising what was generated
     (not the prompt), as vLLM does."""
     net, make_cache, _ = reference
-    cache, generated, feed = make_cache(net), [], PENALISED_PROMPT
+    for kept in ("_rope_deltas", "_position_ids"):  # mlx-vlm's Qwen2-VL keeps its last sequence's positions
+        if hasattr(net, kept):
+            setattr(net, kept, None)
+    cache, generated, feed = make_cache(net), [], prompt
     for _ in range(steps):
         out = net(mx.array([feed]), cache=cache)
         logits = (out.logits if hasattr(out, "logits") else out)[0, -1].astype(mx.float32)
@@ -104,6 +108,22 @@ def test_penalties_count_the_generated_tokens_as_vllm_does(client, reference, pr
                              frequency_penalty=frequency, max_tokens=16)
     assert generated != plain, "the penalty must change something here, or this test shows nothing"
     assert generated == greedy_with_penalties(reference, presence, frequency, 16)
+
+
+def test_a_prefix_cache_hit_changes_neither_penalties_nor_min_tokens(client, reference):
+    """A prompt seen before starts from the prefix cache (on mlx-vlm's batch the logits
+    processors then see only the prompt's uncached part): the penalties still count the
+    generated tokens alone, and min_tokens still holds eos back for exactly its tokens."""
+    prompt = [*PROMPT * 4, *PENALISED_PROMPT]  # 60 tokens: whole blocks of mlx-vlm's cache
+    body = {"prompt_tokens": prompt, "logit_bias": BIASED, "frequency_penalty": 1.0, "max_tokens": 16}
+    first, _ = tokens_of(client, **body)
+    second, done = tokens_of(client, **body)
+    assert done.usage.cached_tokens > 0, "the second request must hit the prefix cache"
+    assert first == second == greedy_with_penalties(reference, 0.0, 1.0, 16, prompt)
+    eos = reference[2][0]
+    held, done = tokens_of(client, prompt_tokens=prompt, logit_bias={str(eos): 100}, min_tokens=4)
+    assert done.usage.cached_tokens > 0
+    assert len(held) == 4 and eos not in held and done.finish_reason == "stop"
 
 
 def test_stop_token_ids_min_tokens_and_ignore_eos(client, reference):

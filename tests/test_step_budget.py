@@ -38,7 +38,7 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
     tokens: dict[int, list[int]] = {}
 
     def insert(prompt: list[int]) -> int:
-        uid = backend.insert(prompt, 24, build_sampler(GREEDY), build_logits_processors(GREEDY, len(prompt)))
+        uid = backend.insert(prompt, 24, build_sampler(GREEDY), build_logits_processors(GREEDY))
         tokens[uid] = []
         return uid
 

@@ -329,11 +329,11 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     ids, images = loaded.info.vision.prepare(RequestBody(prompt="Picture " * 40, images=[png(224, 224, 9)]))
     greedy = SamplingParams()
     backend = loaded.make_backend()
-    decoding = backend.insert([5, 6, 7], 30, build_sampler(greedy), build_logits_processors(greedy, 3))
+    decoding = backend.insert([5, 6, 7], 30, build_sampler(greedy), build_logits_processors(greedy))
     produced: list[int] = []
     while not produced:
         produced += [out.uid for out in backend.step(PLAN)]
-    prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy, len(ids)),
+    prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy),
                                 media=images)
     for _ in range(3):  # a decode step and one prefill chunk each
         produced += [out.uid for out in backend.step(PLAN)]

@@ -160,8 +160,8 @@ class EngineCore:
         cache = self.loaded.prefix_cache
         hit = cache.fetch(prompt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
-        processors = build_logits_processors(request.sampling, len(request.prompt_tokens), request.stop_tokens,
-                                             request.min_tokens)
+        processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
+                                             request.stop_tokens, request.min_tokens)
         guide = None
         if request.constraint is not None:  # last: it masks what the others left
             guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),

@@ -35,30 +35,49 @@ def build_sampler(params: SamplingParams) -> Sampler:
     return _RandomSampler(params)
 
 
-def build_logits_processors(params: SamplingParams, prompt_length: int, stop_tokens: frozenset[int] = frozenset(),
+def build_logits_processors(params: SamplingParams, resumed: int = 0, stop_tokens: frozenset[int] = frozenset(),
                             min_tokens: int = 0) -> list[LogitsProcessor]:
     """mlx-lm's logit bias and repetition penalty (over the last 20 tokens, prompt
     included, as mlx-lm counts it); its presence and frequency penalties over the
     generated tokens only, as vLLM counts them; and, before `min_tokens`, the stop tokens
-    masked. A processor sees every token of its sequence: the prompt's `prompt_length`
-    first (those of an earlier delivery's output after them, on a resumed request)."""
+    masked. `resumed`: the tokens an earlier delivery generated, which the batch was
+    given as part of the prompt (see `OutputTokens`)."""
     processors = make_logits_processors(logit_bias=params.logit_bias, repetition_penalty=params.repetition_penalty)
     for penalty in make_logits_processors(presence_penalty=params.presence_penalty,
                                           presence_context_size=OUTPUT_CONTEXT,
                                           frequency_penalty=params.frequency_penalty,
                                           frequency_context_size=OUTPUT_CONTEXT):
-        processors.append(partial(_on_generated, penalty, prompt_length))
+        processors.append(partial(_on_generated, penalty, OutputTokens(resumed)))
     if min_tokens and stop_tokens:
-        processors.append(partial(_hold_stop_tokens, mx.array(sorted(stop_tokens)), prompt_length + min_tokens))
+        processors.append(partial(_hold_stop_tokens, mx.array(sorted(stop_tokens)), OutputTokens(resumed), min_tokens))
     return processors
 
 
-def _on_generated(penalty: LogitsProcessor, prompt_length: int, tokens: mx.array, logits: mx.array) -> mx.array:
-    return penalty(tokens[prompt_length:], logits)
+class OutputTokens:
+    """The generated part of what a logits processor is shown. A batch shows it the
+    sequence's tokens, but not always the whole prompt: mlx-vlm's shows only the part
+    after a prefix-cache hit. So the output starts where the first call's tokens end
+    (that call draws the first token), less the tokens an earlier delivery generated,
+    which came in as part of the prompt (a prefix hit that covers some of them hides
+    those from the penalties)."""
+
+    def __init__(self, resumed: int) -> None:
+        self.resumed = resumed
+        self.start: int | None = None
+
+    def of(self, tokens: mx.array) -> mx.array:
+        if self.start is None:
+            self.start = max(0, len(tokens) - self.resumed)
+        return tokens[self.start:]
 
 
-def _hold_stop_tokens(stop_tokens: mx.array, until: int, tokens: mx.array, logits: mx.array) -> mx.array:
-    if len(tokens) < until:
+def _on_generated(penalty: LogitsProcessor, output: OutputTokens, tokens: mx.array, logits: mx.array) -> mx.array:
+    return penalty(output.of(tokens), logits)
+
+
+def _hold_stop_tokens(stop_tokens: mx.array, output: OutputTokens, min_tokens: int, tokens: mx.array,
+                      logits: mx.array) -> mx.array:
+    if len(output.of(tokens)) < min_tokens:
         logits[:, stop_tokens] = -mx.inf
     return logits
 
