@@ -280,6 +280,56 @@ def worker_fixture(**settings: Any) -> Any:
     return fixture
 
 
+def on_text_and_vision(**settings: Any) -> tuple[Any, Any, Any]:
+    """Module fixtures for tests that run alike on a text model (mlx-lm's batch) and a
+    vision model (mlx-vlm's): `served` (which kind, and the model), `worker` (a worker of
+    it with `settings`) and `reference` (the model loaded in this process by its
+    library's own `load()`: the language model, how to make its KV cache, its eos ids,
+    its tokenizer).
+
+        served, worker, reference = on_text_and_vision(max_num_seqs=8)
+    """
+
+    @pytest.fixture(scope="module", params=["text", "vision"])
+    def served(request: pytest.FixtureRequest) -> tuple[str, Path]:
+        return request.param, request.getfixturevalue("demo_model" if request.param == "text" else "vision_model")
+
+    @pytest.fixture(scope="module")
+    def worker(served: tuple[str, Path], redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
+        kind, model = served
+        process = start_worker(worker_url(redis_url), model, f"{kind}{uuid.uuid4().hex[:8]}", logs_dir, **settings)
+        yield process
+        process.stop()
+        assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+    @pytest.fixture(scope="module")
+    def reference(served: tuple[str, Path]) -> tuple[Any, Any, list[int], Any]:
+        kind, model = served
+        if kind == "text":
+            from mlx_lm import load
+            from mlx_lm.models.cache import make_prompt_cache
+
+            net, tokenizer = load(str(model))[:2]
+            return net, make_prompt_cache, sorted(tokenizer.eos_token_ids), tokenizer
+        from mlx_vlm import load as load_vlm
+        from mlx_vlm.models.cache import make_prompt_cache as make_vlm_cache
+
+        vlm, processor = load_vlm(str(model))
+        return (vlm.language_model, make_vlm_cache, sorted(processor.tokenizer.stopping_criteria.eos_token_ids),
+                processor.tokenizer)
+
+    return served, worker, reference
+
+
+def new_sequence(net: Any) -> Any:
+    """The reference language model, ready for a sequence of its own: mlx-vlm's Qwen2-VL
+    keeps the last sequence's rotary positions between calls."""
+    for kept in ("_rope_deltas", "_position_ids"):
+        if hasattr(net, kept):
+            setattr(net, kept, None)
+    return net
+
+
 @dataclass
 class GatewayProcess(ServiceProcess):
     """A real `mlxq gateway` process."""

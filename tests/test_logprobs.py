@@ -1,5 +1,6 @@
 """Logprobs: each delta carries, per token, the model's own log probability and the top
-alternatives, computed from the batch's logits; asked per request."""
+alternatives, computed from the batch's logits; asked per request. On a text model
+(mlx-lm's batch) and a vision model (mlx-vlm's) alike."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import json
 
 import mlx.core as mx
 import pytest
-from support import KEYS, check_stream, worker_fixture, xadd_json
+from support import KEYS, check_stream, new_sequence, on_text_and_vision, xadd_json
 
 from client import Client, Delta, Done, Job, JobFailed, RequestRejected
 
-worker = worker_fixture(max_num_seqs=4)
+served, worker, reference = on_text_and_vision(max_num_seqs=4)
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12, 64]
 
@@ -21,7 +22,7 @@ def _entries(events):
     return deltas, [entry for d in deltas for entry in d.logprobs]
 
 
-def test_logprobs_are_the_models_own_and_the_alternatives_sorted(worker, demo_model, r, outputs, new_id):
+def test_logprobs_are_the_models_own_and_the_alternatives_sorted(worker, reference, r, outputs, new_id):
     """A greedy request with top_logprobs 5, beside a sampled one and a plain one: each
     token's logprob equals the model's in process for that prefix, its alternatives are
     sorted, greedy picked the top one; the sampled token's logprob is the model's too; the
@@ -32,9 +33,7 @@ def test_logprobs_are_the_models_own_and_the_alternatives_sorted(worker, demo_mo
     xadd_json(r, worker.queue, hot, {"prompt_tokens": PROMPT, "max_tokens": 12, "logprobs": True,
                                      "temperature": 1.5, "seed": 3})
     xadd_json(r, worker.queue, plain, {"prompt_tokens": PROMPT, "max_tokens": 12})
-    from mlx_lm import load
-
-    model, tokenizer = load(str(demo_model))
+    model, _, _, tokenizer = reference
     for request_id, alternatives in ((greedy, 5), (hot, 0)):
         events = outputs.of(request_id)
         assert isinstance(check_stream(events), Done)
@@ -76,6 +75,7 @@ def test_logprobs_asked_badly_are_refused_and_the_worker_goes_on(worker):
 def _model_logprobs(model, prompt: list[int], generated: list[int]) -> mx.array:
     """The model's log-softmax at each generated position, from one forward pass in process."""
     tokens = mx.array([prompt + generated[:-1]])
-    logits = model(tokens)[0, len(prompt) - 1:].astype(mx.float32)
+    out = new_sequence(model)(tokens)
+    logits = (out.logits if hasattr(out, "logits") else out)[0, len(prompt) - 1:].astype(mx.float32)
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 

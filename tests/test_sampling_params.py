@@ -5,15 +5,11 @@ include_stop_str_in_output. Real MLX through the worker, each test on a text mod
 
 from __future__ import annotations
 
-import uuid
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import mlx.core as mx
 import pytest
-from support import WorkerProcess, check_stream, start_worker, worker_url
+from support import check_stream, new_sequence, on_text_and_vision
 
 from client import Client, Done, JobFailed
 
@@ -25,37 +21,7 @@ BIASED = {"500": 20}
 PENALISED_PROMPT = [*PROMPT, 500, 500]
 
 
-@pytest.fixture(scope="module", params=["text", "vision"])
-def served(request: pytest.FixtureRequest) -> tuple[str, Path]:
-    """Which kind of model the module's worker serves, and the model."""
-    return request.param, request.getfixturevalue("demo_model" if request.param == "text" else "vision_model")
-
-
-@pytest.fixture(scope="module")
-def worker(served: tuple[str, Path], redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
-    kind, model = served
-    process = start_worker(worker_url(redis_url), model, f"s{kind}{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=8)
-    yield process
-    process.stop()
-    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
-
-
-@pytest.fixture(scope="module")
-def reference(served: tuple[str, Path]) -> tuple[Any, Any, list[int]]:
-    """The served model loaded in this process by its library's own `load()`: the
-    language model, how to make its KV cache, and its eos ids."""
-    kind, model = served
-    if kind == "text":
-        from mlx_lm import load
-        from mlx_lm.models.cache import make_prompt_cache
-
-        net, tokenizer = load(str(model))[:2]
-        return net, make_prompt_cache, sorted(tokenizer.eos_token_ids)
-    from mlx_vlm import load as load_vlm
-    from mlx_vlm.models.cache import make_prompt_cache as make_vlm_cache
-
-    vlm, processor = load_vlm(str(model))
-    return vlm.language_model, make_vlm_cache, sorted(processor.tokenizer.stopping_criteria.eos_token_ids)
+served, worker, reference = on_text_and_vision(max_num_seqs=8)
 
 
 def run(client: Client, **body) -> Done:
@@ -73,10 +39,8 @@ def greedy_with_penalties(reference: tuple, presence: float, frequency: float, s
                           prompt: list[int] = PENALISED_PROMPT) -> list[int]:
     """Greedy decoding in process, biased as BIASED says, penalising what was generated
     (not the prompt), as vLLM does."""
-    net, make_cache, _ = reference
-    for kept in ("_rope_deltas", "_position_ids"):  # mlx-vlm's Qwen2-VL keeps its last sequence's positions
-        if hasattr(net, kept):
-            setattr(net, kept, None)
+    net, make_cache, *_ = reference
+    net = new_sequence(net)
     cache, generated, feed = make_cache(net), [], prompt
     for _ in range(steps):
         out = net(mx.array([feed]), cache=cache)

@@ -59,9 +59,10 @@ class BatchBackend(Protocol):
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = ()) -> int:
+               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
-        `media` (on a vision model) are those whose placeholder tokens are in `prompt`."""
+        `media` (on a vision model) are those whose placeholder tokens are in `prompt`;
+        with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`)."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:

@@ -42,7 +42,7 @@ class MlxBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = ()) -> int:
+               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
         assert not media, "a text model takes no media"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],

@@ -9,6 +9,7 @@ rotary positions). Like `mlx_lm`, only this module touches its library's batchin
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -54,7 +55,7 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
                             max_image_pixels=settings.max_image_pixels)
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
-                     vocab_size=int(text_config.vocab_size), vision=prompts, logprobs=False)
+                     vocab_size=int(text_config.vocab_size), vision=prompts)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
     prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
 
@@ -107,6 +108,7 @@ class VisionBatchBackend:
         self._model = model
         self._cache = cache
         self._cached_tokens: dict[int, int] = {}  # prefilled, first token not yet out
+        self._taps: dict[int, _LogprobsTap] = {}  # the sequences that asked for logprobs
         prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         # mlx-vlm prefills only when `completion_batch_size - running >= prefill_batch_size`
         # (and never when completion < prefill). The engine admits at most max_num_seqs,
@@ -118,18 +120,24 @@ class VisionBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = ()) -> int:
+               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
         processors = list(logits_processors)
+        tap = _LogprobsTap() if logprobs else None
+        if tap is not None:  # after every processor (what the token is drawn from), before the draw
+            processors.append(tap)
         if sampler is not greedy_sampler:
             processors.append(_OwnSampler(sampler))
         (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, media)],
                                         logits_processors=[processors or None])
+        if tap is not None:
+            self._taps[uid] = tap
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         for uid in uids:
             self._generator.remove(uid)
             self._cached_tokens.pop(uid, None)
+            self._taps.pop(uid, None)
         return {}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
@@ -137,8 +145,13 @@ class VisionBatchBackend:
         # in whole prefill batches: the plan is not applied here yet (its own sizes rule).
         prefilled, generated = self._generator.next()
         self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
-        return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None))
+        return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None),
+                         logprobs=self._drawn_from(r.uid))
                 for r in generated]
+
+    def _drawn_from(self, uid: int) -> mx.array | None:
+        tap = self._taps.get(uid)
+        return tap.rows.popleft() if tap is not None and tap.rows else None
 
     def upcoming_tokens(self) -> dict[int, int]:
         return {}  # constraints are not served on the vision path yet
@@ -182,6 +195,21 @@ class _NoStops:
 
     def __call__(self, token: Any) -> bool:
         return False
+
+
+class _LogprobsTap:
+    """The log-softmax rows a sequence's tokens are drawn from, kept in order: mlx-vlm's
+    batch gives only the chosen token's logprob, and only batch-wide, so a sequence that
+    asked for logprobs keeps its rows itself, as a logits processor that changes nothing.
+    Its batch samples a token a step before handing it out (prefill's first token too),
+    so the row of the token handed out now is the oldest kept."""
+
+    def __init__(self) -> None:
+        self.rows: collections.deque[mx.array] = collections.deque()
+
+    def __call__(self, tokens: mx.array, logits: mx.array) -> mx.array:
+        self.rows.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        return logits
 
 
 class _OwnSampler:
