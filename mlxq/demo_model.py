@@ -76,16 +76,16 @@ BENCH_CONFIG = {**MODEL_CONFIG, "hidden_size": 512, "num_hidden_layers": 6, "int
 SIZES = {"demo": MODEL_CONFIG, "bench": BENCH_CONFIG}
 
 # Qwen2-VL's chat template, cut down: a message's content is a string or a list of
-# {"type": "image"} / {"type": "text", "text": ...} parts.
-VISION_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+# {"type": "image"} / {"type": "text", "text": ...} parts; with `tools`, the text model's
+# tool format (Qwen2.5-VL's), so that tools are served on the vision queue too.
+VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}",
+    "{% else %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+    "{% endfor %}{% endif %}<|im_end|>\n{% endif %}")
 
 # The language model is the demo model's shape with multimodal rotary positions
 # (mrope sections sum to head_dim / 2); the vision tower is one block of width 32.

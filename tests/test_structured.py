@@ -1,6 +1,6 @@
-"""Structured output (response_format) inside the shared batch, on the random demo model,
-where the constraint is the whole story: every constrained output is valid, and the
-free requests beside them read exactly as they do alone."""
+"""Structured output (response_format) inside the shared batch, on the random demo models
+(a text and a vision one), where the constraint is the whole story: every constrained
+output is valid, and the free requests beside them read exactly as they do alone."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import uuid
 
 import jsonschema
 import pytest
-from support import KEYS, Outputs, check_stream, start_worker, worker_fixture, xadd_json
+from support import KEYS, Outputs, check_stream, on_text_and_vision, start_worker, xadd_json
 
 from client import Client, Done, JobFailed, RequestRejected
 
-worker = worker_fixture(max_num_seqs=16)
+served, worker, reference = on_text_and_vision(max_num_seqs=16)
 
 SCHEMA = {
     "type": "object",
@@ -84,18 +84,18 @@ def _heartbeat(client: Client, consumer: str) -> dict:
     return json.loads(client.redis.get(KEYS.worker(consumer)))
 
 
-def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, demo_model):
+def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, served):
     """json_object on the random model rarely closes the object, but every token it was
     allowed is one a fresh matcher of the same grammar accepts, starting with '{'."""
     from llguidance import LLMatcher
-    from mlx_lm import load
+    from mlx_lm.utils import load_tokenizer
 
     from worker.constraints import JSON_OPTIONS, Grammars
 
     with Client(worker.redis_url, queue=worker.queue) as client:
         job = client.submit("An object", max_tokens=40, response_format={"type": "json_object"})
         tokens = [t for delta in job.stream(timeout=60) for t in delta.tokens]
-    _, tokenizer = load(str(demo_model))
+    tokenizer = load_tokenizer(served[1])
     grammars = Grammars(tokenizer, 1024)
     matcher = LLMatcher(grammars.tokenizer, LLMatcher.grammar_from_json_schema({"type": "object"},
                                                                              defaults=JSON_OPTIONS))

@@ -1,6 +1,7 @@
 """Tool calls: tools rendered by the chat template, calls parsed by mlx-lm's parser into
 `tool_calls`, and `required` / a named function enforced with a grammar, so that even the
-random demo model returns a call that parses and matches the tool's parameters."""
+random demo models (a text and a vision one) return a call that parses and matches the
+tool's parameters."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import json
 
 import jsonschema
 import pytest
-from support import KEYS, worker_fixture
+from support import KEYS, on_text_and_vision
 
 from client import JobFailed, RequestRejected
 from worker.tools import MAX_FORCED_CALLS
 
-worker = worker_fixture()
+served, worker, reference = on_text_and_vision()
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -63,16 +63,22 @@ class MlxBatchBackend:
                 for r in generated]
 
     def upcoming_tokens(self) -> dict[int, int]:
-        # mlx-lm keeps them in its generation batch; {} if a release moves them.
-        batch = getattr(self._generator, "_generation_batch", None)
-        uids, tokens = getattr(batch, "uids", None), getattr(batch, "_next_tokens", None)
-        if not uids or tokens is None:
-            return {}
-        values = tokens.tolist()
-        return dict(zip(uids, values, strict=True)) if len(values) == len(uids) else {}
+        return upcoming_tokens(self._generator)
 
     def close(self) -> None:
         self._generator.close()
+
+
+def upcoming_tokens(generator: Any) -> dict[int, int]:
+    """Each decoding sequence's next input token, by uid. mlx-lm's BatchGenerator and
+    mlx-vlm's both keep them in their generation batch (`uids`, `_next_tokens`); {} if a
+    release moves them (the masks are then filled row by row, as before)."""
+    batch = getattr(generator, "_generation_batch", None)
+    uids, tokens = getattr(batch, "uids", None), getattr(batch, "_next_tokens", None)
+    if not uids or tokens is None:
+        return {}
+    values = tokens.tolist()
+    return dict(zip(uids, values, strict=True)) if len(values) == len(uids) else {}
 
 
 def load_text_model(settings: WorkerSettings) -> Loaded:

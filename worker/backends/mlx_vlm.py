@@ -24,7 +24,7 @@ from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
 from . import Coverage, Loaded, ModelInfo, TokenOut
-from .mlx_lm import mlx_memory
+from .mlx_lm import mlx_memory, upcoming_tokens
 
 
 def load_vision_model(settings: WorkerSettings) -> Loaded:
@@ -154,7 +154,7 @@ class VisionBatchBackend:
         return tap.rows.popleft() if tap is not None and tap.rows else None
 
     def upcoming_tokens(self) -> dict[int, int]:
-        return {}  # constraints are not served on the vision path yet
+        return upcoming_tokens(self._generator)
 
     def close(self) -> None:
         self._generator.close()
