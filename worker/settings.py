@@ -50,7 +50,7 @@ class WorkerSettings(LayeredSettings):
     max_step_tokens: int = Field(256, ge=1, description="tokens one engine step may process while streams run, "
                                  "prompts and running streams together (vLLM's max_num_batched_tokens): new "
                                  "prompts are prefilled in chunks that fit beside the running streams, so their "
-                                 "pace holds; text models")
+                                 "pace holds")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")

@@ -20,7 +20,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from ..images import SUPPORTED_MODEL_TYPES, VisionPrompts
 from ..media import PreparedMedia
 from ..messages import CacheStats
-from ..scheduler import StepPlan
+from ..scheduler import MIN_PREFILL_CHUNK, StepPlan
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
 from . import Coverage, Loaded, ModelInfo, TokenOut
@@ -109,7 +109,7 @@ class VisionBatchBackend:
         self._cache = cache
         self._cached_tokens: dict[int, int] = {}  # prefilled, first token not yet out
         self._taps: dict[int, _LogprobsTap] = {}  # the sequences that asked for logprobs
-        prefill_batch_size = min(prefill_batch_size, max_num_seqs)
+        prefill_batch_size = self._prefill_batch_size = min(prefill_batch_size, max_num_seqs)
         # mlx-vlm prefills only when `completion_batch_size - running >= prefill_batch_size`
         # (and never when completion < prefill). The engine admits at most max_num_seqs,
         # so this size never holds back a request the engine has admitted.
@@ -141,13 +141,27 @@ class VisionBatchBackend:
         return {}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
-        # mlx-vlm fixes a prompt batch's chunk when it forms it, and admits prompts only
-        # in whole prefill batches: the plan is not applied here yet (its own sizes rule).
+        self._follow(plan)
         prefilled, generated = self._generator.next()
         self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
         return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None),
                          logprobs=self._drawn_from(r.uid))
                 for r in generated]
+
+    def _follow(self, plan: StepPlan) -> None:
+        """Keep the step within the scheduler's plan (`scheduler.StepBudget`). mlx-vlm's
+        step decodes every running sequence, then prefills one chunk of its prompt batch
+        (all its rows at once), or forms the next batch from up to `prefill_batch_size`
+        waiting prompts. The sizes of the next batch are the plan's; the batch in flight
+        reads its chunk size at every chunk, so its rows share the plan's prompt tokens."""
+        generator = self._generator
+        generator.prefill_step_size = plan.prefill_chunk
+        generator.prefill_batch_size = min(plan.prefill_prompts, self._prefill_batch_size)
+        batch = generator._prompt_batch
+        if batch is not None and batch.prefill_step_size is not None:  # None: prefilled whole (no chunks)
+            rows = max(1, len(batch.uids))  # more rows than the plan's prompts share their tokens
+            share = plan.prefill_chunk * min(plan.prefill_prompts, rows) // rows
+            batch.prefill_step_size = max(MIN_PREFILL_CHUNK, share)
 
     def _drawn_from(self, uid: int) -> mx.array | None:
         tap = self._taps.get(uid)
