@@ -5,8 +5,12 @@ prefilled, with the same greedy output."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
+from worker.backends import TokenOut
 from worker.backends.mlx_lm import MlxBatchBackend
 from worker.messages import SamplingParams
 from worker.sampling import build_logits_processors, build_sampler
@@ -29,12 +33,12 @@ def test_a_step_is_shared_between_streams_and_prompt_chunks(budget, decoding, pr
     assert budget_of.plan(decoding, prefilling) == StepPlan(*split)
 
 
-def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[dict[int, list[int]], list[int]]:
-    """Greedy tokens of `prompts` (8 new tokens each), with `late` inserted once the
+def drive(backend: Any, budget: int, prompts: list[list[int]], late: list[int],
+          step: Callable[[StepPlan], tuple[list[TokenOut], int]]) -> tuple[dict[int, list[int]], list[int]]:
+    """Greedy tokens of `prompts` (24 new tokens each), with `late` inserted once the
     first prompts are decoding; and, for each step that decoded anything, the tokens it
-    processed beyond its budget."""
-    net, _ = model
-    backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+    processed beyond its budget. `step` runs one step of `backend` and says how many
+    prompt tokens it processed."""
     budget_of = StepBudget(budget, prefill_batch_size=8, prefill_step_size=512)
     tokens: dict[int, list[int]] = {}
 
@@ -44,21 +48,33 @@ def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[
         return uid
 
     order = [insert(p) for p in prompts]
-    over, step = [], 0
+    over, steps = [], 0
     while any(len(t) < 24 for t in tokens.values()):
         decoding = sum(0 < len(t) < 24 for t in tokens.values())
         prefilling = sum(not t for t in tokens.values())
-        with backend._generator.stats() as stats:  # mlx-lm's own count of the prompt tokens it processed
-            out = backend.step(budget_of.plan(decoding, prefilling))
+        out, prompt_tokens = step(budget_of.plan(decoding, prefilling))
         if decoding:
-            over.append(stats.prompt_tokens + decoding - budget)
+            over.append(prompt_tokens + decoding - budget)
         for token in out:
             tokens[token.uid].append(token.token)
-        step += 1
-        if step == 3:
+        steps += 1
+        if steps == 3:
             order.append(insert(late))
     backend.close()
     return {i: tokens[uid] for i, uid in enumerate(order)}, over
+
+
+def run(model, budget: int, prompts: list[list[int]], late: list[int]) -> tuple[dict[int, list[int]], list[int]]:
+    """`drive` on mlx-lm's batch, which counts the prompt tokens it processed itself."""
+    net, _ = model
+    backend = MlxBatchBackend(net, completion_batch_size=16, prefill_batch_size=8, prefill_step_size=512)
+
+    def step(plan: StepPlan) -> tuple[list[TokenOut], int]:
+        with backend._generator.stats() as stats:
+            out = backend.step(plan)
+        return out, stats.prompt_tokens
+
+    return drive(backend, budget, prompts, late, step)
 
 
 def test_no_step_exceeds_its_budget_and_the_output_is_the_same(loaded_demo_model):
@@ -75,7 +91,7 @@ def test_no_step_exceeds_its_budget_and_the_output_is_the_same(loaded_demo_model
 
 def run_vision(vision_model, budget: int, prompts: list[list[int]], late: list[int],
                monkeypatch: pytest.MonkeyPatch) -> tuple[dict[int, list[int]], list[int]]:
-    """`run` on mlx-vlm's batch (the vision demo model, text-only prompts), counting the
+    """`drive` on mlx-vlm's batch (the vision demo model, text-only prompts), counting the
     prompt tokens each step processes, padding included, as mlx-vlm's prompt batch
     reports its chunks."""
     from mlx_vlm.generate import ar
@@ -99,30 +115,13 @@ def run_vision(vision_model, budget: int, prompts: list[list[int]], late: list[i
     monkeypatch.setattr(ar.PromptProcessingBatch, "generate", counting_finish)
     loaded = load_vision_model(WorkerSettings(model=str(vision_model), max_num_seqs=8, cache_memory_mb=0))
     backend = loaded.make_backend()
-    budget_of = StepBudget(budget, prefill_batch_size=8, prefill_step_size=512)
-    tokens: dict[int, list[int]] = {}
 
-    def insert(prompt: list[int]) -> int:
-        uid = backend.insert(prompt, 24, build_sampler(GREEDY), build_logits_processors(GREEDY))
-        tokens[uid] = []
-        return uid
-
-    order = [insert(p) for p in prompts]
-    over, step = [], 0
-    while any(len(t) < 24 for t in tokens.values()):
-        decoding = sum(0 < len(t) < 24 for t in tokens.values())
-        prefilling = sum(not t for t in tokens.values())
+    def step(plan: StepPlan) -> tuple[list[TokenOut], int]:
         counted.clear()
-        out = backend.step(budget_of.plan(decoding, prefilling))
-        if decoding:
-            over.append(sum(counted) + decoding - budget)
-        for token in out:
-            tokens[token.uid].append(token.token)
-        step += 1
-        if step == 3:
-            order.append(insert(late))
-    backend.close()
-    return {i: tokens[uid] for i, uid in enumerate(order)}, over
+        out = backend.step(plan)
+        return out, sum(counted)
+
+    return drive(backend, budget, prompts, late, step)
 
 
 def test_no_vision_step_exceeds_its_budget_and_the_output_is_the_same(vision_model, monkeypatch):
