@@ -169,6 +169,28 @@ def test_logprobs_on_an_image_request(worker, r, outputs, new_id):
     assert all(d.logprobs is None for d in outputs.of(plain) if isinstance(d, Delta))
 
 
+def test_tools_with_an_image_in_the_conversation(worker, r, outputs, new_id, vision_model):
+    """An image request with tools: the tools reach the chat template beside the image
+    (its prompt is longer than without them by their rendering), and a named function is
+    called with arguments that fit it."""
+    add = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a", "b"], "additionalProperties": False}}}
+    messages = [{"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "Add these"}]}]
+    image = b64(png(112, 112, 4))
+    plain, called = new_id("plain"), new_id("called")
+    xadd_json(r, worker.queue, plain, {"messages": messages, "images": [image], "max_tokens": 2})
+    xadd_json(r, worker.queue, called, {"messages": messages, "images": [image], "max_tokens": 80, "tools": [add],
+                                        "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    without, done = check_stream(outputs.of(plain)), check_stream(outputs.of(called))
+    assert done.usage.prompt_tokens > without.usage.prompt_tokens + 20, "the tools were rendered into the prompt"
+    (call,) = done.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(arguments) == {"a", "b"}
+    assert all(0 <= v <= 9 for v in arguments.values())
+
+
 def test_constrained_image_requests_give_valid_output(worker, r, outputs, new_id):
     """response_format on the vision path: a schema, a regex and a choice, greedy and
     sampled, with images and beside a free image request, each valid and ended by itself."""

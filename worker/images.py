@@ -40,8 +40,11 @@ class VisionPrompts:
         self.image_token: str = processor.image_token
         self.merge = processor.image_processor.merge_size ** 2
 
-    def prepare(self, body: RequestBody) -> tuple[list[int], list[PreparedMedia]]:
-        """The prompt's token ids, image tokens expanded, and its images; raises `RequestRejected`."""
+    def prepare(self, body: RequestBody, template_kwargs: dict[str, Any] | None = None,
+                ) -> tuple[list[int], list[PreparedMedia]]:
+        """The prompt's token ids, image tokens expanded, and its images; raises
+        `RequestRejected`. `template_kwargs` go to the chat template (tools, the request's
+        chat_template_kwargs)."""
         assert body.images
         if len(body.images) > self.max_images:
             raise RequestRejected(f"images: {len(body.images)} images; this worker's max_images is {self.max_images}",
@@ -52,7 +55,7 @@ class VisionPrompts:
         images = [self._prepare_image(i, data) for i, data in enumerate(decode_images(body.images))]
         conversation, order = self._conversation(body, len(images))
         in_prompt = [images[i] for i in order]
-        return self._tokens(conversation, in_prompt), in_prompt
+        return self._tokens(conversation, in_prompt, template_kwargs or {}), in_prompt
 
     @staticmethod
     def _conversation(body: RequestBody, count: int) -> tuple[str | list[Any], list[int]]:
@@ -89,10 +92,12 @@ class VisionPrompts:
         return PreparedMedia("image", key, {"pixel_values": np.asarray(out["pixel_values"]), "image_grid_thw": grid},
                              int(np.prod(grid)) // self.merge)
 
-    def _tokens(self, conversation: str | list[Any], images: list[PreparedMedia]) -> list[int]:
+    def _tokens(self, conversation: str | list[Any], images: list[PreparedMedia],
+                template_kwargs: dict[str, Any]) -> list[int]:
         from mlx_vlm.prompt_utils import apply_chat_template
 
-        text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images)))
+        text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images),
+                                       **template_kwargs))
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:
             raise RequestRejected(f"images: the prompt has {len(pieces) - 1} image placeholders for "

@@ -199,7 +199,7 @@ class Preparer:
     def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedMedia]]:
         if self.info.vision is None:
             raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
-        return self.info.vision.prepare(body)
+        return self.info.vision.prepare(body, template_kwargs(body))
 
     def _tokenize(self, body: RequestBody) -> list[int]:
         tokenizer = self.info.tokenizer
@@ -221,14 +221,9 @@ class Preparer:
 
 
     def _render_chat(self, body: RequestBody) -> list[int]:
-        """The chat template's tokens for the messages, the tools (unless tool_choice is
-        none) and the request's chat_template_kwargs."""
-        kwargs = dict(body.chat_template_kwargs or {})
-        reserved = RESERVED_TEMPLATE_KWARGS & set(kwargs)
-        if reserved:
-            raise RequestRejected(f"chat_template_kwargs: {', '.join(sorted(reserved))} cannot be set by a request")
-        if body.tools and body.tool_choice != "none":
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        """The chat template's tokens for the messages, the tools and the request's
+        chat_template_kwargs (`template_kwargs`)."""
+        kwargs = template_kwargs(body)
         messages = [{**m.model_dump(exclude_none=True), **({"content": m.text} if m.content is not None else {})}
                     for m in body.messages or []]  # a text model's template takes text: parts joined
         try:
@@ -236,6 +231,18 @@ class Preparer:
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
             raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
         return list(tokens)
+
+
+def template_kwargs(body: RequestBody) -> dict[str, Any]:
+    """What the chat template gets beside the messages: the request's
+    chat_template_kwargs and the tools (unless tool_choice is none)."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    reserved = RESERVED_TEMPLATE_KWARGS & set(kwargs)
+    if reserved:
+        raise RequestRejected(f"chat_template_kwargs: {', '.join(sorted(reserved))} cannot be set by a request")
+    if body.tools and body.tool_choice != "none":
+        kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    return kwargs
 
 
 def _answer_tokens(resume: Resume | None, thinking: Thinking | None) -> list[int]:
@@ -249,7 +256,11 @@ def _answer_tokens(resume: Resume | None, thinking: Thinking | None) -> list[int
 RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "return_tensors", "add_generation_prompt", "tools",
                                       "messages", "conversation", "chat_template", "documents", "padding",
                                       "truncation", "max_length", "continue_final_message",
-                                      "return_assistant_tokens_mask"})
+                                      "return_assistant_tokens_mask",
+                                      # mlx-vlm's chat formatting's own arguments (image requests)
+                                      "processor", "config", "prompt", "return_messages", "num_images",
+                                      "num_audios", "model_name", "role", "skip_image_token",
+                                      "skip_audio_token"})
 
 
 def longest_token(tokenizer: Any) -> int | None:
