@@ -78,8 +78,6 @@ def build_demo_model(path: Path, *flags: str) -> Path:
     return path
 
 
-
-
 AUTO = "auto"  # as `consumer`: give no name, so that the worker picks <host>-<n>
 
 # A request that cannot end by itself within a test, however fast the machine: every

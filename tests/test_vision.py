@@ -276,6 +276,9 @@ BAD_IMAGES = [
     ("too many images", {"images": [b64(png(56, 56))] * 3}, "too_large",
      "images: 3 images; this worker's max_images is 2"),
     ("not base64", {"images": ["@@@"]}, "invalid_request", "images.0: not valid base64"),
+    ("mlx-vlm's own template argument", {"prompt": None, "messages": [{"role": "user", "content": "Look"}],
+                                         "images": [b64(png(56, 56))], "chat_template_kwargs": {"fps": 2}},
+     "invalid_request", "chat_template_kwargs: fps cannot be set by a request"),
     ("with prompt_tokens", {"prompt": None, "prompt_tokens": [5, 6], "images": [b64(png(56, 56))]}, "invalid_request",
      "images: send them with prompt or messages"),
 ]

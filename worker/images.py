@@ -96,8 +96,11 @@ class VisionPrompts:
                 template_kwargs: dict[str, Any]) -> list[int]:
         from mlx_vlm.prompt_utils import apply_chat_template
 
-        text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images),
-                                       **template_kwargs))
+        try:
+            text = str(apply_chat_template(self.processor, self.model_config, conversation, num_images=len(images),
+                                           **template_kwargs))
+        except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
+            raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
         pieces = text.split(self.image_token)
         if len(pieces) != len(images) + 1:
             raise RequestRejected(f"images: the prompt has {len(pieces) - 1} image placeholders for "

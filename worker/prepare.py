@@ -260,7 +260,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset({"tokenize", "return_dict", "return_tensors
                                       # mlx-vlm's chat formatting's own arguments (image requests)
                                       "processor", "config", "prompt", "return_messages", "num_images",
                                       "num_audios", "model_name", "role", "skip_image_token",
-                                      "skip_audio_token"})
+                                      "skip_audio_token", "video", "fps", "max_pixels", "audio_token"})
 
 
 def longest_token(tokenizer: Any) -> int | None:

@@ -58,7 +58,7 @@ class WorkerSettings(LayeredSettings):
     priority_aging_s: float = Field(10.0, gt=0, description="waiting this long counts as one priority level "
                                     "better, so low priorities are not starved")
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")
-    flush_interval_ms: float = Field(10.0, ge=0, description="while streams run, how long new tokens may wait "
+    flush_interval_ms: float = Field(10.0, ge=0, le=1000, description="while streams run, how long new tokens may wait "
                                      "to go out together: each write then carries several steps' tokens, one "
                                      "delta per request (a small model's steps are shorter than a write); first "
                                      "deltas and ends go out at once; 0: every step")

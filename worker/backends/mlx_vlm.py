@@ -157,9 +157,11 @@ class VisionBatchBackend:
         generator = self._generator
         generator.prefill_step_size = plan.prefill_chunk
         generator.prefill_batch_size = min(plan.prefill_prompts, self._prefill_batch_size)
-        batch = generator._prompt_batch
-        if batch is not None and batch.prefill_step_size is not None:  # None: prefilled whole (no chunks)
-            rows = max(1, len(batch.uids))  # more rows than the plan's prompts share their tokens
+        # Its private state, read as upcoming_tokens reads it: a release that moves it leaves
+        # the batch in flight at its own chunk, never a step that fails.
+        batch: Any = getattr(generator, "_prompt_batch", None)
+        if getattr(batch, "prefill_step_size", None) is not None:  # None: prefilled whole (no chunks)
+            rows = max(1, len(getattr(batch, "uids", ())))  # more rows than the plan's prompts share their tokens
             share = plan.prefill_chunk * min(plan.prefill_prompts, rows) // rows
             batch.prefill_step_size = max(MIN_PREFILL_CHUNK, share)
 
