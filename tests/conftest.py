@@ -24,7 +24,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # A test that needs one of these starts a Valkey server or loads a model: it is marked
 # `process`, and `make test-fast` (pytest -m "not process") leaves it out.
 PROCESS_FIXTURES = {"valkey", "cluster", "demo_model", "vision_model", "thinking_model", "acl_server", "tls_server",
-                    "sentinel_deployment"}
+                    "sentinel_deployment", "served"}  # served: support.on_text_and_vision's model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
