@@ -23,7 +23,7 @@ from client import DEFAULT_URL
 from client.diagnose import describe
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 
-from . import blas, client_commands, demo_model, embedded
+from . import blas, client_commands, demo_model, demo_vision, embedded
 from .errors import CommandError, unreachable
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390
@@ -277,7 +277,9 @@ def _add_demo_model(commands: Any) -> None:
     demo.add_argument("--size", choices=sorted(demo_model.SIZES), default="demo",
                       help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
     demo.add_argument("--vision", action="store_true",
-                      help="a tiny Qwen2-VL instead (~200k parameters, served through mlx-vlm)")
+                      help="a tiny vision model instead (~200k parameters, served through mlx-vlm)")
+    demo.add_argument("--family", choices=sorted(demo_vision.FAMILIES), default=demo_model.DEFAULT_VISION_FAMILY,
+                      help=f"with --vision, the model family (default {demo_model.DEFAULT_VISION_FAMILY})")
     demo.add_argument("--vocab", type=int, default=demo_model.VOCAB_SIZE,
                       help="tokenizer vocabulary; above the default it is trained on the standard library's "
                            "sources (e.g. 32768, for honest structured-output benchmarks)")
@@ -288,8 +290,10 @@ def _add_demo_model(commands: Any) -> None:
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
+    if args.family != demo_model.DEFAULT_VISION_FAMILY and not args.vision:
+        raise SystemExit("mlxq demo-model: --family goes with --vision")
     size = "vision" if args.vision else "thinking" if args.thinking else args.size
-    path = demo_model.build(args.path, size=size, vocab=args.vocab)
+    path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family)
     print(f"demo model written to {path}")
     return 0
 

@@ -1,5 +1,6 @@
 """Build tiny models offline: a Qwen3-shaped text model that mlx-lm's ordinary `load()`
-reads, and a Qwen2-VL vision model that mlx-vlm's `load()` reads.
+reads, and vision models of several families that mlx-vlm's `load()` reads
+(`demo_vision.py`).
 
 They have random weights but a real byte-level BPE tokenizer (trained here with the
 `tokenizers` library), a ChatML chat template and eos tokens (and for the vision model
@@ -20,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-VISION_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 EOS_TOKENS = ["<|im_end|>", "<|endoftext|>"]
 
 # ChatML; with `tools`, Qwen2.5's tool format (a <tools> list in a system turn, calls as
@@ -74,32 +74,7 @@ MODEL_CONFIG = {
 BENCH_CONFIG = {**MODEL_CONFIG, "hidden_size": 512, "num_hidden_layers": 6, "intermediate_size": 2048,
                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 64}
 SIZES = {"demo": MODEL_CONFIG, "bench": BENCH_CONFIG}
-
-# Qwen2-VL's chat template, cut down: a message's content is a string or a list of
-# {"type": "image"} / {"type": "text", "text": ...} parts; with `tools`, the text model's
-# tool format (Qwen2.5-VL's), so that tools are served on the vision queue too.
-VISION_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}",
-    "{% else %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n{% endif %}")
-
-# The language model is the demo model's shape with multimodal rotary positions
-# (mrope sections sum to head_dim / 2); the vision tower is one block of width 32.
-VISION_TEXT_CONFIG = {**MODEL_CONFIG, "model_type": "qwen2_vl", "architectures": ["Qwen2VLForConditionalGeneration"],
-                      "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]}}
-VISION_TOWER_CONFIG = {"model_type": "qwen2_vl", "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
-                       "mlp_ratio": 2, "patch_size": 14, "spatial_patch_size": 14, "spatial_merge_size": 2,
-                       "temporal_patch_size": 2, "in_channels": 3}
-# Images are resized to between 56x56 and 224x224 pixels: 4 to 64 image tokens.
-IMAGE_PROCESSOR_CONFIG = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor",
-                          "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2,
-                          "min_pixels": 56 * 56, "max_pixels": 224 * 224,
-                          "image_mean": [0.48145466, 0.4578275, 0.40821073],
-                          "image_std": [0.26862954, 0.26130258, 0.27577711]}
+DEFAULT_VISION_FAMILY = "qwen2_vl"
 
 VOCAB_SIZE = 1024
 
@@ -129,23 +104,26 @@ def ensure(path: Path) -> Path:
     return path
 
 
-def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE) -> Path:
-    """Build the demo model (`demo`), the `bench` size, the `thinking` variant or the
-    `vision` model into `path`, written atomically: a crash leaves nothing half-built.
-    A `vocab` above the default trains the tokenizer on the standard library's sources,
-    for a realistic vocabulary (structured output's mask cost grows with it)."""
+def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE,
+          family: str = DEFAULT_VISION_FAMILY) -> Path:
+    """Build the demo model (`demo`), the `bench` size, the `thinking` variant or a
+    `vision` model of `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
+    a crash leaves nothing half-built. A `vocab` above the default trains the tokenizer
+    on the standard library's sources, for a realistic vocabulary (structured output's
+    mask cost grows with it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".demo-model-", dir=path.parent))
     try:
         if size == "vision":
-            _write_tokenizer(staging, SPECIAL_TOKENS + VISION_TOKENS, VISION_CHAT_TEMPLATE)
-            _write_vision_model(staging, seed)
+            from . import demo_vision
+
+            demo_vision.write(staging, family, seed)
         elif size == "thinking":
-            _write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
+            write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
             _write_model(staging, seed, MODEL_CONFIG)
         else:
-            _write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab)
+            write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab)
             _write_model(staging, seed, SIZES[size])
         if path.exists():
             shutil.rmtree(path)
@@ -177,7 +155,8 @@ def _stdlib_sources(limit_bytes: int = 40_000_000) -> Any:
         yield text
 
 
-def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, vocab: int = VOCAB_SIZE) -> None:
+def write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, vocab: int = VOCAB_SIZE,
+                    eos: list[str] = EOS_TOKENS) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -191,10 +170,10 @@ def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, v
     )
     tokenizer.train_from_iterator(_corpus() if vocab <= VOCAB_SIZE else _stdlib_sources(), trainer=trainer)
     tokenizer.save(str(out / "tokenizer.json"))
-    eos_ids = [tokenizer.token_to_id(t) for t in EOS_TOKENS]
+    eos_ids = [tokenizer.token_to_id(t) for t in eos]
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "eos_token": EOS_TOKENS[0],
+        "eos_token": eos[0],
         "pad_token": "<|endoftext|>",
         "chat_template": chat_template,
         "model_max_length": MODEL_CONFIG["max_position_embeddings"],
@@ -202,7 +181,7 @@ def _write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, v
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
 
 
-def _special_ids(out: Path, tokens: list[str]) -> list[int]:
+def special_ids(out: Path, tokens: list[str]) -> list[int]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
@@ -216,31 +195,16 @@ def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
     from mlx_lm.models import qwen3
 
     vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = {**shape, "vocab_size": max(VOCAB_SIZE, len(vocab)), "eos_token_id": _special_ids(out, EOS_TOKENS)}
+    config = {**shape, "vocab_size": max(VOCAB_SIZE, len(vocab)), "eos_token_id": special_ids(out, EOS_TOKENS)}
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
-    _save(out, model, model.model.embed_tokens, _special_ids(out, SPECIAL_TOKENS), config)
+    save(out, model, model.model.embed_tokens, special_ids(out, SPECIAL_TOKENS), config)
 
 
-def _write_vision_model(out: Path, seed: int) -> None:
-    import mlx.core as mx
-    from mlx_vlm.models import qwen2_vl
-
-    start, end, image, video = _special_ids(out, VISION_TOKENS)
-    config = {**VISION_TEXT_CONFIG, "vocab_size": VOCAB_SIZE, "eos_token_id": _special_ids(out, EOS_TOKENS),
-              "image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
-              "vision_end_token_id": end, "vision_config": VISION_TOWER_CONFIG}
-    mx.random.seed(seed)
-    model_config = qwen2_vl.ModelConfig.from_dict(dict(config))
-    model_config.text_config = qwen2_vl.TextConfig.from_dict(model_config.text_config)
-    model_config.vision_config = qwen2_vl.VisionConfig.from_dict(VISION_TOWER_CONFIG)
-    model = qwen2_vl.Model(model_config)
-    special = _special_ids(out, SPECIAL_TOKENS + VISION_TOKENS)
-    _save(out, model, model.language_model.model.embed_tokens, special, config)
-    (out / "preprocessor_config.json").write_text(json.dumps(IMAGE_PROCESSOR_CONFIG, indent=2))
-
-
-def _save(out: Path, model: Any, embed: Any, special: list[int], config: dict[str, Any]) -> None:
+def save(out: Path, model: Any, embed: Any, special: list[int], config: dict[str, Any],
+         embed_scale: float = 1.0) -> None:
+    """Write `model`'s weights, made varied (see below), and its `config`; `embed_scale`
+    evens out a family that scales its token embeddings up (Gemma's by sqrt(hidden))."""
     import mlx.core as mx
     from mlx.utils import tree_flatten, tree_map
 
@@ -250,7 +214,7 @@ def _save(out: Path, model: Any, embed: Any, special: list[int], config: dict[st
     model.update(tree_map(lambda p: p * 6.0 if p.ndim == 2 else p, model.parameters()))
     # With tied embeddings a zero row gives its token a logit of exactly 0, so random
     # weights never pick a special token greedily and generations do not end at once.
-    embed.weight = embed.weight.at[mx.array(special)].multiply(0.0)
+    embed.weight = (embed.weight * embed_scale).at[mx.array(special)].multiply(0.0)
     mx.eval(model.parameters())
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config, indent=2))
