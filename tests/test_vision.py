@@ -365,15 +365,14 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     from worker.sampling import build_logits_processors, build_sampler
 
     loaded, _ = backend_parts
-    ids, images = loaded.info.vision.prepare(RequestBody(prompt="Picture " * 40, images=[png(224, 224, 9)]))
+    ids, media = loaded.info.vision.prepare(RequestBody(prompt="Picture " * 40, images=[png(224, 224, 9)]))
     greedy = SamplingParams()
     backend = loaded.make_backend()
     decoding = backend.insert([5, 6, 7], 30, build_sampler(greedy), build_logits_processors(greedy))
     produced: list[int] = []
     while not produced:
         produced += [out.uid for out in backend.step(PLAN)]
-    prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy),
-                                media=images)
+    prefilling = backend.insert(ids, 30, build_sampler(greedy), build_logits_processors(greedy), media=media)
     for _ in range(3):  # a decode step and one prefill chunk each
         produced += [out.uid for out in backend.step(PLAN)]
     assert prefilling not in produced, "still prefilling"
@@ -401,7 +400,7 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
         {"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image", "index": 1}]},
         {"role": "assistant", "content": [{"type": "text", "text": "A"}, {"type": "text", "text": "picture."}]},
         {"role": "user", "content": [{"type": "image", "index": 0}, {"type": "text", "text": "And this?"}]}])
-    ids, images = prompts.prepare(body)
+    ids, media = prompts.prepare(body)
     turns: list[list[int]] = []
     for token in ids:
         if token == turn:
@@ -409,7 +408,9 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
         elif turns:
             turns[-1].append(token)
     assert [t.count(pad) for t in turns] == [4, 0, 8 + 16, 0]  # the last: the assistant's opening
-    assert [image.tokens for image in images] == [4, 8, 16]  # first, loose, second
+    runs = [len(run) for run in "".join("p" if t == pad else " " for t in turns[2]).split()]
+    assert runs == [8, 16], "the loose image first, then the one its part points to"
+    assert media.counts == {"image": 3} and media.key.count("image:") == 3
     text = tokenizer.decode(turns[0])
     assert text.index("What is this?") < text.index("<|image_pad|>")
     assert "A\npicture." in tokenizer.decode(turns[1])  # text parts joined, as on a text model

@@ -1,28 +1,26 @@
 """A request's media as the engine gets them: one type for every kind.
 
-Preparation (decoding, resizing, the model's processor) happens off the engine thread,
-per kind, and yields a `PreparedMedia` whose placeholder tokens are already in the
-prompt; the engine thread only runs the model's encoder on `payload`, through the
-embedding cache under `key`. Images are the one kind served today (`images.py`); video
-and audio are new kinds of this type, with their own preparation.
+Preparation (decoding, resizing, the model's processor) happens off the engine thread
+and yields a `PreparedMedia` whose placeholder tokens are already in the prompt; the
+engine thread only runs the model's encoders on `inputs`, through the embedding cache
+under `key`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
-
-import numpy as np
+from typing import Any, Literal
 
 MediaKind = Literal["image", "video", "audio"]
 
 
 @dataclass(frozen=True)
 class PreparedMedia:
-    """One media item of a request, ready for the model's encoder."""
+    """A request's media items, ready for the model's encoders."""
 
-    kind: MediaKind
-    key: str  # the embedding cache's key: the model and a hash of the content (and how it was sampled)
-    payload: Mapping[str, np.ndarray]  # the processor's arrays, by the name the model takes them under
-    tokens: int  # placeholder tokens it takes in the prompt
+    # The embedding cache's key: the model, and each item's kind and content hash (and how
+    # it was sampled) in the order the prompt holds them.
+    key: str
+    inputs: Mapping[str, Any]  # the processor's outputs but the token ids (numpy arrays), by the model's names
+    counts: Mapping[MediaKind, int]

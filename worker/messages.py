@@ -105,7 +105,7 @@ class EngineRequest:
     deadline_at: float | None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
     resume: Resume | None = None
-    media: tuple[PreparedMedia, ...] = ()  # whose placeholder tokens are in prompt_tokens
+    media: PreparedMedia | None = None  # what the media placeholder tokens in prompt_tokens stand for
     logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
     stop_tokens: frozenset[int] = frozenset()  # token ids that end it (eos unless ignore_eos, stop_token_ids)
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for

@@ -59,7 +59,7 @@ class Preparer:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
         self._check_prompt_size(body)
-        tokens, media = self._tokenize_with_images(body) if body.images else (self._tokenize(body), [])
+        tokens, media = self._tokenize_with_media(body) if body.images else (self._tokenize(body), None)
         room = self._check_prompt_length(tokens)
         thinking = self._thinking(tokens)
         constraint = self._constraint(body, tools, _answer_tokens(resume, thinking))
@@ -78,7 +78,7 @@ class Preparer:
             deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
             metadata=body.metadata,
             resume=resume,
-            media=tuple(media),
+            media=media,
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
             min_tokens=self._min_tokens(body, max_tokens),
@@ -196,7 +196,7 @@ class Preparer:
                                  code=ErrorCode.TOO_LARGE)
         return body.max_tokens
 
-    def _tokenize_with_images(self, body: RequestBody) -> tuple[list[int], list[PreparedMedia]]:
+    def _tokenize_with_media(self, body: RequestBody) -> tuple[list[int], PreparedMedia]:
         if self.info.vision is None:
             raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
         return self.info.vision.prepare(body, template_kwargs(body))

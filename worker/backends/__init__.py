@@ -14,7 +14,7 @@ runs on the engine thread; this module imports no MLX itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -24,11 +24,11 @@ from ..messages import CacheStats
 if TYPE_CHECKING:
     from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
-    from ..images import VisionPrompts
     from ..media import PreparedMedia
     from ..prefix_cache import PrefixCache
     from ..scheduler import StepPlan
     from ..settings import WorkerSettings
+    from ..vision_prompts import VisionPrompts
 
 VISION_EXTRA = "pip install '.[worker,vision]' in the mlxq checkout"
 
@@ -59,9 +59,9 @@ class BatchBackend(Protocol):
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
-        `media` (on a vision model) are those whose placeholder tokens are in `prompt`;
+        `media` (on a vision model) is what the placeholder tokens in `prompt` stand for;
         with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`)."""
         ...
 

@@ -6,7 +6,7 @@ its tests see `BatchBackend`, which a fake can implement without a model.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -42,8 +42,8 @@ class MlxBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
-        assert not media, "a text model takes no media"
+               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
+        assert media is None, "a text model takes no media"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],

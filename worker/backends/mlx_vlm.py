@@ -1,34 +1,41 @@
 """Vision models through mlx-vlm: loading, and its BatchGenerator behind `BatchBackend`.
 
-Text-only and image requests share one mlx-vlm BatchGenerator, so they batch together.
-Each request enters with its prompt embeddings, made here on the engine thread: the
-vision tower runs once per image not in the vision-embedding cache, and the model
-merges the image features into the token embeddings (with Qwen2-VL's multimodal
-rotary positions). Like `mlx_lm`, only this module touches its library's batching API.
+Text-only and media requests share one mlx-vlm BatchGenerator, so they batch together.
+Each request enters with its prompt embeddings, made here on the engine thread by the
+model's own `get_input_embeddings` from what its processor prepared (with whatever
+else the family's language model takes: Qwen's multimodal rotary positions, ...); the
+vision tower is skipped for media in the vision-embedding cache, in the families whose
+features can be cached (`vision_features`). Like `mlx_lm`, only this module touches
+its library's batching API.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Sequence
+import hashlib
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+import structlog
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from ..images import SUPPORTED_MODEL_TYPES, VisionPrompts
 from ..media import PreparedMedia
 from ..messages import CacheStats
 from ..scheduler import MIN_PREFILL_CHUNK, StepPlan
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
+from ..vision_prompts import VisionPrompts
 from . import Coverage, Loaded, ModelInfo, TokenOut
 from .mlx_lm import mlx_memory, upcoming_tokens
+from .vision_features import Encoder, encoder_for, not_cached_because
+
+log = structlog.get_logger()
 
 
 def load_vision_model(settings: WorkerSettings) -> Loaded:
-    """Load a Qwen2-VL-family model and its processor through mlx-vlm's `load()`."""
+    """Load a vision model of any family mlx-vlm batches, and its processor, through mlx-vlm's `load()`."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
@@ -41,17 +48,20 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     name = path = settings.model
     local = get_model_path(path)
     model, processor = load(str(local))
-    model_type = model.config.model_type
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"{name}: mlxq serves the vision models {', '.join(SUPPORTED_MODEL_TYPES)}; "
-                         f"this one is {model_type}")
+    refusal = unbatchable(model)
+    if refusal is not None:
+        raise ValueError(f"{name}: mlxq cannot serve this {model.config.model_type} model: {refusal}")
+    encoder = encoder_for(model)
+    if encoder is None:
+        log.info("vision features not cached", model_type=model.config.model_type,
+                 reason=not_cached_because(model.config.model_type))
     # The text side exactly as on a text model: mlx-lm's tokenizer wrapper (chat template,
     # streaming detokenizer) with the eos ids mlx-vlm stops on.
     tokenizer = load_tokenizer(local, eos_token_ids=sorted(processor.tokenizer.stopping_criteria.eos_token_ids))
     # Nor eos stops its batch, as on mlx-lm's: each request's stop tokens (eos unless it
     # says ignore_eos, its stop_token_ids, min_tokens holding them back) are the engine's.
     processor.tokenizer.stopping_criteria = _NoStops()
-    text_config = model.config.text_config
+    text_config = _text_config(model)
     prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
                             max_image_pixels=settings.max_image_pixels)
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
@@ -60,7 +70,8 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
 
     def make_backend() -> VisionBatchBackend:
-        return VisionBatchBackend(model, processor, vision_cache, prefix_cache, max_num_seqs=settings.max_num_seqs,
+        return VisionBatchBackend(model, processor, encoder, vision_cache, prefix_cache,
+                                  max_num_seqs=settings.max_num_seqs,
                                   prefill_batch_size=settings.prefill_batch_size,
                                   prefill_step_size=settings.prefill_step_size)
 
@@ -72,16 +83,32 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
 
 
+def unbatchable(model: Any) -> str | None:
+    """Why mlx-vlm's BatchGenerator cannot serve `model`, or None when it can: its batch
+    takes each prompt as embeddings from the model's language model."""
+    from mlx_vlm.generate.diffusion import is_diffusion_model
+
+    if not hasattr(model, "language_model") or not hasattr(model, "get_input_embeddings"):
+        return "it has no language model taking input embeddings, which mlx-vlm's batch needs"
+    if is_diffusion_model(model):
+        return "it generates by diffusion, which mlx-vlm's autoregressive batch does not run"
+    return None
+
+
+def _text_config(model: Any) -> Any:
+    return getattr(model.config, "text_config", None) or model.config
+
+
 def _prefix_cache(model: Any, budget_bytes: int) -> Any:
     """mlx-vlm's automatic prefix cache (blocks of 16 tokens, hashed with the images they
     hold), sized to the prefix-cache budget; None when the budget is 0. Our own PrefixCache
     cannot be used here: mlx-vlm's generator takes no per-request KV cache at insert."""
     from mlx_vlm.apc import DEFAULT_BLOCK_SIZE, APCManager
 
-    config = model.config.text_config
+    config = _text_config(model)
     heads = config.num_key_value_heads or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    itemsize = model.language_model.model.embed_tokens.weight.dtype.size
+    itemsize = _embed_tokens(model).weight.dtype.size
     block_bytes = 2 * config.num_hidden_layers * heads * head_dim * itemsize * DEFAULT_BLOCK_SIZE  # K and V
     blocks = min(budget_bytes // block_bytes, MAX_PREFIX_BLOCKS)
     return APCManager(num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE) if blocks > 0 else None
@@ -101,11 +128,12 @@ def _prefix_stats(cache: Any) -> CacheStats:
 class VisionBatchBackend:
     """`BatchBackend` over mlx-vlm 0.7's BatchGenerator."""
 
-    def __init__(self, model: Any, processor: Any, cache: VisionCache, prefix_cache: Any, *, max_num_seqs: int,
-                 prefill_batch_size: int, prefill_step_size: int) -> None:
+    def __init__(self, model: Any, processor: Any, encoder: Encoder | None, cache: VisionCache, prefix_cache: Any, *,
+                 max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int) -> None:
         from mlx_vlm.generate.ar import BatchGenerator
 
         self._model = model
+        self._encoder = encoder
         self._cache = cache
         self._cached_tokens: dict[int, int] = {}  # prefilled, first token not yet out
         self._taps: dict[int, _LogprobsTap] = {}  # the sequences that asked for logprobs
@@ -120,7 +148,7 @@ class VisionBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: Sequence[PreparedMedia] = (), logprobs: bool = False) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
         processors = list(logits_processors)
         tap = _LogprobsTap() if logprobs else None
         if tap is not None:  # after every processor (what the token is drawn from), before the draw
@@ -175,28 +203,46 @@ class VisionBatchBackend:
     def close(self) -> None:
         self._generator.close()
 
-    def _embed(self, prompt: list[int], images: Sequence[PreparedMedia]) -> dict[str, mx.array]:
-        """The prompt's embeddings (image features merged in) and rotary positions."""
+    def _embed(self, prompt: list[int], media: PreparedMedia | None) -> dict[str, Any]:
+        """What mlx-vlm's batch takes for one prompt: its embeddings (media features merged
+        in) and whatever else the family's language model reads (Qwen's rotary positions),
+        as mlx-vlm's server gives them; the hash its prefix cache tells media apart by."""
         ids = mx.array([prompt])
-        if not images:
+        if media is None:
             out = self._model.get_input_embeddings(ids)
-            extra = {}
+            inputs: dict[str, Any] = {}
         else:
-            grid = mx.array(np.concatenate([image.payload["image_grid_thw"] for image in images]))
-            features = mx.concatenate([self._features(image) for image in images])
-            pixels = mx.array(np.concatenate([image.payload["pixel_values"] for image in images]))
-            out = self._model.get_input_embeddings(ids, pixels, image_grid_thw=grid, cached_image_features=features)
-            extra = {"image_grid_thw": grid}
-        return {**extra, **{k: v for k, v in out.to_dict().items() if v is not None}}
+            inputs = {name: mx.array(v) if isinstance(v, np.ndarray) else v for name, v in media.inputs.items()}
+            pixels = inputs.pop("pixel_values", None)
+            features = self._features(media.key, pixels, inputs) if pixels is not None else None
+            cached = {} if features is None else {"cached_image_features": features}
+            out = self._model.get_input_embeddings(ids, pixels, **inputs, **cached)
+        outputs = {k: v for k, v in out.to_dict().items() if v is not None}
+        return {**inputs, **outputs, "_apc_semantic_hash": _media_hash(media)}
 
-    def _features(self, image: PreparedMedia) -> mx.array:
-        """The vision tower's output for one image, from the cache when it was seen before."""
-        features = self._cache.get(image.key)
+    def _features(self, key: str, pixels: mx.array, inputs: dict[str, Any]) -> Any:
+        """The vision features of a request's images, from the cache when they were seen
+        before; None where the family's are not cached (its tower runs in the merge)."""
+        if self._encoder is None:
+            return None
+        features = self._cache.get(key)
         if features is None:
-            features = self._model.vision_tower(mx.array(image.payload["pixel_values"]),
-                                                mx.array(image.payload["image_grid_thw"]), output_hidden_states=False)
-            self._cache.put(image.key, features)
+            features = self._encoder(self._model, pixels, inputs)
+            self._cache.put(key, features)
         return features
+
+
+def _media_hash(media: PreparedMedia | None) -> int:
+    """The salt of mlx-vlm's prefix-cache block hashes: blocks holding other media never
+    match. Given, it spares mlx-vlm hashing the prompt's whole embeddings."""
+    if media is None:
+        return 0
+    return int.from_bytes(hashlib.sha256(media.key.encode()).digest()[:8], "big")
+
+
+def _embed_tokens(model: Any) -> Any:
+    language = model.language_model
+    return getattr(language, "model", language).embed_tokens
 
 
 class _NoStops:
