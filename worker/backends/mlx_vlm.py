@@ -205,20 +205,23 @@ class VisionBatchBackend:
 
     def _embed(self, prompt: list[int], media: PreparedMedia | None) -> dict[str, Any]:
         """What mlx-vlm's batch takes for one prompt: its embeddings (media features merged
-        in) and whatever else the family's language model reads (Qwen's rotary positions),
-        as mlx-vlm's server gives them; the hash its prefix cache tells media apart by."""
+        in) and whatever else the family's language model reads with them (Qwen's rotary
+        positions, Qwen 3's deepstack features), and the hash its prefix cache tells media
+        apart by. Not the processor's media arrays, which mlx-vlm's server passes on too:
+        the batch concatenates every array across its rows, and arrays of two requests'
+        media differ in shape (and the language model no longer needs them)."""
         ids = mx.array([prompt])
         if media is None:
             out = self._model.get_input_embeddings(ids)
-            inputs: dict[str, Any] = {}
         else:
             inputs = {name: mx.array(v) if isinstance(v, np.ndarray) else v for name, v in media.inputs.items()}
             pixels = inputs.pop("pixel_values", None)
             features = self._features(media.key, pixels, inputs) if pixels is not None else None
             cached = {} if features is None else {"cached_image_features": features}
-            out = self._model.get_input_embeddings(ids, pixels, **inputs, **cached)
-        outputs = {k: v for k, v in out.to_dict().items() if v is not None}
-        return {**inputs, **outputs, "_apc_semantic_hash": _media_hash(media)}
+            mask = mx.ones(ids.shape, dtype=mx.int32)  # one row, no padding (what mlx-vlm's processor gives)
+            out = self._model.get_input_embeddings(ids, pixels, mask=mask, **inputs, **cached)
+        outputs = {k: v for k, v in out.to_dict().items() if v is not None and k not in UNBATCHED_OUTPUTS}
+        return {**outputs, "_apc_semantic_hash": _media_hash(media)}
 
     def _features(self, key: str, pixels: mx.array, inputs: dict[str, Any]) -> Any:
         """The vision features of a request's images, from the cache when they were seen
@@ -230,6 +233,11 @@ class VisionBatchBackend:
             features = self._encoder(self._model, pixels, inputs)
             self._cache.put(key, features)
         return features
+
+
+# Embedding outputs mlx-vlm's batch cannot merge across rows and that carry nothing for
+# one unpadded row: Gemma 3's 4-D attention mask is the outer product of the all-ones mask.
+UNBATCHED_OUTPUTS = ("attention_mask_4d",)
 
 
 def _media_hash(media: PreparedMedia | None) -> int:

@@ -1,0 +1,146 @@
+"""Every demo vision family through a worker: text only, one image, two images in two
+turns, all batched together, each equal to mlx-vlm's own greedy generation of the same
+prompt run alone; and the vision-embedding cache where the family's features are cached."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+from support import KEYS, WorkerProcess, build_demo_model, check_stream, start_worker, worker_url
+
+from client import Delta, Done
+from mlxq.demo_vision import FAMILIES
+
+MAX_TOKENS = 12
+
+
+def png(width: int, height: int, seed: int) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+IMAGES = [png(60, 44, 1), png(90, 120, 2)]
+
+# (name, images sent, messages): the conversations every family is asked, in mlx-vlm's
+# part format, which is ours without the indexes.
+CONVERSATIONS = [
+    ("text only", [], [{"role": "user", "content": "Say something about nothing"}]),
+    ("one image", [0], [{"role": "user", "content": [{"type": "image", "index": 0},
+                                                      {"type": "text", "text": "What is in it?"}]}]),
+    ("two images in two turns", [0, 1], [
+        {"role": "user", "content": [{"type": "text", "text": "Look at this"}, {"type": "image", "index": 0}]},
+        {"role": "assistant", "content": "I see it."},
+        {"role": "user", "content": [{"type": "image", "index": 1}, {"type": "text", "text": "And now this one?"}]}]),
+]
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    family = request.param
+    path = build_demo_model(tmp_path_factory.mktemp("model") / family, "--vision", "--family", family)
+    assert json.loads((path / "config.json").read_text())["model_type"] == family
+    return family, path
+
+
+@pytest.fixture(scope="module")
+def family_worker(family_model: tuple[str, Path], redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
+    family, path = family_model
+    process = start_worker(worker_url(redis_url), path, f"{family}{uuid.uuid4().hex[:6]}", logs_dir, max_images=2,
+                           max_num_seqs=8, prefill_batch_size=8)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+
+@pytest.fixture(scope="module")
+def mlx_vlm_alone(family_model: tuple[str, Path]) -> Any:
+    """mlx-vlm's own greedy generation of one conversation, in this process."""
+    from mlx_vlm import generate, load
+    from mlx_vlm.prompt_utils import apply_chat_template
+
+    model, processor = load(str(family_model[1]))
+
+    def run(images: list[int], messages: list[dict]) -> list[int]:
+        plain = [{**m, "content": [{k: v for k, v in part.items() if k != "index"} for part in m["content"]]}
+                 if isinstance(m["content"], list) else m for m in messages]
+        prompt = apply_chat_template(processor, model.config, plain, num_images=len(images))
+        pictures = [Image.open(io.BytesIO(IMAGES[i])).convert("RGB") for i in images]
+        result = generate(model, processor, prompt, image=pictures or None, max_tokens=MAX_TOKENS, temperature=0.0,
+                          verbose=False)
+        return result.token_ids
+
+    return run
+
+
+def submit_together(r: Any, queue: str, stream: str, requests: list[tuple[str, list[int], list[dict]]]) -> None:
+    """XADD them in one transaction: the worker's next read takes them all at once."""
+    with r.pipeline(transaction=True) as pipe:
+        for rid, images, messages in requests:
+            body = {"messages": messages, "images": [base64.b64encode(IMAGES[i]).decode() for i in images],
+                    "max_tokens": MAX_TOKENS, "reply_to": stream}
+            if not images:
+                del body["images"]
+            pipe.xadd(KEYS.queue(queue), {"id": rid, "json": json.dumps(body)})
+        pipe.execute()
+
+
+def tokens_of(events: list[Any]) -> list[int]:
+    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
+
+
+def test_each_conversation_batched_equals_mlx_vlm_alone(family_worker, mlx_vlm_alone, r, outputs, new_id):
+    stream = f"mlxq:reply:{new_id()}"
+    ids = [new_id(name.replace(" ", "-")) for name, _, _ in CONVERSATIONS]
+    submit_together(r, family_worker.queue, stream, [(rid, images, messages)
+                                                     for rid, (_, images, messages) in zip(ids, CONVERSATIONS,
+                                                                                           strict=True)])
+    events = {rid: outputs.events(stream, rid) for rid in ids}
+    for rid, (name, images, messages) in zip(ids, CONVERSATIONS, strict=True):
+        done = check_stream(events[rid])
+        assert isinstance(done, Done), (name, done)
+        assert tokens_of(events[rid]) == mlx_vlm_alone(images, messages), name
+    texts = [check_stream(events[rid]).text for rid in ids]
+    assert len(set(texts)) == len(texts), "each conversation reads differently"
+    order = [(type(e).__name__, e.id) for e in outputs.all_on(stream)]
+    first_done = min(order.index(("Done", rid)) for rid in ids)
+    assert all(order.index(("Delta", rid)) < first_done for rid in ids), "all three ran in one batch"
+
+
+def test_the_same_images_again_read_the_same(family_worker, family_model, r, outputs, new_id):
+    """A repeated conversation with images gives the same text; in a family whose
+    features are cached, from the cache."""
+    from worker.backends.vision_features import NOT_CACHED
+
+    _, images, messages = CONVERSATIONS[2]
+    before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
+    texts = []
+    for _ in range(2):
+        stream = f"mlxq:reply:{new_id()}"
+        rid = new_id()
+        submit_together(r, family_worker.queue, stream, [(rid, images, messages)])
+        texts.append(check_stream(outputs.events(stream, rid)).text)
+    assert texts[0] == texts[1]
+    if family_model[0] in NOT_CACHED:
+        return
+    wait_for_stats(r, family_worker, lambda s: s["hits"] >= before["hits"] + 1)
+
+
+def wait_for_stats(r: Any, worker: WorkerProcess, settled: Any, timeout: float = 15.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not settled(stats := json.loads(r.get(KEYS.worker(worker.consumer)))["vision_cache"]):
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
