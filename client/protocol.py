@@ -31,6 +31,9 @@ MAX_LOGIT_BIAS = 1024  # tokens one request may bias
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1024
 MAX_TOOLS = 128
+MAX_VIDEO_FPS = 60.0  # frames sampled per second of video, at most
+# The request field that holds each kind of media a part can point into.
+MEDIA_FIELDS = {"image": "images", "video": "videos", "audio": "audio"}
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 T = TypeVar("T")
@@ -192,6 +195,9 @@ class RequestBody(BaseModel):
     reply_to: str | None = Field(None, min_length=1, max_length=512)
     encoding: Encoding | None = None
     images: list[bytes | str] | None = None
+    videos: list[bytes | str] | None = None
+    video_fps: float | None = Field(None, gt=0.0, le=MAX_VIDEO_FPS)
+    max_video_frames: int | None = Field(None, ge=1, lt=2**31)
     metadata: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -272,16 +278,31 @@ class RequestBody(BaseModel):
         for i, message in enumerate(self.messages or []):
             for part in message.media_parts():
                 where = f"messages.{i}.content: the {part.type} part with index {part.index}"
-                if part.type != "image":
-                    raise ValueError(f"{where}: {part.type} is not served yet (only images are)")
+                if part.type == "audio":
+                    raise ValueError(f"{where}: {part.type} is not served yet (images and videos are)")
                 if message.role != "user":
                     raise ValueError(f"{where}: media parts go in user messages, not {message.role!r} ones")
-                if part.index >= len(self.images or []):
-                    raise ValueError(f"{where}: the request has {len(self.images or [])} images")
+                items = len(self.media_of(part.type))
+                if part.index >= items:
+                    raise ValueError(f"{where}: the request has {items} {MEDIA_FIELDS[part.type]}")
                 if (part.type, part.index) in pointed:
                     raise ValueError(f"{where}: points to an item another part points to")
                 pointed.add((part.type, part.index))
         return self
+
+    @model_validator(mode="after")
+    def _video_sampling_with_videos(self) -> RequestBody:
+        if (self.video_fps is not None or self.max_video_frames is not None) and not self.videos:
+            raise ValueError("video_fps and max_video_frames go with videos")
+        return self
+
+    def media_of(self, kind: str) -> list[bytes | str]:
+        """The request's items of one media kind (`image`, `video`)."""
+        return getattr(self, MEDIA_FIELDS[kind]) or []
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.images or self.videos)
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> RequestBody:
@@ -445,8 +466,8 @@ def encode_metadata(metadata: dict[str, Any], encoding: Encoding) -> bytes:
     return _encode(metadata, encoding)
 
 
-def decode_images(images: list[bytes | str]) -> list[bytes]:
-    """Image bytes from a request: raw bytes (msgpack) or base64 strings (JSON)."""
+def decode_images(images: list[bytes | str], field: str = "images") -> list[bytes]:
+    """Media bytes from a request's `field`: raw bytes (msgpack) or base64 strings (JSON)."""
     out = []
     for i, image in enumerate(images):
         if isinstance(image, bytes):
@@ -455,7 +476,7 @@ def decode_images(images: list[bytes | str]) -> list[bytes]:
         try:
             out.append(base64.b64decode(image, validate=True))
         except binascii.Error as e:
-            raise RequestRejected(f"images.{i}: not valid base64 ({e})") from e
+            raise RequestRejected(f"{field}.{i}: not valid base64 ({e})") from e
     return out
 
 
@@ -463,9 +484,9 @@ def encode_request(request_id: str, body: dict[str, Any], encoding: Encoding = "
     """The stream entry fields of a request. Image bytes travel raw in msgpack, as base64 in JSON."""
     if not ID_PATTERN.fullmatch(request_id):
         raise RequestRejected(f"invalid id {request_id!r}: use 1-128 of A-Za-z0-9_.:-")
-    if encoding == "json" and body.get("images"):
-        body = {**body, "images": [base64.b64encode(i).decode() if isinstance(i, bytes) else i
-                                   for i in body["images"]]}
+    if encoding == "json":
+        body = {**body, **{field: [base64.b64encode(i).decode() if isinstance(i, bytes) else i for i in body[field]]
+                           for field in MEDIA_FIELDS.values() if body.get(field)}}
     return {"id": request_id, encoding: _encode(body, encoding)}
 
 

@@ -59,7 +59,7 @@ class Preparer:
             self._check_metadata(body.metadata, envelope.encoding)
         max_tokens = self._max_tokens(body)
         self._check_prompt_size(body)
-        tokens, media = self._tokenize_with_media(body) if body.images else (self._tokenize(body), None)
+        tokens, media = self._tokenize_with_media(body) if body.has_media else (self._tokenize(body), None)
         room = self._check_prompt_length(tokens)
         thinking = self._thinking(tokens)
         constraint = self._constraint(body, tools, _answer_tokens(resume, thinking))
@@ -198,7 +198,8 @@ class Preparer:
 
     def _tokenize_with_media(self, body: RequestBody) -> tuple[list[int], PreparedMedia]:
         if self.info.vision is None:
-            raise RequestRejected(f"images: this queue serves a text-only model ({self.info.name})")
+            field = "images" if body.images else "videos"
+            raise RequestRejected(f"{field}: this queue serves a text-only model ({self.info.name})")
         return self.info.vision.prepare(body, template_kwargs(body))
 
     def _tokenize(self, body: RequestBody) -> list[int]:

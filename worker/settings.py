@@ -75,6 +75,16 @@ class WorkerSettings(LayeredSettings):
     max_images: int = Field(4, ge=0, description="most images in one request (vision models)")
     max_image_pixels: int = Field(16_777_216, ge=1, description="largest image, width x height as sent "
                                   "(the model's processor resizes it after)")
+    max_videos: int = Field(1, ge=0, description="most videos in one request (models that take video)")
+    default_video_fps: float = Field(2.0, gt=0, le=60, description="frames sampled per second of video when a "
+                                     "request does not say (video_fps)")
+    max_video_frames: int = Field(128, ge=1, description="most frames sampled from one request's videos; a "
+                                  "request's max_video_frames may ask for fewer")
+    max_video_seconds: float = Field(3600.0, gt=0, description="longest video, by its container's frame count "
+                                     "and rate, checked before decoding")
+    media_decode_timeout_s: float = Field(60.0, gt=0, description="how long the decoder of one request's video "
+                                          "or audio may run, in its own process, before it is killed")
+    media_decode_memory_mb: int = Field(4096, ge=256, description="address space of that decoder process")
     vision_cache_mb: int = Field(256, ge=0, description="vision-embedding cache budget in MB (0: off)")
     result_ttl_s: int = Field(3600, ge=1, description="output streams expire this long after their last write")
     dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")

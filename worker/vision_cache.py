@@ -14,7 +14,6 @@ import mlx.core as mx
 
 from .messages import CacheStats
 
-
 Features = mx.array | Sequence[mx.array]
 
 

@@ -3,15 +3,18 @@
 Any family mlx-vlm serves goes through mlx-vlm's own steps, as its server takes them:
 the chat template through `apply_chat_template` (which writes the family's media
 markers), then `prepare_inputs`, where the family's processor resizes and patches the
-images and expands each marker into its image tokens. What this module adds is ours:
-media decoded under this worker's limits, each media item kept in its own turn, the
-embedding cache's key, and every failure made that request's `RequestRejected`. The
-engine thread only runs the model's encoders.
+images and videos and expands each marker into its media tokens. A family whose
+processor takes no video gets a video as its sampled frames, as images in its place
+(mlx-vlm's frames fallback). What this module adds is ours: media decoded under this
+worker's limits (videos in a child process, `isolated`), each media item kept in its
+own turn, the embedding cache's key, and every failure made that request's
+`RequestRejected`. The engine thread only runs the model's encoders.
 """
 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,23 +22,44 @@ import numpy as np
 from client.protocol import ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
 
 from .images import decode_image
-from .media import PreparedMedia
+from .isolated import run_isolated
+from .media import MediaKind, PreparedMedia
+from .videos import VideoLimits, decode_video
 
 # Gemma's chat templates open with the bos token themselves; mlx-vlm's server
 # tokenizes their prompts without adding another (`_cpu_preprocess`).
 TEMPLATE_ADDS_BOS = ("gemma3", "gemma3n", "gemma4", "gemma4_unified")
 
 
+@dataclass(frozen=True)
+class MediaLimits:
+    """This worker's limits on one request's media."""
+
+    max_images: int
+    max_image_pixels: int
+    max_videos: int
+    default_video_fps: float
+    max_video_frames: int
+    max_video_seconds: float
+    decode_timeout_s: float
+    decode_memory_bytes: int
+
+
+# Families whose get_input_embeddings takes images or videos in one request, not both.
+ONE_VISUAL_KIND = ("qwen2_vl", "qwen2_5_vl")
+
+
 class VisionPrompts:
     """Builds the token ids and media inputs of requests for one vision model."""
 
-    def __init__(self, processor: Any, model_config: Any, model_name: str, *, max_images: int,
-                 max_image_pixels: int) -> None:
+    def __init__(self, processor: Any, model_config: Any, model_name: str, limits: MediaLimits) -> None:
+        from mlx_vlm.generate.video import processor_handles_video
+
         self.processor = processor
         self.model_config = model_config
         self.model_name = model_name
-        self.max_images = max_images
-        self.max_image_pixels = max_image_pixels
+        self.limits = limits
+        self.native_video = processor_handles_video(processor)
         self.add_special_tokens = not (model_config.model_type in TEMPLATE_ADDS_BOS
                                        and getattr(processor, "chat_template", None) is not None)
 
@@ -44,45 +68,93 @@ class VisionPrompts:
         """The prompt's token ids, media tokens expanded, and its media; raises
         `RequestRejected`. `template_kwargs` go to the chat template (tools, the request's
         chat_template_kwargs)."""
-        assert body.images
-        if len(body.images) > self.max_images:
-            raise RequestRejected(f"images: {len(body.images)} images; this worker's max_images is {self.max_images}",
-                                 code=ErrorCode.TOO_LARGE)
-        if body.prompt_tokens is not None:
-            raise RequestRejected("images: send them with prompt or messages, not prompt_tokens "
-                                 "(the worker places the image tokens)")
-        data = decode_images(body.images)
-        images = [decode_image(item, i, self.max_image_pixels) for i, item in enumerate(data)]
-        conversation, order = conversation_of(body, len(images))
-        text = self._template(conversation, len(images), template_kwargs or {})
-        inputs = self._process(text, [images[i] for i in order])
+        assert body.has_media
+        self._check(body)
+        image_data, video_data = decode_images(body.images or []), decode_images(body.videos or [], "videos")
+        images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(image_data)]
+        sampling = self._video_sampling(body)
+        videos = [self._decode_video(item, i, sampling) for i, item in enumerate(video_data)]
+        conversation, order = conversation_of(body, {"image": len(images), "video": len(videos)})
+        sampled = f"@{sampling.fps:g}fps/{sampling.max_frames}"  # how a video was sampled changes its features
+        hashes = {"image": [_sha(d) for d in image_data], "video": [_sha(d) + sampled for d in video_data]}
+        key = f"{self.model_name}:" + ",".join(f"{kind}:{hashes[kind][i]}" for kind, i in order)
+        if videos and not self.native_video:
+            conversation, order, images = _as_frames(conversation, order, images, [v[0] for v in videos])
+            videos = []
+        text = self._template(conversation, sum(kind == "image" for kind, _ in order), bool(videos),
+                              template_kwargs or {})
+        inputs = self._process(text, [images[i] for kind, i in order if kind == "image"],
+                               [videos[i] for kind, i in order if kind == "video"])
         ids = np.asarray(inputs.pop("input_ids")).reshape(-1).tolist()
-        key = f"{self.model_name}:" + ",".join(f"image:{hashlib.sha256(data[i]).hexdigest()}" for i in order)
-        return ids, PreparedMedia(key=key, inputs=inputs, counts={"image": len(images)})
+        counts: dict[MediaKind, int] = {kind: n for kind, n in (("image", len(body.images or [])),
+                                                                ("video", len(body.videos or []))) if n}
+        return ids, PreparedMedia(key=key, inputs=inputs, counts=counts)
 
-    def _template(self, conversation: str | list[Any], images: int, template_kwargs: dict[str, Any]) -> str:
-        from mlx_vlm.prompt_utils import apply_chat_template
+    def _check(self, body: RequestBody) -> None:
+        limits = self.limits
+        for field, count, most in (("images", len(body.images or []), limits.max_images),
+                                   ("videos", len(body.videos or []), limits.max_videos)):
+            if count > most:
+                raise RequestRejected(f"{field}: {count} {field}; this worker's max_{field} is {most}",
+                                      code=ErrorCode.TOO_LARGE)
+        if body.prompt_tokens is not None:
+            field = "images" if body.images else "videos"
+            raise RequestRejected(f"{field}: send them with prompt or messages, not prompt_tokens "
+                                  "(the worker places the media tokens)")
+        if body.images and body.videos and self.native_video and self.model_config.model_type in ONE_VISUAL_KIND:
+            raise RequestRejected(f"videos: this model ({self.model_config.model_type}) takes images or videos "
+                                  "in one request, not both")
+
+    def _video_sampling(self, body: RequestBody) -> VideoLimits:
+        """The request's frame rate and frame budget (each video gets its share), under the worker's."""
+        limits = self.limits
+        budget = min(body.max_video_frames or limits.max_video_frames, limits.max_video_frames)
+        return VideoLimits(fps=body.video_fps or limits.default_video_fps,
+                           max_frames=max(1, budget // max(1, len(body.videos or []))),
+                           max_pixels=limits.max_image_pixels, max_seconds=limits.max_video_seconds)
+
+    def _decode_video(self, data: bytes, index: int, sampling: VideoLimits) -> tuple[np.ndarray, Any]:
+        return run_isolated(decode_video, data, sampling, where=f"videos.{index}",
+                            timeout_s=self.limits.decode_timeout_s, memory_bytes=self.limits.decode_memory_bytes)
+
+    def _template(self, conversation: str | list[Any], images: int, videos: bool,
+                  template_kwargs: dict[str, Any]) -> str:
+        """The prompt text. mlx-vlm's formatting keeps only image and text parts, so a
+        conversation with videos goes to the chat template as it is (parts in place)."""
+        from mlx_vlm.prompt_utils import apply_chat_template, get_chat_template
 
         try:
+            if videos:
+                assert isinstance(conversation, list)  # a request with videos is always given as parts
+                return str(get_chat_template(self.processor, conversation, True, **template_kwargs))
             return str(apply_chat_template(self.processor, self.model_config, conversation, num_images=images,
                                            **template_kwargs))
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
             raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
 
-    def _process(self, text: str, images: list[Any]) -> dict[str, Any]:
+    def _process(self, text: str, images: list[Any], videos: list[tuple[np.ndarray, Any]]) -> dict[str, Any]:
         """The processor's outputs as numpy arrays (and plain values). mlx-vlm hands them
         over as MLX arrays, some not yet evaluated: they are evaluated here, on this
         thread, since an MLX graph made on one thread cannot be evaluated on another."""
         from mlx_vlm.utils import prepare_inputs
 
+        extra: dict[str, Any] = {}
+        if videos:
+            extra = {"videos": [frames for frames, _ in videos], "video_metadata": [meta for _, meta in videos],
+                     "fps": [meta.sampled_fps for _, meta in videos]}
         try:
-            inputs = prepare_inputs(self.processor, images=images, prompts=text,
+            inputs = prepare_inputs(self.processor, images=images or None, prompts=text,
                                     add_special_tokens=self.add_special_tokens,
-                                    image_token_index=getattr(self.model_config, "image_token_index", None))
+                                    image_token_index=getattr(self.model_config, "image_token_index", None), **extra)
         except Exception as e:  # noqa: BLE001 - the family's processor refusing this request's media
-            raise RequestRejected(f"images: the model's processor could not take them ({ascii(str(e)[:300])})") from e
+            field = "videos" if videos else "images"
+            raise RequestRejected(f"{field}: the model's processor could not take them ({ascii(str(e)[:300])})") from e
         inputs.pop("attention_mask", None)  # one row: all ones, and the backend makes its own
         return {name: _host(value) for name, value in inputs.items() if value is not None}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
 
 
 def _host(value: Any) -> Any:
@@ -92,41 +164,81 @@ def _host(value: Any) -> Any:
     return np.asarray(value) if isinstance(value, mx.array) else value
 
 
-def conversation_of(body: RequestBody, count: int) -> tuple[str | list[Any], list[int]]:
-    """What mlx-vlm's chat formatting takes, and the images in the order their
-    placeholders come. Parts keep each image in its message; with no parts at all, the
-    images go into the last user message, as mlx-vlm places them; with parts, those no
-    part points to go first in the last user message."""
-    if body.messages is None:  # a plain prompt with images: one user message
-        return body.prompt or "", list(range(count))
-    if not any(m.media_parts() for m in body.messages):
-        return [m.model_dump(exclude_none=True) for m in body.messages], list(range(count))
-    pointed = {part.index for m in body.messages for part in m.media_parts()}
-    loose = [i for i in range(count) if i not in pointed]
-    last_user = max(i for i, m in enumerate(body.messages) if m.role == "user")
+Order = list[tuple[MediaKind, int]]
+
+
+def conversation_of(body: RequestBody, counts: dict[MediaKind, int]) -> tuple[str | list[Any], Order]:
+    """What mlx-vlm's chat formatting takes, and the media in the order their
+    placeholders come. Parts keep each item in its message; with no parts and only
+    images, the images go into the last user message, as mlx-vlm places them; otherwise
+    those no part points to go first in the last user message (images, then videos)."""
+    loose_order: Order = [(kind, i) for kind, count in counts.items() for i in range(count)]
+    messages = body.messages or []
+    if not any(m.media_parts() for m in messages) and not counts.get("video"):
+        if body.messages is None:  # a plain prompt with images: one user message
+            return body.prompt or "", loose_order
+        return [m.model_dump(exclude_none=True) for m in messages], loose_order
+    if body.messages is None:
+        messages = [Message(role="user", content=body.prompt or "")]
+    pointed = {(part.type, part.index) for m in messages for part in m.media_parts()}
+    loose = [item for item in loose_order if item not in pointed]
+    last_user = max(i for i, m in enumerate(messages) if m.role == "user")
     conversation: list[Any] = []
-    order: list[int] = []
-    for i, message in enumerate(body.messages):
+    order: Order = []
+    for i, message in enumerate(messages):
         entry = message.model_dump(exclude_none=True)
         first = loose if i == last_user else []
         if message.media_parts() or first:
-            entry["content"] = _parts_with_images(message, first, order)
+            entry["content"] = _parts_with_media(message, first, order)
         elif isinstance(message.content, list):
-            entry["content"] = message.text  # no image here: what a text model gets
+            entry["content"] = message.text  # no media here: what a text model gets
         conversation.append(entry)
     return conversation, order
 
 
-def _parts_with_images(message: Message, first: list[int], order: list[int]) -> list[dict[str, Any]]:
-    """The message's parts as mlx-vlm takes them, images `first` ahead of its own; the
-    index of each image placed is appended to `order`."""
-    parts: list[dict[str, Any]] = [{"type": "image"} for _ in first]
+def _parts_with_media(message: Message, first: Order, order: Order) -> list[dict[str, Any]]:
+    """The message's parts as mlx-vlm takes them, media `first` ahead of its own; each
+    item placed is appended to `order`."""
+    parts: list[dict[str, Any]] = [{"type": kind} for kind, _ in first]
     order += first
     for part in message.content if isinstance(message.content, list) else [TextPart(type="text", text=message.text)]:
         if isinstance(part, TextPart):
             parts.append({"type": "text", "text": part.text})
         else:
-            parts.append({"type": "image"})
-            order.append(part.index)
+            parts.append({"type": part.type})
+            order.append((part.type, part.index))
     return parts
 
+
+def _as_frames(conversation: str | list[Any], order: Order, images: list[Any], videos: list[np.ndarray],
+               ) -> tuple[list[Any], Order, list[Any]]:
+    """mlx-vlm's frames fallback, for a processor that takes no video: each video becomes
+    its sampled frames, as images where the video was."""
+    from PIL import Image
+
+    assert isinstance(conversation, list)
+    frames = [[Image.fromarray(np.transpose(frame, (1, 2, 0))) for frame in video] for video in videos]
+    all_images = list(images)
+    placed: dict[int, list[int]] = {}
+    for index, stills in enumerate(frames):
+        placed[index] = list(range(len(all_images), len(all_images) + len(stills)))
+        all_images += stills
+    items = iter(order)
+    new_order: Order = []
+    for message in conversation:
+        if not isinstance(message.get("content"), list):
+            continue
+        content = []
+        for part in message["content"]:
+            if part["type"] not in ("image", "video"):
+                content.append(part)
+                continue
+            kind, index = next(items)
+            if kind == "image":
+                content.append(part)
+                new_order.append((kind, index))
+            else:
+                content += [{"type": "image"} for _ in placed[index]]
+                new_order += [("image", i) for i in placed[index]]
+        message["content"] = content
+    return conversation, new_order, all_images

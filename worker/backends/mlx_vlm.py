@@ -26,7 +26,7 @@ from ..messages import CacheStats
 from ..scheduler import MIN_PREFILL_CHUNK, StepPlan
 from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
-from ..vision_prompts import VisionPrompts
+from ..vision_prompts import MediaLimits, VisionPrompts
 from . import Coverage, Loaded, ModelInfo, TokenOut
 from .mlx_lm import mlx_memory, upcoming_tokens
 from .vision_features import Encoder, encoder_for, not_cached_because
@@ -62,8 +62,7 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     # says ignore_eos, its stop_token_ids, min_tokens holding them back) are the engine's.
     processor.tokenizer.stopping_criteria = _NoStops()
     text_config = _text_config(model)
-    prompts = VisionPrompts(processor, model.config, name, max_images=settings.max_images,
-                            max_image_pixels=settings.max_image_pixels)
+    prompts = VisionPrompts(processor, model.config, name, media_limits(settings))
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
@@ -81,6 +80,14 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
+
+
+def media_limits(settings: WorkerSettings) -> MediaLimits:
+    return MediaLimits(max_images=settings.max_images, max_image_pixels=settings.max_image_pixels,
+                       max_videos=settings.max_videos, default_video_fps=settings.default_video_fps,
+                       max_video_frames=settings.max_video_frames, max_video_seconds=settings.max_video_seconds,
+                       decode_timeout_s=settings.media_decode_timeout_s,
+                       decode_memory_bytes=settings.media_decode_memory_mb << 20)
 
 
 def unbatchable(model: Any) -> str | None:
@@ -216,16 +223,17 @@ class VisionBatchBackend:
         else:
             inputs = {name: mx.array(v) if isinstance(v, np.ndarray) else v for name, v in media.inputs.items()}
             pixels = inputs.pop("pixel_values", None)
-            features = self._features(media.key, pixels, inputs) if pixels is not None else None
+            visual = pixels is not None or inputs.get("pixel_values_videos") is not None
+            features = self._features(media.key, pixels, inputs) if visual else None
             cached = {} if features is None else {"cached_image_features": features}
             mask = mx.ones(ids.shape, dtype=mx.int32)  # one row, no padding (what mlx-vlm's processor gives)
             out = self._model.get_input_embeddings(ids, pixels, mask=mask, **inputs, **cached)
         outputs = {k: v for k, v in out.to_dict().items() if v is not None and k not in UNBATCHED_OUTPUTS}
         return {**outputs, "_apc_semantic_hash": _media_hash(media)}
 
-    def _features(self, key: str, pixels: mx.array, inputs: dict[str, Any]) -> Any:
-        """The vision features of a request's images, from the cache when they were seen
-        before; None where the family's are not cached (its tower runs in the merge)."""
+    def _features(self, key: str, pixels: mx.array | None, inputs: dict[str, Any]) -> Any:
+        """The vision features of a request's images or videos, from the cache when they
+        were seen before; None where the family's are not cached (its tower runs in the merge)."""
         if self._encoder is None:
             return None
         features = self._cache.get(key)

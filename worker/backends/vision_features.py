@@ -14,15 +14,21 @@ from typing import Any
 
 import mlx.core as mx
 
-Encoder = Callable[[Any, mx.array, Mapping[str, Any]], Any]
+Encoder = Callable[[Any, mx.array | None, Mapping[str, Any]], Any]  # (model, pixel_values, other inputs)
 
 
-def _qwen2(model: Any, pixels: mx.array, inputs: Mapping[str, Any]) -> mx.array:
+def _qwen2(model: Any, pixels: mx.array | None, inputs: Mapping[str, Any]) -> mx.array:
+    """Its tower over the request's images, or else its videos (it takes one kind a request)."""
     dtype = model.vision_tower.patch_embed.proj.weight.dtype
-    return model.vision_tower(pixels.astype(dtype), inputs["image_grid_thw"], output_hidden_states=False)
+    if pixels is None:
+        pixels, grid = inputs["pixel_values_videos"], inputs["video_grid_thw"]
+    else:
+        grid = inputs["image_grid_thw"]
+    return model.vision_tower(pixels.astype(dtype), grid, output_hidden_states=False)
 
 
-def _gemma3(model: Any, pixels: mx.array, inputs: Mapping[str, Any]) -> mx.array:
+def _gemma3(model: Any, pixels: mx.array | None, inputs: Mapping[str, Any]) -> mx.array:
+    assert pixels is not None, "Gemma 3 takes videos as frames, images"
     dtype = model.language_model.model.embed_tokens.weight.dtype
     hidden, _, _ = model.vision_tower(pixels.transpose(0, 2, 3, 1).astype(dtype), output_hidden_states=True)
     return model.multi_modal_projector(hidden)
