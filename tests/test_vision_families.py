@@ -1,6 +1,7 @@
 """Every demo vision family through a worker: text only, one image, two images in two
 turns, all batched together, each equal to mlx-vlm's own greedy generation of the same
-prompt run alone; and the vision-embedding cache where the family's features are cached."""
+prompt run alone; a video, natively where the family's processor takes video and as
+frames where not; and the vision-embedding cache where the family's features are cached."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from PIL import Image
@@ -30,7 +32,19 @@ def png(width: int, height: int, seed: int) -> bytes:
     return out.getvalue()
 
 
+def mp4(path: Path, frames: int = 16, fps: float = 8.0, seed: int = 0) -> bytes:
+    """A 2 s noise video (64x48), written by OpenCV's FFmpeg: 4 frames at 2 fps."""
+    import cv2
+
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (64, 48))
+    for i in range(frames):
+        writer.write((np.random.RandomState(seed * 1000 + i).rand(48, 64, 3) * 255).astype(np.uint8))
+    writer.release()
+    return path.read_bytes()
+
+
 IMAGES = [png(60, 44, 1), png(90, 120, 2)]
+VIDEO_FPS = 2.0
 
 # (name, images sent, messages): the conversations every family is asked, in mlx-vlm's
 # part format, which is ours without the indexes.
@@ -80,6 +94,26 @@ def mlx_vlm_alone(family_model: tuple[str, Path]) -> Any:
                           verbose=False)
         return result.token_ids
 
+    def run_video(path: Path, question: str) -> list[int]:
+        """mlx-vlm's own answer: the video itself where its processor takes video, else
+        the frames mlx-vlm's loader samples, as images."""
+        from mlx_vlm.generate.video import processor_handles_video
+        from mlx_vlm.prompt_utils import get_chat_template
+        from mlx_vlm.utils import VideoSampling, load_video
+
+        if processor_handles_video(processor):
+            prompt = get_chat_template(processor, [{"role": "user", "content": [
+                {"type": "video"}, {"type": "text", "text": question}]}], True)
+            return generate(model, processor, prompt, video=[str(path)], fps=VIDEO_FPS, max_tokens=MAX_TOKENS,
+                            temperature=0.0, verbose=False).token_ids
+        frames, _ = load_video(str(path), VideoSampling(fps=VIDEO_FPS))
+        stills = [Image.fromarray(np.transpose(frame, (1, 2, 0))) for frame in frames]
+        prompt = apply_chat_template(processor, model.config, [{"role": "user", "content": [
+            *({"type": "image"} for _ in stills), {"type": "text", "text": question}]}], num_images=len(stills))
+        return generate(model, processor, prompt, image=stills, max_tokens=MAX_TOKENS, temperature=0.0,
+                        verbose=False).token_ids
+
+    run.video = run_video  # type: ignore[attr-defined]
     return run
 
 
@@ -144,3 +178,41 @@ def wait_for_stats(r: Any, worker: WorkerProcess, settled: Any, timeout: float =
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
 
+
+
+def test_a_video_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_model, mlx_vlm_alone, r, outputs,
+                                                             new_id, tmp_path):
+    """A video part in JSON (base64) and in msgpack (raw bytes) reads as mlx-vlm reads
+    the same video: natively, or as its frames (Gemma 3, Idefics3)."""
+    video = mp4(tmp_path / "clip.mp4")
+    messages = [{"role": "user", "content": [{"type": "video", "index": 0}, {"type": "text", "text": "What moves?"}]}]
+    in_json, in_msgpack = new_id("json"), new_id("msgpack")
+    body = {"messages": messages, "max_tokens": MAX_TOKENS, "video_fps": VIDEO_FPS}
+    r.xadd(KEYS.queue(family_worker.queue), {"id": in_json, "json": json.dumps(
+        {**body, "videos": [base64.b64encode(video).decode()]})})
+    r.xadd(KEYS.queue(family_worker.queue), {"id": in_msgpack, "msgpack": msgpack.packb({**body, "videos": [video]})})
+    expected = mlx_vlm_alone.video(tmp_path / "clip.mp4", "What moves?")
+    for rid in (in_json, in_msgpack):
+        events = outputs.of(rid)
+        done = check_stream(events)
+        assert isinstance(done, Done), done
+        assert tokens_of(events) == expected
+        assert done.usage.prompt_tokens > 20, "the video's tokens are in the prompt"
+
+
+def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, outputs, new_id, tmp_path):
+    from worker.backends.vision_features import NOT_CACHED
+
+    if family_model[0] in NOT_CACHED:
+        pytest.skip(f"{family_model[0]}: {NOT_CACHED[family_model[0]]}")
+    video = base64.b64encode(mp4(tmp_path / "again.mp4", seed=7)).decode()
+    before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
+    texts = []
+    for _ in range(2):
+        rid = new_id()
+        xadd = {"prompt": "Again", "videos": [video], "max_tokens": MAX_TOKENS}
+        r.xadd(KEYS.queue(family_worker.queue), {"id": rid, "json": json.dumps(xadd)})
+        texts.append(check_stream(outputs.of(rid)).text)
+    assert texts[0] == texts[1]
+    wait_for_stats(r, family_worker, lambda s: s["hits"] >= before["hits"] + 1 and
+                   s["misses"] >= before["misses"] + 1)
