@@ -16,10 +16,11 @@ from functools import partial
 
 import structlog
 
-from client.protocol import Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
+from client.protocol import MEDIA_FIELDS, Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
 
 from .engine import Engine
 from .fencing import Fencing, take_fence
+from .isolated import DecoderDied
 from .messages import Outgoing, Resume, Route
 from .output import failed, not_started
 from .prepare import Preparer
@@ -33,6 +34,7 @@ from .totals import Totals
 log = structlog.get_logger("mlxq.worker")
 
 INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
+OFF_LOOP_FIELDS = ("response_format", *MEDIA_FIELDS.values())  # ... unless they have one of these
 
 
 def entry_ms(entry_id: str) -> int:
@@ -165,19 +167,33 @@ class Intake:
                                  f"{self.settings.max_deliveries}); the workers that took it stopped without "
                                  "finishing it")
             return
-        await self._submit(envelope, held, arrival.cancelled, resume)
+        await self._submit(delivery, envelope, held, arrival, resume)
 
-    async def _submit(self, envelope: Envelope, held: HeldRequest, cancelled: bool, resume: Resume | None) -> None:
+    async def _submit(self, delivery: Delivery, envelope: Envelope, held: HeldRequest, arrival: Arrival,
+                      resume: Resume | None) -> None:
         route = held.route
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
         prepare = partial(self.preparer.prepare, envelope, route.ref, arrived_at, self.clock_offset_s, resume)
-        try:
-            # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
-            inline = envelope.size <= INLINE_BODY_BYTES and "response_format" not in (envelope.raw or {})
-            request = prepare() if inline else await asyncio.to_thread(prepare)  # compiling a grammar takes a while
-        except RequestRejected as e:
-            self._answer(failed(route.ref, e.code, str(e)))
-            return
+        # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
+        # Off the loop too: compiling a grammar, decoding media.
+        raw = envelope.raw or {}
+        inline = envelope.size <= INLINE_BODY_BYTES and not any(field in raw for field in OFF_LOOP_FIELDS)
+        crashes = arrival.crashes
+        while True:
+            try:
+                request = prepare() if inline else await asyncio.to_thread(prepare)
+                break
+            except RequestRejected as e:
+                self._answer(failed(route.ref, e.code, str(e)))
+                return
+            except DecoderDied as e:  # a media decoder's process died on it: as a worker dying on it, counted
+                crashes += 1
+                log.warning("media decoder died", request_id=route.id, reason=str(e), crashes=crashes)
+                if crashes >= self.settings.max_crashes:
+                    await self._poisoned(delivery, route, f"{e}; it has crashed {crashes} time(s) while prepared "
+                                         f"(max_crashes is {self.settings.max_crashes})")
+                    return
+        cancelled = arrival.cancelled
         if self.requests.holding(route.ref) is None:
             return  # taken over while it was prepared: the other worker serves it
         self.requests.prepared(route.id, arrived_at)

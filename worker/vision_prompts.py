@@ -86,8 +86,8 @@ class VisionPrompts:
         inputs = self._process(text, [images[i] for kind, i in order if kind == "image"],
                                [videos[i] for kind, i in order if kind == "video"])
         ids = np.asarray(inputs.pop("input_ids")).reshape(-1).tolist()
-        counts: dict[MediaKind, int] = {kind: n for kind, n in (("image", len(body.images or [])),
-                                                                ("video", len(body.videos or []))) if n}
+        kinds: tuple[MediaKind, ...] = ("image", "video")
+        counts = {kind: len(body.media_of(kind)) for kind in kinds if body.media_of(kind)}
         return ids, PreparedMedia(key=key, inputs=inputs, counts=counts)
 
     def _check(self, body: RequestBody) -> None:

@@ -1,0 +1,96 @@
+"""Hostile videos beside valid requests: each is an error for its own request, checked
+from the container's header where it can be, decoded in a child process that may crash
+or hang without the worker; the worker stays up, answers the others, and its RSS stays
+bounded."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+from support import KEYS, WorkerProcess, check_stream, start_worker, worker_url
+
+from client import Done, Error
+
+CRASH, HANG = b"MLXQ-CRASH-THE-DECODER", b"MLXQ-HANG-THE-DECODER"
+MAX_PIXELS = 200_000  # the test worker's max_image_pixels: frames above it are refused from the header
+
+
+def video(path: Path, frames: int = 12, fps: float = 6.0, size: tuple[int, int] = (64, 48), seed: int = 0) -> bytes:
+    import cv2
+
+    width, height = size
+    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
+    for i in range(frames):
+        writer.write((np.random.RandomState(seed * 1000 + i).rand(height, width, 3) * 255).astype(np.uint8))
+    writer.release()
+    return path.read_bytes()
+
+
+def png() -> bytes:
+    out = io.BytesIO()
+    Image.fromarray((np.random.RandomState(3).rand(40, 40, 3) * 255).astype(np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def worker(vision_model: Path, redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
+    env = {"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode(), "MLXQ_TEST_DECODER_HANG_ON": HANG.decode()}
+    process = start_worker(worker_url(redis_url), vision_model, f"hostile{uuid.uuid4().hex[:6]}", logs_dir, env=env,
+                           max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=3,
+                           max_crashes=2)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+
+def cases(tmp: Path) -> dict[str, tuple[bytes, str, str]]:
+    """Each hostile video: its bytes, the error code and a part of the message it gets."""
+    good = video(tmp / "good.mp4")
+    return {
+        "random bytes": (np.random.RandomState(1).bytes(5000), "invalid_request", "not a video OpenCV can open"),
+        "truncated": (good[: len(good) // 2], "invalid_request", "videos.0"),
+        "claims hours": (video(tmp / "slow.mp4", frames=4, fps=0.01), "too_large", "max_video_seconds"),
+        "frames too large": (video(tmp / "wide.mp4", frames=2, size=(640, 480)), "too_large", "max_image_pixels"),
+        "a png": (png(), "invalid_request", "videos.0"),
+        "decoder crashes": (good + CRASH, "poisoned", "killed by SIGSEGV"),
+        "decoder hangs": (good + HANG, "poisoned", "media_decode_timeout_s"),
+    }
+
+
+def test_each_hostile_video_costs_its_own_request_only(worker, r, outputs, new_id, tmp_path):
+    pid = worker.process.pid
+    good = base64.b64encode(video(tmp_path / "valid.mp4", seed=5)).decode()
+    rss_before = psutil.Process(pid).memory_info().rss
+    for name, (data, code, says) in cases(tmp_path).items():
+        bad, fine = new_id("bad"), new_id("fine")
+        for rid, payload in ((bad, base64.b64encode(data).decode()), (fine, good)):
+            body = {"prompt": "What is it?", "videos": [payload], "max_tokens": 4}
+            r.xadd(KEYS.queue(worker.queue), {"id": rid, "json": json.dumps(body)})
+        error = check_stream(outputs.of(bad, timeout=120))
+        assert isinstance(error, Error) and error.code == code and says in error.message, (name, error)
+        assert isinstance(check_stream(outputs.of(fine, timeout=120)), Done), name
+        assert worker.process.poll() is None, f"{name}: the worker died"
+    grown = psutil.Process(pid).memory_info().rss - rss_before
+    assert grown < 200 << 20, f"the worker's RSS grew by {grown >> 20} MB"
+
+
+def test_a_decoder_crash_counts_toward_max_crashes(worker, r, outputs, new_id, tmp_path):
+    """The crashing video above was decoded max_crashes (2) times, then dead-lettered;
+    its dead letter says why."""
+    rid = new_id("crash")
+    data = base64.b64encode(video(tmp_path / "c.mp4") + CRASH).decode()
+    r.xadd(KEYS.queue(worker.queue), {"id": rid, "json": json.dumps({"prompt": "x", "videos": [data]})})
+    error = check_stream(outputs.of(rid, timeout=120))
+    assert isinstance(error, Error) and error.code == "poisoned"
+    assert "crashed 2 time(s)" in error.message
+    dead = [fields for _, fields in r.xrange(KEYS.dead(worker.queue)) if fields.get(b"field:id") == rid.encode()]
+    assert len(dead) == 1 and b"SIGSEGV" in dead[0][b"reason"], "dead-lettered, with the reason"
