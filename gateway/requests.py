@@ -83,10 +83,15 @@ class ImageUrl(_Strict):
     detail: Literal["auto", "low", "high"] | None = None
 
 
+class VideoUrl(_Strict):
+    url: str
+
+
 class ContentPart(_Strict):
-    type: Literal["text", "image_url"]
+    type: Literal["text", "image_url", "video_url"]  # video_url: vLLM's extension
     text: str | None = None
     image_url: ImageUrl | None = None
+    video_url: VideoUrl | None = None
 
 
 class ChatMessage(_Strict):
@@ -127,9 +132,10 @@ class ChatRequest(_Sampling):
         """The mlxq body; raises `ApiError` (400) for what mlxq cannot do."""
         self._refuse_unsupported()
         body = self._common_body()
-        messages, images = _messages(self.messages)
-        body.update(messages=messages, images=images or None, logprobs=self.logprobs, top_logprobs=self.top_logprobs,
-                    tools=self.tools, tool_choice=self.tool_choice, chat_template_kwargs=self.chat_template_kwargs)
+        messages, media = _messages(self.messages)
+        body.update(messages=messages, images=media["image"] or None, videos=media["video"] or None,
+                    logprobs=self.logprobs, top_logprobs=self.top_logprobs, tools=self.tools,
+                    tool_choice=self.tool_choice, chat_template_kwargs=self.chat_template_kwargs)
         body["max_tokens"] = self.max_completion_tokens or self.max_tokens
         if self.response_format is not None and self.response_format.get("type") != "text":
             body["response_format"] = self.response_format
@@ -195,11 +201,12 @@ def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[str, 
     return {"prompt": only} if isinstance(only, str) else {"prompt_tokens": only}
 
 
-def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """mlxq's messages and the request's images: OpenAI's content parts become mlxq's, an
+def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[str, list[bytes]]]:
+    """mlxq's messages and the request's media: OpenAI's content parts become mlxq's, an
     `image_url` part an `{"type": "image", "index": i}` part where it was, its bytes the
-    request's i-th image."""
-    out, images = [], []
+    request's i-th image (a `video_url` part likewise a video)."""
+    out: list[dict[str, Any]] = []
+    media: dict[str, list[bytes]] = {"image": [], "video": []}
     for i, message in enumerate(messages):
         content: Any = message.content
         if isinstance(message.content, list):
@@ -207,28 +214,30 @@ def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], list[b
             for j, part in enumerate(message.content):
                 if part.type == "text":
                     content.append({"type": "text", "text": part.text or ""})
-                else:
-                    images.append(_image(i, j, part.image_url))
-                    content.append({"type": "image", "index": len(images) - 1})
+                    continue
+                kind = "image" if part.type == "image_url" else "video"
+                url = part.image_url if kind == "image" else part.video_url
+                media[kind].append(_data_url(f"messages.{i}.content.{j}.{part.type}", url, kind))
+                content.append({"type": kind, "index": len(media[kind]) - 1})
         role = "system" if message.role == "developer" else message.role
         out.append({k: v for k, v in {"role": role, "content": content, "name": message.name,
                                       "tool_calls": message.tool_calls,
                                       "tool_call_id": message.tool_call_id}.items() if v is not None})
-    return out, images
+    return out, media
 
 
-def _image(message: int, part: int, image_url: ImageUrl | None) -> bytes:
-    """An image_url part's bytes: only `data:` URLs; nothing is ever fetched."""
-    where = f"messages.{message}.content.{part}.image_url"
-    if image_url is None:
+def _data_url(where: str, part: ImageUrl | VideoUrl | None, kind: str) -> bytes:
+    """A media part's bytes: only `data:` URLs; nothing is ever fetched."""
+    if part is None:
         raise ApiError.invalid(f"{where}: missing", param=where)
-    head, comma, data = image_url.url.partition(",")
+    head, comma, data = part.url.partition(",")
     if not head.startswith("data:") or not comma:
-        shown = image_url.url[:40] + ("..." if len(image_url.url) > 40 else "")
+        shown = part.url[:40] + ("..." if len(part.url) > 40 else "")
         raise ApiError.invalid(f"{where}: only data: URLs are accepted (nothing is fetched), not {shown!r}",
                                param=where)
     if not head.endswith(";base64"):
-        raise ApiError.invalid(f"{where}: a data: URL must be base64 (data:image/png;base64,...)", param=where)
+        example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+        raise ApiError.invalid(f"{where}: a data: URL must be base64 ({example})", param=where)
     try:
         return base64.b64decode(data, validate=True)
     except binascii.Error as e:

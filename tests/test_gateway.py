@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pytest
 import redis
@@ -448,6 +449,37 @@ def test_an_image_request_on_a_vision_worker(gateway, valkey, vision_model, logs
         assert response.choices[0].message.content == done.text
         assert response.usage.prompt_tokens == done.usage.prompt_tokens > 24  # the image's tokens are in it
         _image_in_an_earlier_turn(gateway, valkey, vision.queue, image)
+    finally:
+        vision.stop()
+
+
+def test_a_video_part_through_the_gateway(gateway, valkey, vision_model, logs_dir, tmp_path):
+    """A `video_url` part (vLLM's extension, data: URLs only) reads as the same video sent
+    by a raw producer in its place: here in the first of two user turns."""
+    import cv2
+
+    writer = cv2.VideoWriter(str(tmp_path / "v.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 8.0, (64, 48))
+    for i in range(16):
+        writer.write((np.random.RandomState(i).rand(48, 64, 3) * 255).astype(np.uint8))
+    writer.release()
+    video = (tmp_path / "v.mp4").read_bytes()
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    vision = start_worker(valkey, vision_model, f"gv{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        def chat(part: dict) -> list[dict]:
+            return [{"role": "user", "content": [{"type": "text", "text": "What moves?"}, part]},
+                    {"role": "assistant", "content": "Noise."}, {"role": "user", "content": "Sure?"}]
+
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+            response = sdk.chat.completions.create(model=vision.queue, max_tokens=8, messages=chat(
+                {"type": "video_url", "video_url": {"url": url}}))
+            with pytest.raises(openai.BadRequestError, match="only data: URLs are accepted"):
+                sdk.chat.completions.create(model=vision.queue, max_tokens=8, messages=chat(
+                    {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}))
+        with Client(valkey, queue=vision.queue) as mlxq:
+            raw = mlxq.generate(messages=chat({"type": "video", "index": 0}), videos=[video], max_tokens=8)
+        assert response.choices[0].message.content == raw.text
+        assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 30  # the video's tokens are in it
     finally:
         vision.stop()
 
