@@ -198,6 +198,7 @@ class RequestBody(BaseModel):
     videos: list[bytes | str] | None = None
     video_fps: float | None = Field(None, gt=0.0, le=MAX_VIDEO_FPS)
     max_video_frames: int | None = Field(None, ge=1, lt=2**31)
+    audio: list[bytes | str] | None = None
     metadata: dict[str, Any] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -278,8 +279,6 @@ class RequestBody(BaseModel):
         for i, message in enumerate(self.messages or []):
             for part in message.media_parts():
                 where = f"messages.{i}.content: the {part.type} part with index {part.index}"
-                if part.type == "audio":
-                    raise ValueError(f"{where}: {part.type} is not served yet (images and videos are)")
                 if message.role != "user":
                     raise ValueError(f"{where}: media parts go in user messages, not {message.role!r} ones")
                 items = len(self.media_of(part.type))
@@ -297,12 +296,12 @@ class RequestBody(BaseModel):
         return self
 
     def media_of(self, kind: str) -> list[bytes | str]:
-        """The request's items of one media kind (`image`, `video`)."""
+        """The request's items of one media kind (`image`, `video`, `audio`)."""
         return getattr(self, MEDIA_FIELDS[kind]) or []
 
     @property
     def has_media(self) -> bool:
-        return bool(self.images or self.videos)
+        return bool(self.images or self.videos or self.audio)
 
     @model_validator(mode="after")
     def _top_logprobs_with_logprobs(self) -> RequestBody:

@@ -59,6 +59,9 @@ class Family:
     tokenizer_extra: dict[str, Any] = field(default_factory=dict)  # added to tokenizer_config.json
     eos: list[str] = field(default_factory=lambda: list(demo_model.EOS_TOKENS))
     embed_scale: float = 1.0  # see demo_model.save
+    # Matrices of these modules scaled down: a family whose projected media features would
+    # otherwise drown the text answers every image alike.
+    quieter: dict[str, float] = field(default_factory=dict)
 
 
 def _qwen_config(model_type: str, tower: dict[str, Any], rope: dict[str, Any]) -> Callable[[dict[str, int]], dict]:
@@ -121,6 +124,36 @@ def _idefics3_config(ids: dict[str, int]) -> dict[str, Any]:
             "vocab_size": TEXT["vocab_size"], "image_token_id": ids["<image>"]}
 
 
+GEMMA4_MARKERS = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                  "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>",
+                  "video_token": "<|video|>"}
+GEMMA4_TOKENS = [*GEMMA4_MARKERS.values(), "<start_of_turn>", "<end_of_turn>"]
+GEMMA4_TEMPLATE = GEMMA_TEMPLATE.replace(
+    "{% if part['type'] == 'image' %}<start_of_image>",
+    "{% if part['type'] == 'image' %}<image_soft_token>{% elif part['type'] == 'audio' %}<audio_soft_token>"
+    "{% elif part['type'] == 'video' %}<|video|>")
+
+
+def _gemma4_config(ids: dict[str, int]) -> dict[str, Any]:
+    # Images pool 16-pixel patches by 3 into 70 soft tokens (its smallest size); audio is one small
+    # conformer block over the processor's mel features.
+    text = {**TEXT, "model_type": "gemma4_text", "global_head_dim": 16, "num_kv_shared_layers": 0,
+            "vocab_size_per_layer_input": TEXT["vocab_size"], "hidden_size_per_layer_input": 8,
+            "sliding_window": 64, "sliding_window_pattern": 2, "use_double_wide_mlp": False}
+    vision = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 16,
+              "patch_size": 16, "position_embedding_size": 256, "pooling_kernel_size": 3, "default_output_length": 70}
+    audio = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "subsampling_conv_channels": [8, 4],
+             "output_proj_dims": 64}
+    return {"model_type": "gemma4", "text_config": text, "vision_config": vision, "audio_config": audio,
+            "vocab_size": TEXT["vocab_size"], "hidden_size": TEXT["hidden_size"],
+            "image_token_id": ids["<image_soft_token>"], "audio_token_id": ids["<audio_soft_token>"],
+            "video_token_id": ids["<|video|>"], "boi_token_id": ids["<start_of_image>"],
+            "eoi_token_id": ids["<end_of_image>"], "boa_token_id": ids["<start_of_audio>"],
+            "eoa_token_id": ids["<end_of_audio>"], "vision_soft_tokens_per_image": 70,
+            "vision_soft_tokens_per_video_frame": 70}
+
+
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family(QWEN_TOKENS, chatml_template(QWEN_PARTS),
                        _qwen_config("qwen2_vl", {**QWEN_TOWER, "embed_dim": 32, "hidden_size": 64},
@@ -155,6 +188,15 @@ FAMILIES: dict[str, Family] = {
                                                      "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
                         "processor_config.json": {"processor_class": "Idefics3Processor", "image_seq_len": 1}},
                        eos=["<end_of_utterance>", "<|endoftext|>"]),
+    "gemma4": Family(GEMMA4_TOKENS, GEMMA4_TEMPLATE, _gemma4_config,
+                     {"processor_config.json": {"processor_class": "Gemma4Processor", "audio_seq_length": 64,
+                                                "image_processor": {"patch_size": 16, "max_soft_tokens": 70,
+                                                                    "pooling_kernel_size": 3},
+                                                "video_processor": {"patch_size": 16, "max_soft_tokens": 70,
+                                                                    "pooling_kernel_size": 3}}},
+                     {"bos_token": "<|endoftext|>", "extra_special_tokens": GEMMA4_MARKERS},
+                     eos=["<end_of_turn>", "<|endoftext|>"], embed_scale=0.05,
+                     quieter={"embed_vision": 0.02, "embed_audio": 0.02}),
 }
 
 
@@ -167,7 +209,12 @@ def write(out: Path, family: str, seed: int) -> None:
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **spec.tokenizer_extra}, indent=2))
     ids = dict(zip(spec.tokens, demo_model.special_ids(out, spec.tokens), strict=True))
     config = {**spec.config(ids), "eos_token_id": demo_model.special_ids(out, spec.eos)}
+    from mlx.utils import tree_map
+
     model = _build_as_mlx_vlm_loads(config, seed)
+    for name, factor in spec.quieter.items():
+        getattr(model, name).update(tree_map(lambda p, f=factor: p * f if p.ndim == 2 else p,
+                                             getattr(model, name).parameters()))
     special = demo_model.special_ids(out, demo_model.SPECIAL_TOKENS + spec.tokens)
     language = model.language_model
     demo_model.save(out, model, getattr(language, "model", language).embed_tokens, special, config,

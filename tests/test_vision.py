@@ -418,8 +418,8 @@ def test_an_image_part_keeps_its_place_in_a_multi_turn_chat(backend_parts):
 
 def test_media_parts_that_point_nowhere_are_refused_before_any_work():
     """A part whose index is past the request's images, one that points where another
-    does, one outside a user message, one past the videos, and an audio part (not served
-    yet) are each an `invalid_request` naming the part."""
+    does, one outside a user message, and ones past the videos or the audio are each an
+    `invalid_request` naming the part."""
     from client.protocol import RequestRejected, validate_body
 
     image = b64(png(56, 56))
@@ -438,6 +438,6 @@ def test_media_parts_that_point_nowhere_are_refused_before_any_work():
         [{"role": "system", "content": [part]}, {"role": "user", "content": "x"}], [image, image])
     assert "the video part with index 0: the request has 0 videos" in refused(
         [{"role": "user", "content": [{"type": "video", "index": 0}]}], [])
-    assert "audio is not served yet" in refused(
+    assert "the audio part with index 0: the request has 0 audio" in refused(
         [{"role": "user", "content": [{"type": "audio", "index": 0}]}], [])
     assert "an empty list of parts" in refused([{"role": "user", "content": []}], [])

@@ -22,7 +22,7 @@ from support import KEYS, WorkerProcess, build_demo_model, check_stream, start_w
 from client import Delta, Done
 from mlxq.demo_vision import FAMILIES
 
-MAX_TOKENS = 12
+MAX_TOKENS = 24
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -98,12 +98,11 @@ def mlx_vlm_alone(family_model: tuple[str, Path]) -> Any:
         """mlx-vlm's own answer: the video itself where its processor takes video, else
         the frames mlx-vlm's loader samples, as images."""
         from mlx_vlm.generate.video import processor_handles_video
-        from mlx_vlm.prompt_utils import get_chat_template
         from mlx_vlm.utils import VideoSampling, load_video
 
         if processor_handles_video(processor):
-            prompt = get_chat_template(processor, [{"role": "user", "content": [
-                {"type": "video"}, {"type": "text", "text": question}]}], True)
+            prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": [
+                {"type": "video"}, {"type": "text", "text": question}]}], tokenize=False, add_generation_prompt=True)
             return generate(model, processor, prompt, video=[str(path)], fps=VIDEO_FPS, max_tokens=MAX_TOKENS,
                             temperature=0.0, verbose=False).token_ids
         frames, _ = load_video(str(path), VideoSampling(fps=VIDEO_FPS))
@@ -201,10 +200,10 @@ def test_a_video_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, famil
 
 
 def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, outputs, new_id, tmp_path):
-    from worker.backends.vision_features import NOT_CACHED
+    from worker.backends.vision_features import CACHES_VIDEOS
 
-    if family_model[0] in NOT_CACHED:
-        pytest.skip(f"{family_model[0]}: {NOT_CACHED[family_model[0]]}")
+    if family_model[0] not in CACHES_VIDEOS:
+        pytest.skip(f"{family_model[0]}: its video features are not cached")
     video = base64.b64encode(mp4(tmp_path / "again.mp4", seed=7)).decode()
     before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
     texts = []
@@ -216,3 +215,39 @@ def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, 
     assert texts[0] == texts[1]
     wait_for_stats(r, family_worker, lambda s: s["hits"] >= before["hits"] + 1 and
                    s["misses"] >= before["misses"] + 1)
+
+
+def test_prefilled_in_one_batch_each_reads_as_alone(family_model):
+    """In process, the three conversations inserted at once (one prompt batch where the
+    family allows it) and one at a time give the same tokens: what another row holds
+    never changes an answer (mlx-vlm misplaces Qwen 3's deepstack features beside other
+    rows, so that family prefills media prompts alone)."""
+    from client.protocol import RequestBody
+    from worker.backends.mlx_vlm import load_vision_model
+    from worker.messages import SamplingParams
+    from worker.sampling import build_logits_processors, build_sampler
+    from worker.scheduler import StepPlan
+    from worker.settings import WorkerSettings
+
+    loaded = load_vision_model(WorkerSettings(model=str(family_model[1])))
+    prompts = []
+    for _, images, messages in CONVERSATIONS:
+        if images:
+            body = RequestBody(messages=messages, images=[base64.b64encode(IMAGES[i]).decode() for i in images])
+            prompts.append(loaded.info.vision.prepare(body))
+        else:
+            prompts.append((list(loaded.info.tokenizer.apply_chat_template(messages, add_generation_prompt=True)),
+                            None))
+
+    def run(which: list[int]) -> list[list[int]]:
+        backend, greedy = loaded.make_backend(), SamplingParams()
+        uids = [backend.insert(prompts[k][0], MAX_TOKENS, build_sampler(greedy), build_logits_processors(greedy),
+                               media=prompts[k][1]) for k in which]
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        while any(len(tokens) < MAX_TOKENS for tokens in out.values()):
+            for token in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
+                out[token.uid].append(token.token)
+        backend.close()
+        return [out[uid] for uid in uids]
+
+    assert run([0, 1, 2]) == [run([k])[0] for k in range(3)]

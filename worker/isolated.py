@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 _context: Any = multiprocessing.get_context("forkserver" if sys.platform == "linux" else "spawn")
 if sys.platform == "linux":  # what the server imports once, so that each child starts with the decoders loaded
-    _context.set_forkserver_preload(["worker.videos"])
+    _context.set_forkserver_preload(["worker.videos", "worker.audio"])
 
 # Fault injection for the tests: a decode whose bytes hold this marker kills its own
 # process (`MLXQ_TEST_DECODER_CRASH_ON`) or never returns (`MLXQ_TEST_DECODER_HANG_ON`).

@@ -82,6 +82,9 @@ class WorkerSettings(LayeredSettings):
                                   "request's max_video_frames may ask for fewer")
     max_video_seconds: float = Field(3600.0, gt=0, description="longest video, by its container's frame count "
                                      "and rate, checked before decoding")
+    max_audios: int = Field(1, ge=0, description="most audio clips in one request (models that take audio)")
+    max_audio_seconds: float = Field(600.0, gt=0, description="longest audio clip, by its header, checked "
+                                     "before decoding")
     media_decode_timeout_s: float = Field(60.0, gt=0, description="how long the decoder of one request's video "
                                           "or audio may run, in its own process, before it is killed")
     media_decode_memory_mb: int = Field(4096, ge=256, description="address space of that decoder process")

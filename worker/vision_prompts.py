@@ -21,6 +21,7 @@ import numpy as np
 
 from client.protocol import ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
 
+from .audio import AudioLimits, decode_audio
 from .images import decode_image
 from .isolated import run_isolated
 from .media import MediaKind, PreparedMedia
@@ -41,6 +42,8 @@ class MediaLimits:
     default_video_fps: float
     max_video_frames: int
     max_video_seconds: float
+    max_audios: int
+    max_audio_seconds: float
     decode_timeout_s: float
     decode_memory_bytes: int
 
@@ -60,6 +63,8 @@ class VisionPrompts:
         self.model_name = model_name
         self.limits = limits
         self.native_video = processor_handles_video(processor)
+        extractor = getattr(processor, "feature_extractor", None)
+        self.audio_rate: int | None = getattr(extractor, "sampling_rate", None) if extractor is not None else None
         self.add_special_tokens = not (model_config.model_type in TEMPLATE_ADDS_BOS
                                        and getattr(processor, "chat_template", None) is not None)
 
@@ -74,36 +79,49 @@ class VisionPrompts:
         images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(image_data)]
         sampling = self._video_sampling(body)
         videos = [self._decode_video(item, i, sampling) for i, item in enumerate(video_data)]
-        conversation, order = conversation_of(body, {"image": len(images), "video": len(videos)})
+        audio_data = decode_images(body.audio or [], "audio")
+        clips = [self._decode_audio(item, i) for i, item in enumerate(audio_data)]
+        conversation, order = conversation_of(body, {"image": len(images), "video": len(videos), "audio": len(clips)})
         sampled = f"@{sampling.fps:g}fps/{sampling.max_frames}"  # how a video was sampled changes its features
-        hashes = {"image": [_sha(d) for d in image_data], "video": [_sha(d) + sampled for d in video_data]}
+        hashes = {"image": [_sha(d) for d in image_data], "video": [_sha(d) + sampled for d in video_data],
+                  "audio": [_sha(d) for d in audio_data]}
         key = f"{self.model_name}:" + ",".join(f"{kind}:{hashes[kind][i]}" for kind, i in order)
         if videos and not self.native_video:
             conversation, order, images = _as_frames(conversation, order, images, [v[0] for v in videos])
             videos = []
-        text = self._template(conversation, sum(kind == "image" for kind, _ in order), bool(videos),
+        text = self._template(conversation, sum(kind == "image" for kind, _ in order), bool(videos or clips),
                               template_kwargs or {})
         inputs = self._process(text, [images[i] for kind, i in order if kind == "image"],
-                               [videos[i] for kind, i in order if kind == "video"])
+                               [videos[i] for kind, i in order if kind == "video"],
+                               [clips[i] for kind, i in order if kind == "audio"])
         ids = np.asarray(inputs.pop("input_ids")).reshape(-1).tolist()
-        kinds: tuple[MediaKind, ...] = ("image", "video")
+        kinds: tuple[MediaKind, ...] = ("image", "video", "audio")
         counts = {kind: len(body.media_of(kind)) for kind in kinds if body.media_of(kind)}
         return ids, PreparedMedia(key=key, inputs=inputs, counts=counts)
 
     def _check(self, body: RequestBody) -> None:
         limits = self.limits
-        for field, count, most in (("images", len(body.images or []), limits.max_images),
-                                   ("videos", len(body.videos or []), limits.max_videos)):
+        for field, setting, most in (("images", "max_images", limits.max_images),
+                                     ("videos", "max_videos", limits.max_videos),
+                                     ("audio", "max_audios", limits.max_audios)):
+            count = len(getattr(body, field) or [])
             if count > most:
-                raise RequestRejected(f"{field}: {count} {field}; this worker's max_{field} is {most}",
+                raise RequestRejected(f"{field}: {count} {'clips' if field == 'audio' else field}; this worker's "
+                                      f"{setting} is {most}",
                                       code=ErrorCode.TOO_LARGE)
+        model_type = self.model_config.model_type
+        if body.audio and self.audio_rate is None:
+            raise RequestRejected(f"audio: this model ({self.model_name}, {model_type}) takes no audio")
+        if len(body.audio or []) > 1 and not getattr(self.processor, "supports_multiple_audio", False):
+            raise RequestRejected(f"audio: this model ({model_type}) takes one audio clip a request",
+                                  code=ErrorCode.TOO_LARGE)
         if body.prompt_tokens is not None:
-            field = "images" if body.images else "videos"
+            field = next(f for f in ("images", "videos", "audio") if getattr(body, f))
             raise RequestRejected(f"{field}: send them with prompt or messages, not prompt_tokens "
                                   "(the worker places the media tokens)")
-        if body.images and body.videos and self.native_video and self.model_config.model_type in ONE_VISUAL_KIND:
-            raise RequestRejected(f"videos: this model ({self.model_config.model_type}) takes images or videos "
-                                  "in one request, not both")
+        if body.images and body.videos and self.native_video and model_type in ONE_VISUAL_KIND:
+            raise RequestRejected(f"videos: this model ({model_type}) takes images or videos in one request, "
+                                  "not both")
 
     def _video_sampling(self, body: RequestBody) -> VideoLimits:
         """The request's frame rate and frame budget (each video gets its share), under the worker's."""
@@ -117,22 +135,32 @@ class VisionPrompts:
         return run_isolated(decode_video, data, sampling, where=f"videos.{index}",
                             timeout_s=self.limits.decode_timeout_s, memory_bytes=self.limits.decode_memory_bytes)
 
-    def _template(self, conversation: str | list[Any], images: int, videos: bool,
+    def _template(self, conversation: str | list[Any], images: int, parts_in_place: bool,
                   template_kwargs: dict[str, Any]) -> str:
-        """The prompt text. mlx-vlm's formatting keeps only image and text parts, so a
-        conversation with videos goes to the chat template as it is (parts in place)."""
-        from mlx_vlm.prompt_utils import apply_chat_template, get_chat_template
+        """The prompt text. mlx-vlm's formatting keeps image and text parts (and moves
+        audio to the last user message), so a conversation with videos or audio goes to
+        the model's own chat template as it is, each part in its place."""
+        from mlx_vlm.prompt_utils import apply_chat_template
 
         try:
-            if videos:
-                assert isinstance(conversation, list)  # a request with videos is always given as parts
-                return str(get_chat_template(self.processor, conversation, True, **template_kwargs))
+            if parts_in_place:
+                assert isinstance(conversation, list)  # a request with videos or audio is always given as parts
+                tokenizer = getattr(self.processor, "tokenizer", self.processor)
+                return str(tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                         **template_kwargs))
             return str(apply_chat_template(self.processor, self.model_config, conversation, num_images=images,
                                            **template_kwargs))
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
             raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
 
-    def _process(self, text: str, images: list[Any], videos: list[tuple[np.ndarray, Any]]) -> dict[str, Any]:
+    def _decode_audio(self, data: bytes, index: int) -> np.ndarray:
+        assert self.audio_rate is not None
+        return run_isolated(decode_audio, data, AudioLimits(self.audio_rate, self.limits.max_audio_seconds),
+                            where=f"audio.{index}", timeout_s=self.limits.decode_timeout_s,
+                            memory_bytes=self.limits.decode_memory_bytes)
+
+    def _process(self, text: str, images: list[Any], videos: list[tuple[np.ndarray, Any]],
+                 clips: list[np.ndarray]) -> dict[str, Any]:
         """The processor's outputs as numpy arrays (and plain values). mlx-vlm hands them
         over as MLX arrays, some not yet evaluated: they are evaluated here, on this
         thread, since an MLX graph made on one thread cannot be evaluated on another."""
@@ -143,11 +171,11 @@ class VisionPrompts:
             extra = {"videos": [frames for frames, _ in videos], "video_metadata": [meta for _, meta in videos],
                      "fps": [meta.sampled_fps for _, meta in videos]}
         try:
-            inputs = prepare_inputs(self.processor, images=images or None, prompts=text,
+            inputs = prepare_inputs(self.processor, images=images or None, audio=clips or None, prompts=text,
                                     add_special_tokens=self.add_special_tokens,
                                     image_token_index=getattr(self.model_config, "image_token_index", None), **extra)
         except Exception as e:  # noqa: BLE001 - the family's processor refusing this request's media
-            field = "videos" if videos else "images"
+            field = "videos" if videos else "audio" if clips else "images"
             raise RequestRejected(f"{field}: the model's processor could not take them ({ascii(str(e)[:300])})") from e
         inputs.pop("attention_mask", None)  # one row: all ones, and the backend makes its own
         return {name: _host(value) for name, value in inputs.items() if value is not None}
@@ -171,10 +199,10 @@ def conversation_of(body: RequestBody, counts: dict[MediaKind, int]) -> tuple[st
     """What mlx-vlm's chat formatting takes, and the media in the order their
     placeholders come. Parts keep each item in its message; with no parts and only
     images, the images go into the last user message, as mlx-vlm places them; otherwise
-    those no part points to go first in the last user message (images, then videos)."""
+    those no part points to go first in the last user message (images, videos, audio)."""
     loose_order: Order = [(kind, i) for kind, count in counts.items() for i in range(count)]
     messages = body.messages or []
-    if not any(m.media_parts() for m in messages) and not counts.get("video"):
+    if not any(m.media_parts() for m in messages) and not counts.get("video") and not counts.get("audio"):
         if body.messages is None:  # a plain prompt with images: one user message
             return body.prompt or "", loose_order
         return [m.model_dump(exclude_none=True) for m in messages], loose_order
@@ -230,11 +258,11 @@ def _as_frames(conversation: str | list[Any], order: Order, images: list[Any], v
             continue
         content = []
         for part in message["content"]:
-            if part["type"] not in ("image", "video"):
+            if part["type"] == "text":
                 content.append(part)
                 continue
-            kind, index = next(items)
-            if kind == "image":
+            kind, index = next(items)  # the media parts come in `order`
+            if kind != "video":
                 content.append(part)
                 new_order.append((kind, index))
             else:

@@ -86,6 +86,7 @@ def media_limits(settings: WorkerSettings) -> MediaLimits:
     return MediaLimits(max_images=settings.max_images, max_image_pixels=settings.max_image_pixels,
                        max_videos=settings.max_videos, default_video_fps=settings.default_video_fps,
                        max_video_frames=settings.max_video_frames, max_video_seconds=settings.max_video_seconds,
+                       max_audios=settings.max_audios, max_audio_seconds=settings.max_audio_seconds,
                        decode_timeout_s=settings.media_decode_timeout_s,
                        decode_memory_bytes=settings.media_decode_memory_mb << 20)
 
@@ -141,6 +142,8 @@ class VisionBatchBackend:
 
         self._model = model
         self._encoder = encoder
+        self._media_prefills_alone = model.config.model_type in MEDIA_PREFILLS_ALONE
+        self._media_uids: set[int] = set()  # waiting or prefilling, in such a family
         self._cache = cache
         self._cached_tokens: dict[int, int] = {}  # prefilled, first token not yet out
         self._taps: dict[int, _LogprobsTap] = {}  # the sequences that asked for logprobs
@@ -166,6 +169,8 @@ class VisionBatchBackend:
                                         logits_processors=[processors or None])
         if tap is not None:
             self._taps[uid] = tap
+        if media is not None and self._media_prefills_alone:
+            self._media_uids.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
@@ -173,12 +178,14 @@ class VisionBatchBackend:
             self._generator.remove(uid)
             self._cached_tokens.pop(uid, None)
             self._taps.pop(uid, None)
+            self._media_uids.discard(uid)
         return {}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._follow(plan)
         prefilled, generated = self._generator.next()
         self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
+        self._media_uids.difference_update(p.uid for p in prefilled)
         return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None),
                          logprobs=self._drawn_from(r.uid))
                 for r in generated]
@@ -192,6 +199,10 @@ class VisionBatchBackend:
         generator = self._generator
         generator.prefill_step_size = plan.prefill_chunk
         generator.prefill_batch_size = min(plan.prefill_prompts, self._prefill_batch_size)
+        if self._media_uids:  # one of those among the next prompts: each of them prefills alone
+            waiting = getattr(generator, "_unprocessed_sequences", ())[:generator.prefill_batch_size]
+            if any(sequence[0] in self._media_uids for sequence in waiting):
+                generator.prefill_batch_size = 1
         # Its private state, read as upcoming_tokens reads it: a release that moves it leaves
         # the batch in flight at its own chunk, never a step that fails.
         batch: Any = getattr(generator, "_prompt_batch", None)
@@ -239,9 +250,16 @@ class VisionBatchBackend:
         features = self._cache.get(key)
         if features is None:
             features = self._encoder(self._model, pixels, inputs)
-            self._cache.put(key, features)
+            if features is not None:
+                self._cache.put(key, features)
         return features
 
+
+# Families whose media prompts mlx-vlm 0.7.10 prefills wrongly beside other prompts: under
+# left padding Qwen 3's deepstack features land on the wrong rows and columns (another
+# row's text changes the answer, two image rows fail). Their media prompts prefill alone;
+# decoding is batched as for every family.
+MEDIA_PREFILLS_ALONE = ("qwen3_vl", "qwen3_vl_moe")
 
 # Embedding outputs mlx-vlm's batch cannot merge across rows and that carry nothing for
 # one unpadded row: Gemma 3's 4-D attention mask is the outer product of the all-ones mask.

@@ -4,7 +4,8 @@ A family's `get_input_embeddings` runs its vision tower and merges the features 
 the token embeddings; given `cached_image_features`, it merges those instead. For the
 vision-embedding cache to hold them, the tower must be run apart from the merge, which
 each family does its own way: the families below are those where that gives exactly
-what the merge would have computed. The others run their tower on every request.
+what the merge would have computed (tested: a cached request reads as an uncached
+one). The others run their tower on every request.
 """
 
 from __future__ import annotations
@@ -34,7 +35,15 @@ def _gemma3(model: Any, pixels: mx.array | None, inputs: Mapping[str, Any]) -> m
     return model.multi_modal_projector(hidden)
 
 
-OWN_ENCODERS: dict[str, Encoder] = {"qwen2_vl": _qwen2, "qwen2_5_vl": _qwen2, "gemma3": _gemma3}
+def _gemma4(model: Any, pixels: mx.array | None, inputs: Mapping[str, Any]) -> mx.array | None:
+    """Its images' features (its videos' are not cached: it merges them apart)."""
+    return None if pixels is None else model.encode_image(pixels, inputs.get("image_position_ids"))
+
+
+ENCODERS: dict[str, Encoder] = {"qwen2_vl": _qwen2, "qwen2_5_vl": _qwen2, "gemma3": _gemma3, "gemma4": _gemma4}
+
+# The families whose videos' features are cached too: natively, or as their frames' (Gemma 3).
+CACHES_VIDEOS = ("qwen2_vl", "qwen2_5_vl", "gemma3")
 
 # Why a family's features are not cached, where the reason is more than "not listed".
 NOT_CACHED = {
@@ -47,20 +56,11 @@ NOT_CACHED = {
 
 
 def encoder_for(model: Any) -> Encoder | None:
-    """How to compute `model`'s image features alone: its family's own way, mlx-vlm's
-    `encode_images` / `encode_image` where the model has them, or None (not cached)."""
-    model_type = model.config.model_type
-    if model_type in NOT_CACHED:
-        return None
-    if model_type in OWN_ENCODERS:
-        return OWN_ENCODERS[model_type]
-    if hasattr(model, "encode_images"):
-        return lambda model, pixels, inputs: model.encode_images(pixels, **inputs)
-    if hasattr(model, "encode_image"):
-        return lambda model, pixels, inputs: model.encode_image(pixels)
-    return None
+    """How to compute `model`'s vision features alone, or None (not cached). Only the
+    families above, each checked to merge its cached features exactly as its own."""
+    return ENCODERS.get(model.config.model_type)
 
 
 def not_cached_because(model_type: str) -> str:
-    """Why the image features of `model_type` are not cached, for the start-up log."""
-    return NOT_CACHED.get(model_type, "mlx-vlm runs its tower only inside get_input_embeddings")
+    """Why the vision features of `model_type` are not cached, for the start-up log."""
+    return NOT_CACHED.get(model_type, "its tower has not been checked to run apart from the merge here")
