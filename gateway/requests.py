@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from common.media_formats import AUDIO_FORMATS, audio_format
+
 from .errors import ApiError
 
 # What a request may carry beyond OpenAI's fields (extra_body): vLLM's names, and mlxq's
@@ -87,11 +89,17 @@ class VideoUrl(_Strict):
     url: str
 
 
+class InputAudio(_Strict):
+    data: str  # base64
+    format: str
+
+
 class ContentPart(_Strict):
-    type: Literal["text", "image_url", "video_url"]  # video_url: vLLM's extension
+    type: Literal["text", "image_url", "video_url", "input_audio"]  # video_url: vLLM's extension
     text: str | None = None
     image_url: ImageUrl | None = None
     video_url: VideoUrl | None = None
+    input_audio: InputAudio | None = None
 
 
 class ChatMessage(_Strict):
@@ -134,6 +142,7 @@ class ChatRequest(_Sampling):
         body = self._common_body()
         messages, media = _messages(self.messages)
         body.update(messages=messages, images=media["image"] or None, videos=media["video"] or None,
+                    audio=media["audio"] or None,
                     logprobs=self.logprobs, top_logprobs=self.top_logprobs, tools=self.tools,
                     tool_choice=self.tool_choice, chat_template_kwargs=self.chat_template_kwargs)
         body["max_tokens"] = self.max_completion_tokens or self.max_tokens
@@ -204,9 +213,9 @@ def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[str, 
 def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[str, list[bytes]]]:
     """mlxq's messages and the request's media: OpenAI's content parts become mlxq's, an
     `image_url` part an `{"type": "image", "index": i}` part where it was, its bytes the
-    request's i-th image (a `video_url` part likewise a video)."""
+    request's i-th image (a `video_url` part likewise a video, an `input_audio` part audio)."""
     out: list[dict[str, Any]] = []
-    media: dict[str, list[bytes]] = {"image": [], "video": []}
+    media: dict[str, list[bytes]] = {"image": [], "video": [], "audio": []}
     for i, message in enumerate(messages):
         content: Any = message.content
         if isinstance(message.content, list):
@@ -215,15 +224,37 @@ def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[s
                 if part.type == "text":
                     content.append({"type": "text", "text": part.text or ""})
                     continue
-                kind = "image" if part.type == "image_url" else "video"
-                url = part.image_url if kind == "image" else part.video_url
-                media[kind].append(_data_url(f"messages.{i}.content.{j}.{part.type}", url, kind))
+                where = f"messages.{i}.content.{j}.{part.type}"
+                if part.type == "input_audio":
+                    kind, data = "audio", _input_audio(where, part.input_audio)
+                else:
+                    kind = "image" if part.type == "image_url" else "video"
+                    data = _data_url(where, part.image_url if kind == "image" else part.video_url, kind)
+                media[kind].append(data)
                 content.append({"type": kind, "index": len(media[kind]) - 1})
         role = "system" if message.role == "developer" else message.role
         out.append({k: v for k, v in {"role": role, "content": content, "name": message.name,
                                       "tool_calls": message.tool_calls,
                                       "tool_call_id": message.tool_call_id}.items() if v is not None})
     return out, media
+
+
+def _input_audio(where: str, part: InputAudio | None) -> bytes:
+    """An input_audio part's bytes, in the format it says it is."""
+    if part is None:
+        raise ApiError.invalid(f"{where}: missing", param=where)
+    if part.format not in AUDIO_FORMATS:
+        raise ApiError.invalid(f"{where}.format: {part.format[:20]!r} is not one of {', '.join(AUDIO_FORMATS)}",
+                               param=f"{where}.format")
+    try:
+        data = base64.b64decode(part.data, validate=True)
+    except binascii.Error as e:
+        raise ApiError.invalid(f"{where}.data: not valid base64 ({e})", param=f"{where}.data") from e
+    found = audio_format(data)
+    if found != part.format:
+        raise ApiError.invalid(f"{where}: the format says {part.format}, the data is "
+                               f"{found or 'none of ' + ', '.join(AUDIO_FORMATS)}", param=f"{where}.format")
+    return data
 
 
 def _data_url(where: str, part: ImageUrl | VideoUrl | None, kind: str) -> bytes:

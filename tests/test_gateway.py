@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import io
 import json
 import re
 import shutil
@@ -482,6 +483,42 @@ def test_a_video_part_through_the_gateway(gateway, valkey, vision_model, logs_di
         assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 30  # the video's tokens are in it
     finally:
         vision.stop()
+
+
+def test_an_input_audio_part_through_the_gateway(gateway, valkey, logs_dir, tmp_path):
+    """OpenAI's `input_audio` part ({data, format}) on a model that takes audio (the demo
+    Gemma 4) reads as the raw request with the clip in its place; a format that is not
+    what the data is, is a 400 naming the part."""
+    import wave
+
+    from support import build_demo_model
+
+    model = build_demo_model(tmp_path / "gemma4", "--vision", "--family", "gemma4")
+    clip = io.BytesIO()
+    with wave.open(clip, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes((np.random.RandomState(4).randn(16000) * 3000).astype("<i2").tobytes())
+    data = base64.b64encode(clip.getvalue()).decode()
+    worker = start_worker(valkey, model, f"ga{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        def chat(part: dict) -> list[dict]:
+            return [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]},
+                    {"role": "assistant", "content": "A sound."}, {"role": "user", "content": "Sure?"}]
+
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+            response = sdk.chat.completions.create(model=worker.queue, max_tokens=8, messages=chat(
+                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}))
+            with pytest.raises(openai.BadRequestError, match="the format says mp3, the data is wav"):
+                sdk.chat.completions.create(model=worker.queue, max_tokens=8, messages=chat(
+                    {"type": "input_audio", "input_audio": {"data": data, "format": "mp3"}}))
+        with Client(valkey, queue=worker.queue) as mlxq:
+            raw = mlxq.generate(messages=chat({"type": "audio", "index": 0}), audio=[clip.getvalue()], max_tokens=8)
+        assert response.choices[0].message.content == raw.text
+        assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 25  # the clip's tokens are in it
+    finally:
+        worker.stop()
 
 
 def _image_in_an_earlier_turn(gateway, valkey, queue: str, image: bytes) -> None:

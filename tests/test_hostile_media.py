@@ -94,3 +94,57 @@ def test_a_decoder_crash_counts_toward_max_crashes(worker, r, outputs, new_id, t
     assert "crashed 2 time(s)" in error.message
     dead = [fields for _, fields in r.xrange(KEYS.dead(worker.queue)) if fields.get(b"field:id") == rid.encode()]
     assert len(dead) == 1 and b"SIGSEGV" in dead[0][b"reason"], "dead-lettered, with the reason"
+
+
+def wav(seconds: float, rate: int = 16000) -> bytes:
+    import wave
+
+    out = io.BytesIO()
+    with wave.open(out, "wb") as clip:
+        clip.setnchannels(1)
+        clip.setsampwidth(2)
+        clip.setframerate(rate)
+        clip.writeframes((np.random.RandomState(2).randn(int(seconds * rate)) * 3000).astype("<i2").tobytes())
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def audio_worker(tmp_path_factory: pytest.TempPathFactory, redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
+    from support import build_demo_model
+
+    model = build_demo_model(tmp_path_factory.mktemp("model") / "gemma4", "--vision", "--family", "gemma4")
+    env = {"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode()}
+    process = start_worker(worker_url(redis_url), model, f"hostilea{uuid.uuid4().hex[:6]}", logs_dir, env=env,
+                           max_audio_seconds=2, max_crashes=1)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+
+
+def test_each_hostile_audio_clip_costs_its_own_request_only(audio_worker, r, outputs, new_id):
+    """Random bytes, a truncated WAV, a clip longer than max_audio_seconds (2 s here) by
+    its header, a PNG as audio, and a clip that crashes its decoder, each beside a valid
+    clip; max_crashes 1 dead-letters the crashing one at once."""
+    worker, good = audio_worker, base64.b64encode(wav(1.0)).decode()
+    clip = wav(1.0)
+    hostile = {
+        "random bytes": (np.random.RandomState(1).bytes(5000), "invalid_request", "not audio in a format served"),
+        "truncated": (clip[: len(clip) // 2], "invalid_request", "a truncated WAV"),
+        "too long": (wav(3.0), "too_large", "max_audio_seconds is 2"),
+        "a png": (png(), "invalid_request", "not audio in a format served"),
+        "decoder crashes": (clip + CRASH, "poisoned", "killed by SIGSEGV"),
+    }
+    rss_before = psutil.Process(worker.process.pid).memory_info().rss
+    for name, (data, code, says) in hostile.items():
+        bad, fine = new_id("bad"), new_id("fine")
+        for rid, payload in ((bad, base64.b64encode(data).decode()), (fine, good)):
+            body = {"messages": [{"role": "user", "content": [{"type": "audio", "index": 0}]}],
+                    "audio": [payload], "max_tokens": 4}
+            r.xadd(KEYS.queue(worker.queue), {"id": rid, "json": json.dumps(body)})
+        error = check_stream(outputs.of(bad, timeout=120))
+        assert isinstance(error, Error) and error.code == code and says in error.message, (name, error)
+        assert error.message.startswith("audio.0: ") or code == "poisoned", error.message
+        assert isinstance(check_stream(outputs.of(fine, timeout=120)), Done), name
+        assert worker.process.poll() is None, f"{name}: the worker died"
+    grown = psutil.Process(worker.process.pid).memory_info().rss - rss_before
+    assert grown < 200 << 20, f"the worker's RSS grew by {grown >> 20} MB"

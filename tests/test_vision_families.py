@@ -19,10 +19,11 @@ import pytest
 from PIL import Image
 from support import KEYS, WorkerProcess, build_demo_model, check_stream, start_worker, worker_url
 
-from client import Delta, Done
+from client import Delta, Done, Error
 from mlxq.demo_vision import FAMILIES
 
 MAX_TOKENS = 24
+AUDIO_FAMILIES = ("gemma4",)
 
 
 def png(width: int, height: int, seed: int) -> bytes:
@@ -40,6 +41,20 @@ def mp4(path: Path, frames: int = 16, fps: float = 8.0, seed: int = 0) -> bytes:
     for i in range(frames):
         writer.write((np.random.RandomState(seed * 1000 + i).rand(48, 64, 3) * 255).astype(np.uint8))
     writer.release()
+    return path.read_bytes()
+
+
+def wav(path: Path, seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> bytes:
+    """A mono 16-bit WAV of noise under a tone."""
+    import wave
+
+    t = np.arange(int(seconds * rate)) / rate
+    samples = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.random.RandomState(seed).randn(len(t))
+    with wave.open(str(path), "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes((samples * 32767).astype("<i2").tobytes())
     return path.read_bytes()
 
 
@@ -112,7 +127,18 @@ def mlx_vlm_alone(family_model: tuple[str, Path]) -> Any:
         return generate(model, processor, prompt, image=stills, max_tokens=MAX_TOKENS, temperature=0.0,
                         verbose=False).token_ids
 
+    def run_audio(path: Path, question: str) -> list[int]:
+        """mlx-vlm's own answer to the clip, read by its own loader at the model's rate."""
+        from mlx_vlm.utils import load_audio
+
+        clip = load_audio(str(path), sr=processor.feature_extractor.sampling_rate)
+        prompt = processor.tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "audio"}, {"type": "text", "text": question}]}], tokenize=False, add_generation_prompt=True)
+        return generate(model, processor, prompt, audio=[clip], max_tokens=MAX_TOKENS, temperature=0.0,
+                        verbose=False).token_ids
+
     run.video = run_video  # type: ignore[attr-defined]
+    run.audio = run_audio  # type: ignore[attr-defined]
     return run
 
 
@@ -197,6 +223,31 @@ def test_a_video_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, famil
         assert isinstance(done, Done), done
         assert tokens_of(events) == expected
         assert done.usage.prompt_tokens > 20, "the video's tokens are in the prompt"
+
+
+def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_model, mlx_vlm_alone, r, outputs,
+                                                          new_id, tmp_path):
+    """An audio part reads as mlx-vlm reads the clip, on a family that takes audio; on
+    the others it is an invalid_request that says so."""
+    clip = wav(tmp_path / "clip.wav")
+    messages = [{"role": "user", "content": [{"type": "audio", "index": 0}, {"type": "text", "text": "What is it?"}]}]
+    in_json, in_msgpack = new_id("json"), new_id("msgpack")
+    body = {"messages": messages, "max_tokens": MAX_TOKENS}
+    r.xadd(KEYS.queue(family_worker.queue), {"id": in_json, "json": json.dumps(
+        {**body, "audio": [base64.b64encode(clip).decode()]})})
+    r.xadd(KEYS.queue(family_worker.queue), {"id": in_msgpack, "msgpack": msgpack.packb({**body, "audio": [clip]})})
+    if family_model[0] not in AUDIO_FAMILIES:
+        for rid in (in_json, in_msgpack):
+            error = check_stream(outputs.of(rid))
+            assert isinstance(error, Error) and error.code == "invalid_request" and "takes no audio" in error.message
+        return
+    expected = mlx_vlm_alone.audio(tmp_path / "clip.wav", "What is it?")
+    for rid in (in_json, in_msgpack):
+        events = outputs.of(rid)
+        done = check_stream(events)
+        assert isinstance(done, Done), done
+        assert tokens_of(events) == expected
+        assert done.usage.prompt_tokens > 25, "the clip's 25 tokens (40 ms each) are in the prompt"
 
 
 def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, outputs, new_id, tmp_path):
