@@ -112,6 +112,19 @@ def test_demo_model_command_builds_a_loadable_model(tmp_path):
     assert tokenizer.has_chat_template and len(tokenizer.eos_token_ids) == 2
 
 
+def test_demo_model_families_are_listed_and_need_vision(tmp_path):
+    """`--family` takes one of the families mlx-vlm builds here, listed by --help, and only
+    with --vision; `--vision` alone stays the Qwen2-VL model."""
+    from mlxq.demo_vision import FAMILIES
+
+    shown = mlxq("demo-model", "--help")
+    assert all(family in shown.stdout for family in FAMILIES) and len(FAMILIES) >= 6
+    refused = mlxq("demo-model", "--family", "gemma3", str(tmp_path / "x"))
+    assert refused.returncode != 0 and "--family goes with --vision" in refused.stderr
+    unknown = mlxq("demo-model", "--vision", "--family", "llava", str(tmp_path / "y"))
+    assert unknown.returncode == 2 and "invalid choice" in unknown.stderr
+
+
 def test_worker_exits_non_zero_when_the_model_cannot_load(valkey, tmp_path):
     """A model directory that holds no model stops the worker with status 1 and says why."""
     result = mlxq("worker", "--redis-url", valkey, "--model", str(tmp_path), "--queue", "nomodel",
