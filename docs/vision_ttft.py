@@ -23,7 +23,7 @@ def png(width: int, height: int, seed: int) -> bytes:
 
 
 def ttft(client: Client, image: bytes) -> float:
-    return client.generate("Describe", images=[image], max_tokens=4, timeout=60).timing["ttft_ms"]
+    return client.generate("Describe", images=[image], max_tokens=4, timeout=60).timing.ttft_ms
 
 
 def main(url: str, queue: str) -> None:
