@@ -302,3 +302,22 @@ def test_prefilled_in_one_batch_each_reads_as_alone(family_model):
         return [out[uid] for uid in uids]
 
     assert run([0, 1, 2]) == [run([k])[0] for k in range(3)]
+
+
+def test_a_model_mlx_vlm_cannot_batch_is_refused_at_start_with_the_reason(tmp_path):
+    """A vision model whose mlx-vlm class has no language model over input embeddings
+    (which mlx-vlm's batch runs on) never starts serving: the worker says why."""
+    from types import SimpleNamespace
+
+    from worker.backends.mlx_vlm import unbatchable
+
+    assert "no language model taking input embeddings" in unbatchable(SimpleNamespace(config=SimpleNamespace(
+        model_type="an_encoder")))
+
+
+def test_every_demo_family_is_batchable(family_model):
+    from mlx_vlm import load
+
+    from worker.backends.mlx_vlm import unbatchable
+
+    assert unbatchable(load(str(family_model[1]))[0]) is None
