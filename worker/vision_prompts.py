@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from client.protocol import ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
+from client.protocol import MEDIA_FIELDS, ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
 
 from .audio import AudioLimits, decode_audio
 from .images import decode_image
@@ -48,6 +48,7 @@ class MediaLimits:
     decode_memory_bytes: int
 
 
+KINDS: tuple[MediaKind, ...] = ("image", "video", "audio")
 # Families whose get_input_embeddings takes images or videos in one request, not both.
 ONE_VISUAL_KIND = ("qwen2_vl", "qwen2_5_vl")
 
@@ -75,17 +76,14 @@ class VisionPrompts:
         chat_template_kwargs)."""
         assert body.has_media
         self._check(body)
-        image_data, video_data = decode_images(body.images or []), decode_images(body.videos or [], "videos")
-        images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(image_data)]
         sampling = self._video_sampling(body)
-        videos = [self._decode_video(item, i, sampling) for i, item in enumerate(video_data)]
-        audio_data = decode_images(body.audio or [], "audio")
-        clips = [self._decode_audio(item, i) for i, item in enumerate(audio_data)]
-        conversation, order = conversation_of(body, {"image": len(images), "video": len(videos), "audio": len(clips)})
-        sampled = f"@{sampling.fps:g}fps/{sampling.max_frames}"  # how a video was sampled changes its features
-        hashes = {"image": [_sha(d) for d in image_data], "video": [_sha(d) + sampled for d in video_data],
-                  "audio": [_sha(d) for d in audio_data]}
-        key = f"{self.model_name}:" + ",".join(f"{kind}:{hashes[kind][i]}" for kind, i in order)
+        data = {kind: decode_images(body.media_of(kind), MEDIA_FIELDS[kind]) for kind in KINDS}
+        images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(data["image"])]
+        videos = [self._decode_video(item, i, sampling) for i, item in enumerate(data["video"])]
+        clips = [self._decode_audio(item, i) for i, item in enumerate(data["audio"])]
+        counts = {kind: len(items) for kind, items in data.items() if items}
+        conversation, order = conversation_of(body, counts)
+        key = self._cache_key(data, order, sampling)
         if videos and not self.native_video:
             conversation, order, images = _as_frames(conversation, order, images, [v[0] for v in videos])
             videos = []
@@ -95,9 +93,16 @@ class VisionPrompts:
                                [videos[i] for kind, i in order if kind == "video"],
                                [clips[i] for kind, i in order if kind == "audio"])
         ids = np.asarray(inputs.pop("input_ids")).reshape(-1).tolist()
-        kinds: tuple[MediaKind, ...] = ("image", "video", "audio")
-        counts = {kind: len(body.media_of(kind)) for kind in kinds if body.media_of(kind)}
         return ids, PreparedMedia(key=key, inputs=inputs, counts=counts)
+
+    def _cache_key(self, data: dict[MediaKind, list[bytes]], order: Order, sampling: VideoLimits) -> str:
+        """The model, and each item's kind and content hash in prompt order; a video's with
+        how it is sampled, which changes its features."""
+        def item(kind: MediaKind, index: int) -> str:
+            sampled = f"@{sampling.fps:g}fps/{sampling.max_frames}" if kind == "video" else ""
+            return f"{kind}:{hashlib.sha256(data[kind][index]).hexdigest()}{sampled}"
+
+        return f"{self.model_name}:" + ",".join(item(kind, index) for kind, index in order)
 
     def _check(self, body: RequestBody) -> None:
         limits = self.limits
@@ -179,10 +184,6 @@ class VisionPrompts:
             raise RequestRejected(f"{field}: the model's processor could not take them ({ascii(str(e)[:300])})") from e
         inputs.pop("attention_mask", None)  # one row: all ones, and the backend makes its own
         return {name: _host(value) for name, value in inputs.items() if value is not None}
-
-
-def _sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _host(value: Any) -> Any:
