@@ -467,20 +467,10 @@ def test_a_video_part_through_the_gateway(gateway, valkey, vision_model, logs_di
     url = "data:video/mp4;base64," + base64.b64encode(video).decode()
     vision = start_worker(valkey, vision_model, f"gv{uuid.uuid4().hex[:6]}", logs_dir)
     try:
-        def chat(part: dict) -> list[dict]:
-            return [{"role": "user", "content": [{"type": "text", "text": "What moves?"}, part]},
-                    {"role": "assistant", "content": "Noise."}, {"role": "user", "content": "Sure?"}]
-
-        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
-            response = sdk.chat.completions.create(model=vision.queue, max_tokens=8, messages=chat(
-                {"type": "video_url", "video_url": {"url": url}}))
-            with pytest.raises(openai.BadRequestError, match="only data: URLs are accepted"):
-                sdk.chat.completions.create(model=vision.queue, max_tokens=8, messages=chat(
-                    {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}))
-        with Client(valkey, queue=vision.queue) as mlxq:
-            raw = mlxq.generate(messages=chat({"type": "video", "index": 0}), videos=[video], max_tokens=8)
-        assert response.choices[0].message.content == raw.text
-        assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 30  # the video's tokens are in it
+        _a_part_reads_as_the_raw_request(gateway, valkey, vision.queue, "video", video, {
+            "type": "video_url", "video_url": {"url": url}}, ({
+                "type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+                "only data: URLs are accepted"))
     finally:
         vision.stop()
 
@@ -503,22 +493,31 @@ def test_an_input_audio_part_through_the_gateway(gateway, valkey, logs_dir, tmp_
     data = base64.b64encode(clip.getvalue()).decode()
     worker = start_worker(valkey, model, f"ga{uuid.uuid4().hex[:6]}", logs_dir)
     try:
-        def chat(part: dict) -> list[dict]:
-            return [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, part]},
-                    {"role": "assistant", "content": "A sound."}, {"role": "user", "content": "Sure?"}]
-
-        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
-            response = sdk.chat.completions.create(model=worker.queue, max_tokens=8, messages=chat(
-                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}))
-            with pytest.raises(openai.BadRequestError, match="the format says mp3, the data is wav"):
-                sdk.chat.completions.create(model=worker.queue, max_tokens=8, messages=chat(
-                    {"type": "input_audio", "input_audio": {"data": data, "format": "mp3"}}))
-        with Client(valkey, queue=worker.queue) as mlxq:
-            raw = mlxq.generate(messages=chat({"type": "audio", "index": 0}), audio=[clip.getvalue()], max_tokens=8)
-        assert response.choices[0].message.content == raw.text
-        assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 25  # the clip's tokens are in it
+        _a_part_reads_as_the_raw_request(gateway, valkey, worker.queue, "audio", clip.getvalue(), {
+            "type": "input_audio", "input_audio": {"data": data, "format": "wav"}}, ({
+                "type": "input_audio", "input_audio": {"data": data, "format": "mp3"}},
+                "the format says mp3, the data is wav"))
     finally:
         worker.stop()
+
+
+def _a_part_reads_as_the_raw_request(gateway, valkey, queue: str, kind: str, data: bytes, part: dict,
+                                     refused: tuple[dict, str]) -> None:
+    """An OpenAI media `part` in the first of two user turns gives what the raw request
+    with mlxq's part there gives; the `refused` part is a 400 saying what it says."""
+    def chat(media: dict) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "text", "text": "What is it?"}, media]},
+                {"role": "assistant", "content": "Noise."}, {"role": "user", "content": "Sure?"}]
+
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=KEY, max_retries=0) as sdk:
+        response = sdk.chat.completions.create(model=queue, max_tokens=8, messages=chat(part))
+        with pytest.raises(openai.BadRequestError, match=refused[1]):
+            sdk.chat.completions.create(model=queue, max_tokens=8, messages=chat(refused[0]))
+    with Client(valkey, queue=queue) as mlxq:
+        field = {"video": "videos", "audio": "audio"}[kind]
+        raw = mlxq.generate(messages=chat({"type": kind, "index": 0}), max_tokens=8, **{field: [data]})
+    assert response.choices[0].message.content == raw.text
+    assert response.usage.prompt_tokens == raw.usage.prompt_tokens > 25  # the media's tokens are in it
 
 
 def _image_in_an_earlier_turn(gateway, valkey, queue: str, image: bytes) -> None:

@@ -205,24 +205,34 @@ def wait_for_stats(r: Any, worker: WorkerProcess, settled: Any, timeout: float =
 
 
 
+def in_json_and_msgpack(r: Any, queue: str, new_id: Any, body: dict, field: str, data: bytes) -> tuple[str, str]:
+    """`body` with `data` in `field` submitted twice, as a producer in any language would:
+    base64 in JSON, raw bytes in msgpack."""
+    in_json, in_msgpack = new_id("json"), new_id("msgpack")
+    r.xadd(KEYS.queue(queue), {"id": in_json, "json": json.dumps({**body, field: [base64.b64encode(data).decode()]})})
+    r.xadd(KEYS.queue(queue), {"id": in_msgpack, "msgpack": msgpack.packb({**body, field: [data]})})
+    return in_json, in_msgpack
+
+
+def each_reads(outputs: Any, ids: tuple[str, ...], expected: list[int], more_prompt_than: int) -> None:
+    """Each request's tokens are `expected`, its prompt longer than the text alone."""
+    for rid in ids:
+        events = outputs.of(rid)
+        done = check_stream(events)
+        assert isinstance(done, Done), done
+        assert tokens_of(events) == expected
+        assert done.usage.prompt_tokens > more_prompt_than, "the media's tokens are in the prompt"
+
+
 def test_a_video_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_model, mlx_vlm_alone, r, outputs,
                                                              new_id, tmp_path):
     """A video part in JSON (base64) and in msgpack (raw bytes) reads as mlx-vlm reads
     the same video: natively, or as its frames (Gemma 3, Idefics3)."""
     video = mp4(tmp_path / "clip.mp4")
     messages = [{"role": "user", "content": [{"type": "video", "index": 0}, {"type": "text", "text": "What moves?"}]}]
-    in_json, in_msgpack = new_id("json"), new_id("msgpack")
-    body = {"messages": messages, "max_tokens": MAX_TOKENS, "video_fps": VIDEO_FPS}
-    r.xadd(KEYS.queue(family_worker.queue), {"id": in_json, "json": json.dumps(
-        {**body, "videos": [base64.b64encode(video).decode()]})})
-    r.xadd(KEYS.queue(family_worker.queue), {"id": in_msgpack, "msgpack": msgpack.packb({**body, "videos": [video]})})
-    expected = mlx_vlm_alone.video(tmp_path / "clip.mp4", "What moves?")
-    for rid in (in_json, in_msgpack):
-        events = outputs.of(rid)
-        done = check_stream(events)
-        assert isinstance(done, Done), done
-        assert tokens_of(events) == expected
-        assert done.usage.prompt_tokens > 20, "the video's tokens are in the prompt"
+    ids = in_json_and_msgpack(r, family_worker.queue, new_id, {"messages": messages, "max_tokens": MAX_TOKENS,
+                                                                 "video_fps": VIDEO_FPS}, "videos", video)
+    each_reads(outputs, ids, mlx_vlm_alone.video(tmp_path / "clip.mp4", "What moves?"), more_prompt_than=20)
 
 
 def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_model, mlx_vlm_alone, r, outputs,
@@ -231,23 +241,15 @@ def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_
     the others it is an invalid_request that says so."""
     clip = wav(tmp_path / "clip.wav")
     messages = [{"role": "user", "content": [{"type": "audio", "index": 0}, {"type": "text", "text": "What is it?"}]}]
-    in_json, in_msgpack = new_id("json"), new_id("msgpack")
-    body = {"messages": messages, "max_tokens": MAX_TOKENS}
-    r.xadd(KEYS.queue(family_worker.queue), {"id": in_json, "json": json.dumps(
-        {**body, "audio": [base64.b64encode(clip).decode()]})})
-    r.xadd(KEYS.queue(family_worker.queue), {"id": in_msgpack, "msgpack": msgpack.packb({**body, "audio": [clip]})})
+    ids = in_json_and_msgpack(r, family_worker.queue, new_id, {"messages": messages, "max_tokens": MAX_TOKENS},
+                              "audio", clip)
     if family_model[0] not in AUDIO_FAMILIES:
-        for rid in (in_json, in_msgpack):
+        for rid in ids:
             error = check_stream(outputs.of(rid))
             assert isinstance(error, Error) and error.code == "invalid_request" and "takes no audio" in error.message
         return
-    expected = mlx_vlm_alone.audio(tmp_path / "clip.wav", "What is it?")
-    for rid in (in_json, in_msgpack):
-        events = outputs.of(rid)
-        done = check_stream(events)
-        assert isinstance(done, Done), done
-        assert tokens_of(events) == expected
-        assert done.usage.prompt_tokens > 25, "the clip's 25 tokens (40 ms each) are in the prompt"
+    # the clip's 25 tokens (40 ms each) are in the prompt
+    each_reads(outputs, ids, mlx_vlm_alone.audio(tmp_path / "clip.wav", "What is it?"), more_prompt_than=25)
 
 
 def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, outputs, new_id, tmp_path):
