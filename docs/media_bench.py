@@ -49,7 +49,7 @@ def ttft(url: str, queue: str) -> None:
         def one(video: bytes) -> float:
             return client.generate("What happens?", videos=[video], max_tokens=4, timeout=60).timing.ttft_ms
 
-        one(mp4(999))  # warm up: the decoders' server process starts on the first video
+        one(mp4(999))  # warm up
         fresh = [one(mp4(seed)) for seed in range(N)]
         same = mp4(12345)
         one(same)

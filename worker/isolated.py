@@ -17,6 +17,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
@@ -32,6 +33,15 @@ if sys.platform == "linux":  # what the server imports once, so that each child 
 # Fault injection for the tests: a decode whose bytes hold this marker kills its own
 # process (`MLXQ_TEST_DECODER_CRASH_ON`) or never returns (`MLXQ_TEST_DECODER_HANG_ON`).
 CRASH_ON, HANG_ON = "MLXQ_TEST_DECODER_CRASH_ON", "MLXQ_TEST_DECODER_HANG_ON"
+
+
+def warm_up() -> None:
+    """Start the decoders' server now, in the background, so that the first video or
+    audio request does not wait for it (it imports OpenCV and mlx-vlm: about a second)."""
+    if sys.platform == "linux":
+        from multiprocessing import forkserver
+
+        threading.Thread(target=forkserver.ensure_running, name="mlxq-decoders", daemon=True).start()
 
 
 class DecoderDied(RuntimeError):

@@ -23,7 +23,7 @@ from client.protocol import MEDIA_FIELDS, ErrorCode, Message, RequestBody, Reque
 
 from .audio import AudioLimits, decode_audio
 from .images import decode_image
-from .isolated import run_isolated
+from .isolated import run_isolated, warm_up
 from .media import MediaKind, PreparedMedia
 from .videos import VideoLimits, decode_video
 
@@ -68,6 +68,8 @@ class VisionPrompts:
         self.audio_rate: int | None = getattr(extractor, "sampling_rate", None) if extractor is not None else None
         self.add_special_tokens = not (model_config.model_type in TEMPLATE_ADDS_BOS
                                        and getattr(processor, "chat_template", None) is not None)
+        if limits.max_videos or (limits.max_audios and self.audio_rate is not None):
+            warm_up()
 
     def prepare(self, body: RequestBody, template_kwargs: dict[str, Any] | None = None,
                 ) -> tuple[list[int], PreparedMedia]:
