@@ -86,8 +86,9 @@ class WorkerSettings(LayeredSettings):
     max_audio_seconds: float = Field(600.0, gt=0, description="longest audio clip, by its header, checked "
                                      "before decoding")
     media_decode_timeout_s: float = Field(60.0, gt=0, description="how long the decoder of one request's video "
-                                          "or audio may run, in its own process, before it is killed")
-    media_decode_memory_mb: int = Field(4096, ge=256, description="address space of that decoder process")
+                                          "or audio may run, in a decoder process, before it is killed")
+    media_decode_memory_mb: int = Field(4096, ge=1024, description="address space of each decoder process "
+                                        "(its decoders take about 600 MB of it)")
     vision_cache_mb: int = Field(256, ge=0, description="vision-embedding cache budget in MB (0: off)")
     result_ttl_s: int = Field(3600, ge=1, description="output streams expire this long after their last write")
     dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")

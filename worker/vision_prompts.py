@@ -6,8 +6,8 @@ markers), then `prepare_inputs`, where the family's processor resizes and patche
 images and videos and expands each marker into its media tokens. A family whose
 processor takes no video gets a video as its sampled frames, as images in its place
 (mlx-vlm's frames fallback). What this module adds is ours: media decoded under this
-worker's limits (videos in a child process, `isolated`), each media item kept in its
-own turn, the embedding cache's key, and every failure made that request's
+worker's limits (videos and audio in decoder processes, `isolated`), each media item
+kept in its own turn, the embedding cache's key, and every failure made that request's
 `RequestRejected`. The engine thread only runs the model's encoders.
 """
 
@@ -69,7 +69,7 @@ class VisionPrompts:
         self.add_special_tokens = not (model_config.model_type in TEMPLATE_ADDS_BOS
                                        and getattr(processor, "chat_template", None) is not None)
         if limits.max_videos or (limits.max_audios and self.audio_rate is not None):
-            warm_up()
+            warm_up(limits.decode_memory_bytes)
 
     def prepare(self, body: RequestBody, template_kwargs: dict[str, Any] | None = None,
                 ) -> tuple[list[int], PreparedMedia]:
