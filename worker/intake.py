@@ -21,7 +21,7 @@ from client.protocol import MEDIA_FIELDS, Envelope, ErrorCode, RequestRejected, 
 from .engine import Engine
 from .fencing import Fencing, take_fence
 from .isolated import DecoderDied
-from .messages import Outgoing, Resume, Route
+from .messages import EngineRequest, Outgoing, Resume, Route
 from .output import failed, not_started
 from .prepare import Preparer
 from .recovery import Delivery, Reclaimer
@@ -178,32 +178,38 @@ class Intake:
         # Off the loop too: compiling a grammar, decoding media.
         raw = envelope.raw or {}
         inline = envelope.size <= INLINE_BODY_BYTES and not any(field in raw for field in OFF_LOOP_FIELDS)
-        crashes = arrival.crashes
-        while True:
-            try:
-                request = prepare() if inline else await asyncio.to_thread(prepare)
-                break
-            except RequestRejected as e:
-                self._answer(failed(route.ref, e.code, str(e)))
-                return
-            except DecoderDied as e:  # a media decoder's process died on it: as a worker dying on it, counted
-                crashes += 1
-                log.warning("media decoder died", request_id=route.id, reason=str(e), crashes=crashes)
-                if crashes >= self.settings.max_crashes:
-                    await self._poisoned(delivery, route, f"{e}; it has crashed {crashes} time(s) while prepared "
-                                         f"(max_crashes is {self.settings.max_crashes})")
-                    return
-        cancelled = arrival.cancelled
+        request = await self._prepared(delivery, route, prepare, inline, arrival.crashes)
+        if request is None:
+            return
         if self.requests.holding(route.ref) is None:
             return  # taken over while it was prepared: the other worker serves it
         self.requests.prepared(route.id, arrived_at)
-        if cancelled or held.cancel_requested:  # flagged before it was read: never computed
+        if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return
         if resume is not None:
             log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
         self.requests.advance(route.id, RequestStatus.ADMITTED)
         self.engine.submit(request)  # it checks the deadline when it admits the request, before any compute
+
+    async def _prepared(self, delivery: Delivery, route: Route, prepare: Callable[[], EngineRequest], inline: bool,
+                        crashes: int) -> EngineRequest | None:
+        """The request, prepared; None once it is answered instead: refused, or
+        dead-lettered when a media decoder died on it as often as `max_crashes` allows
+        (a decoder's death counts as a crash, beside the workers that died on it)."""
+        while True:
+            try:
+                return prepare() if inline else await asyncio.to_thread(prepare)
+            except RequestRejected as e:
+                self._answer(failed(route.ref, e.code, str(e)))
+                return None
+            except DecoderDied as e:
+                crashes += 1
+                log.warning("media decoder died", request_id=route.id, reason=str(e), crashes=crashes)
+                if crashes >= self.settings.max_crashes:
+                    await self._poisoned(delivery, route, f"{e}; it has crashed {crashes} time(s) while prepared "
+                                         f"(max_crashes is {self.settings.max_crashes})")
+                    return None
 
     async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
         """An entry that keeps killing or outliving workers: dead letter, and say so."""
