@@ -3,10 +3,10 @@ reads, and vision models of several families that mlx-vlm's `load()` reads
 (`demo_vision.py`).
 
 They have random weights but a real byte-level BPE tokenizer (trained here with the
-`tokenizers` library), a ChatML chat template and eos tokens (and for the vision model
-the Qwen image tokens and a Qwen2-VL image processor config), so every part of the
-serving path runs for real without a download. They are small enough (~150k and ~200k
-parameters) that the test suite runs quickly on a 2-core CPU.
+`tokenizers` library), a chat template and eos tokens (and for a vision model its
+family's media tokens and processor configs), so every part of the serving path runs
+for real without a download. They are small enough (~150k and ~200k parameters) that
+the test suite runs quickly on a 2-core CPU.
 """
 
 from __future__ import annotations
