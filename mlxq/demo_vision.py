@@ -124,6 +124,26 @@ def _idefics3_config(ids: dict[str, int]) -> dict[str, Any]:
             "vocab_size": TEXT["vocab_size"], "image_token_id": ids["<image>"]}
 
 
+MISTRAL_TOKENS = ["[INST]", "[/INST]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] == 'image' %}[IMG]"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}[/INST]"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}{% endif %}{% endfor %}")
+
+
+def _mistral3_config(ids: dict[str, int]) -> dict[str, Any]:
+    # Pixtral's tower over 14-pixel patches, merged 2x2: a 56x56 image is 4 tokens and
+    # the [IMG_BREAK] / [IMG_END] markers the processor puts after each row.
+    text = {**TEXT, "model_type": "mistral", "rope_theta": 10000.0}
+    vision = {"model_type": "pixtral", "num_hidden_layers": 1, "hidden_size": 32, "head_dim": 16,
+              "intermediate_size": 64, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
+    return {"model_type": "mistral3", "text_config": text, "vision_config": vision, "spatial_merge_size": 2,
+            "image_token_index": ids["[IMG]"], "vocab_size": TEXT["vocab_size"]}
+
+
 GEMMA4_MARKERS = {"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
                   "audio_token": "<audio_soft_token>", "boa_token": "<start_of_audio>", "eoa_token": "<end_of_audio>",
                   "video_token": "<|video|>"}
@@ -188,6 +208,16 @@ FAMILIES: dict[str, Family] = {
                                                      "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
                         "processor_config.json": {"processor_class": "Idefics3Processor", "image_seq_len": 1}},
                        eos=["<end_of_utterance>", "<|endoftext|>"]),
+    "mistral3": Family(MISTRAL_TOKENS, MISTRAL_TEMPLATE, _mistral3_config,
+                       {"preprocessor_config.json": {"image_processor_type": "PixtralImageProcessor",
+                                                     "processor_class": "Mistral3Processor",
+                                                     "size": {"longest_edge": 56},
+                                                     "patch_size": {"height": 14, "width": 14},
+                                                     "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
+                        "processor_config.json": {"processor_class": "Mistral3Processor", "image_token": "[IMG]",
+                                                  "image_break_token": "[IMG_BREAK]", "image_end_token": "[IMG_END]",
+                                                  "patch_size": 14, "spatial_merge_size": 2}},
+                       {"bos_token": "<|endoftext|>"}, eos=["<|endoftext|>", "<|im_end|>"]),
     "gemma4": Family(GEMMA4_TOKENS, GEMMA4_TEMPLATE, _gemma4_config,
                      {"processor_config.json": {"processor_class": "Gemma4Processor", "audio_seq_length": 64,
                                                 "image_processor": {"patch_size": 16, "max_soft_tokens": 70,
