@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/thread_cpu.py WORKER_PID -- .venv/bin/mlxq bench --redis-url ... --concurrency 16
 
-Reads /proc/PID/task/*/stat before and after the command; threads are named through
+Reads /proc/PID/task/*/stat and status (CPU, context switches) before and after the command; threads are named through
 `py-spy dump` when py-spy is installed (`pip install py-spy`), else shown by id (MLX's
 compute thread is the busy one without a Python name).
 """
@@ -29,6 +29,19 @@ def cpu_seconds(pid: int) -> dict[int, float]:
     return seconds
 
 
+def switches(pid: int) -> dict[int, tuple[int, int]]:
+    """Each thread's (voluntary, involuntary) context switches so far."""
+    counts = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            lines = open(f"/proc/{pid}/task/{tid}/status").read().splitlines()
+        except FileNotFoundError:
+            continue
+        fields = dict(line.split(":\t", 1) for line in lines if ":\t" in line)
+        counts[int(tid)] = (int(fields["voluntary_ctxt_switches"]), int(fields["nonvoluntary_ctxt_switches"]))
+    return counts
+
+
 def python_names(pid: int) -> dict[int, str]:
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     if not os.path.exists(spy):
@@ -41,14 +54,17 @@ def python_names(pid: int) -> dict[int, str]:
 def main() -> None:
     pid, command = int(sys.argv[1]), sys.argv[sys.argv.index("--") + 1:]
     names = python_names(pid)
-    before, started = cpu_seconds(pid), time.time()
+    before, switched, started = cpu_seconds(pid), switches(pid), time.time()
     result = subprocess.run(command, capture_output=True, text=True)
-    after, wall = cpu_seconds(pid), time.time() - started
+    after, now, wall = cpu_seconds(pid), switches(pid), time.time() - started
     print(result.stdout.strip())
     spent = sorted(((s - before.get(tid, 0.0), tid) for tid, s in after.items()), reverse=True)
     for seconds, tid in spent:
         if seconds >= 0.05:
-            print(f"{tid:>8} {names.get(tid, 'native'):<14} {seconds:6.2f} s")
+            (v1, i1), (v0, i0) = now.get(tid, (0, 0)), switched.get(tid, (0, 0))
+            voluntary, involuntary = v1 - v0, i1 - i0
+            print(f"{tid:>8} {names.get(tid, 'native'):<14} {seconds:6.2f} s, switches: {voluntary} voluntary, "
+                  f"{involuntary} involuntary")
     print(f"all threads {sum(s for s, _ in spent):.2f} s over {wall:.2f} s of wall time")
 
 

@@ -130,11 +130,14 @@ class RequestStreams:
         whose fence says finished does the same."""
         if not routes:
             return
+        entries: dict[str, list[str]] = {}  # by stream: one XACK and one XDEL for all of its entries
         async with self.redis.pipeline(transaction=False) as pipe:
             for route in routes:
                 pipe.set(self.keys.done(route.id), route.entry_id, ex=self.dedupe_ttl_s)
-                pipe.xack(route.stream, GROUP, route.entry_id)
-                pipe.xdel(route.stream, route.entry_id)
+                entries.setdefault(route.stream, []).append(route.entry_id)
+            for stream, ids in entries.items():
+                pipe.xack(stream, GROUP, *ids)
+                pipe.xdel(stream, *ids)
             await pipe.execute()
 
     async def dead_letter(self, stream: str, entry_id: str, fields: dict[Any, Any], reason: str,
@@ -229,21 +232,16 @@ class RequestMarks:
         self.redis = redis
         self.keys = keys
         self.dedupe_ttl_s = dedupe_ttl_s
+        self._scripts = scripts.ScriptRunner(redis)
 
     async def arrive(self, request_id: str, cancel_ttl_s: int) -> Arrival:
         """Open an attempt at an arriving request (see `Arrival`) and read whether it
         already finished or was cancelled, in one round trip. A cancel flag set without
         a TTL gets `cancel_ttl_s`, so flags never pile up."""
         attempt = uuid.uuid4().hex  # a set member, not a counter: a retried call adds it only once
-        attempts, cancel = self.keys.crashes(request_id), self.keys.cancel_flag(request_id)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.sadd(attempts, attempt)
-            pipe.scard(attempts)
-            pipe.expire(attempts, self.dedupe_ttl_s)
-            pipe.exists(self.keys.done(request_id))
-            pipe.exists(cancel)
-            pipe.expire(cancel, cancel_ttl_s, nx=True)
-            _, open_attempts, _, done, cancelled, _ = await pipe.execute()
+        keys = [self.keys.crashes(request_id), self.keys.done(request_id), self.keys.cancel_flag(request_id)]
+        open_attempts, done, cancelled = await self._scripts.run(scripts.ARRIVE, keys,
+                                                                  [attempt, self.dedupe_ttl_s, cancel_ttl_s])
         return Arrival(attempt, crashes=int(open_attempts) - 1, done=bool(done), cancelled=bool(cancelled))
 
     async def close_attempt(self, request_id: str, attempt: str) -> None:
