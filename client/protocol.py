@@ -424,14 +424,17 @@ def check_values(body: dict[str, Any], max_depth: int) -> None:
         if depth > max_depth:
             raise RequestRejected(f"{where or 'body'}: nested deeper than {max_depth} levels", code=ErrorCode.TOO_LARGE)
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in items:
-            path = f"{where}.{key}" if where else str(key)
+        for key, item in items:  # a path only for what needs one: a prompt's token list has hundreds of ints
             if isinstance(key, str):
                 _check_text(key, where or "body")
             if isinstance(item, str):
-                _check_text(item, path)
+                _check_text(item, _path(where, key))
             elif isinstance(item, (dict, list)):
-                stack.append((item, path, depth + 1))
+                stack.append((item, _path(where, key), depth + 1))
+
+
+def _path(where: str, key: object) -> str:
+    return f"{where}.{key}" if where else str(key)
 
 
 def _check_text(text: str, where: str) -> None:

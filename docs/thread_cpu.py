@@ -16,7 +16,8 @@ import sys
 import time
 
 
-def cpu_seconds(pid: int) -> dict[int, float]:
+def cpu_seconds(pid: int) -> dict[int, tuple[float, float]]:
+    """Each thread's (user, system) CPU seconds so far."""
     tick = os.sysconf("SC_CLK_TCK")
     seconds = {}
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -25,7 +26,7 @@ def cpu_seconds(pid: int) -> dict[int, float]:
         except FileNotFoundError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()
-        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        seconds[int(tid)] = (int(fields[11]) / tick, int(fields[12]) / tick)  # utime, stime
     return seconds
 
 
@@ -58,14 +59,14 @@ def main() -> None:
     result = subprocess.run(command, capture_output=True, text=True)
     after, now, wall = cpu_seconds(pid), switches(pid), time.time() - started
     print(result.stdout.strip())
-    spent = sorted(((s - before.get(tid, 0.0), tid) for tid, s in after.items()), reverse=True)
-    for seconds, tid in spent:
-        if seconds >= 0.05:
+    spent = sorted(((user - before.get(tid, (0.0, 0.0))[0], system - before.get(tid, (0.0, 0.0))[1], tid)
+                    for tid, (user, system) in after.items()), key=lambda t: -(t[0] + t[1]))
+    for user, system, tid in spent:
+        if user + system >= 0.05:
             (v1, i1), (v0, i0) = now.get(tid, (0, 0)), switched.get(tid, (0, 0))
-            voluntary, involuntary = v1 - v0, i1 - i0
-            print(f"{tid:>8} {names.get(tid, 'native'):<14} {seconds:6.2f} s, switches: {voluntary} voluntary, "
-                  f"{involuntary} involuntary")
-    print(f"all threads {sum(s for s, _ in spent):.2f} s over {wall:.2f} s of wall time")
+            print(f"{tid:>8} {names.get(tid, 'native'):<14} {user + system:6.2f} s ({system:.2f} in the kernel), "
+                  f"switches: {v1 - v0} voluntary, {i1 - i0} involuntary")
+    print(f"all threads {sum(u + k for u, k, _ in spent):.2f} s over {wall:.2f} s of wall time")
 
 
 if __name__ == "__main__":
