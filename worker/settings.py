@@ -51,6 +51,10 @@ class WorkerSettings(LayeredSettings):
                                  "prompts and running streams together (vLLM's max_num_batched_tokens): new "
                                  "prompts are prefilled in chunks that fit beside the running streams, so their "
                                  "pace holds")
+    max_kv_size: int | None = Field(None, ge=16, description="most tokens each sequence's KV cache keeps (a "
+                                    "rotating window: older tokens drop out, so a generation may run longer than "
+                                    "memory would allow, attending only to the last max_kv_size tokens); text "
+                                    "models only; unset: the whole sequence")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")

@@ -32,10 +32,10 @@ class MlxBatchBackend:
     """
 
     def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
-                 prefill_step_size: int) -> None:
+                 prefill_step_size: int, max_kv_size: int | None = None) -> None:
         self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
-                                         prefill_step_size=prefill_step_size)
+                                         prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
         self._no_stops = StopSequences([])
@@ -97,7 +97,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     def make_backend() -> MlxBatchBackend:
         return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
-                               prefill_step_size=settings.prefill_step_size)
+                               prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),

@@ -46,6 +46,9 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     transformers_logging.set_verbosity_error()
     assert settings.model is not None
     name = path = settings.model
+    if settings.max_kv_size is not None:
+        raise ValueError(f"{name}: max_kv_size is served on text models only (mlx-vlm 0.7.10's batch takes none); "
+                         "unset it for a vision model")
     local = get_model_path(path)
     model, processor = load(str(local))
     refusal = unbatchable(model)
