@@ -157,8 +157,13 @@ class Published:
 
     @classmethod
     def parse(cls, reply: str) -> Published:
+        if reply == "applied":  # nearly every status of every write
+            return _APPLIED
         status, _, detail = reply.partition(":")
         return cls(PublishStatus(status), detail)
+
+
+_APPLIED = Published(PublishStatus.APPLIED)
 
 
 @dataclass(frozen=True)
