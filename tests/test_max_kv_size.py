@@ -84,3 +84,12 @@ def test_a_vision_model_with_a_window_is_refused_before_loading(vision_model):
 
     with pytest.raises(ValueError, match="max_kv_size is served on text models only"):
         load_vision_model(load_settings(model=str(vision_model), max_kv_size=WINDOW))
+
+
+def test_a_prompt_longer_than_the_window_runs_beside_other_streams(worker, r, outputs, new_id):
+    """Prefilled in the step budget's chunks into a window it outgrows, beside a running stream."""
+    running, long = new_id("kv"), new_id("kv")
+    xadd_json(r, worker.queue, running, {"prompt_tokens": PROMPTS[0], "max_tokens": 80, "ignore_eos": True})
+    xadd_json(r, worker.queue, long, {"prompt_tokens": random.Random(7).choices(range(10, 1000), k=6 * WINDOW),
+                                      "max_tokens": NEW_TOKENS, "ignore_eos": True})
+    assert [len(tokens_of(outputs.of(rid))) for rid in (running, long)] == [80, NEW_TOKENS]
