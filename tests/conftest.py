@@ -22,9 +22,10 @@ from mlxq.local_cluster import start_cluster
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 # A test that needs one of these starts a Valkey server or loads a model: it is marked
-# `process`, and `make test-fast` (pytest -m "not process") leaves it out.
-PROCESS_FIXTURES = {"valkey", "cluster", "demo_model", "vision_model", "thinking_model", "acl_server", "tls_server",
-                    "sentinel_deployment", "served"}  # served: support.on_text_and_vision's model
+# `process`, and `make test-fast` (pytest -m "not process") leaves it out. (`served`:
+# support.on_text_and_vision's model; `family_model`: each vision family's demo model.)
+PROCESS_FIXTURES = {"valkey", "cluster", "redis_url", "demo_model", "vision_model", "family_model", "thinking_model",
+                    "acl_server", "tls_server", "sentinel_deployment", "served"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
