@@ -468,15 +468,15 @@ def encode_metadata(metadata: dict[str, Any], encoding: Encoding) -> bytes:
     return _encode(metadata, encoding)
 
 
-def decode_images(images: list[bytes | str], field: str = "images") -> list[bytes]:
+def decode_media(items: list[bytes | str], field: str) -> list[bytes]:
     """Media bytes from a request's `field`: raw bytes (msgpack) or base64 strings (JSON)."""
     out = []
-    for i, image in enumerate(images):
-        if isinstance(image, bytes):
-            out.append(image)
+    for i, item in enumerate(items):
+        if isinstance(item, bytes):
+            out.append(item)
             continue
         try:
-            out.append(base64.b64decode(image, validate=True))
+            out.append(base64.b64decode(item, validate=True))
         except binascii.Error as e:
             raise RequestRejected(f"{field}.{i}: not valid base64 ({e})") from e
     return out

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from client.protocol import MEDIA_FIELDS, ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_images
+from client.protocol import MEDIA_FIELDS, ErrorCode, Message, RequestBody, RequestRejected, TextPart, decode_media
 
 from .audio import AudioLimits, decode_audio
 from .images import decode_image
@@ -79,7 +79,7 @@ class VisionPrompts:
         assert body.has_media
         self._check(body)
         sampling = self._video_sampling(body)
-        data = {kind: decode_images(body.media_of(kind), MEDIA_FIELDS[kind]) for kind in KINDS}
+        data = {kind: decode_media(body.media_of(kind), MEDIA_FIELDS[kind]) for kind in KINDS}
         images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(data["image"])]
         videos = [self._decode_video(item, i, sampling) for i, item in enumerate(data["video"])]
         clips = [self._decode_audio(item, i) for i, item in enumerate(data["audio"])]
