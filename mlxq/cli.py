@@ -310,10 +310,11 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any, env_pre
                         .replace("%", "%%"))
 
 
-def _flag_type(annotation: Any) -> tuple[type, list[str] | None]:
+def _flag_type(annotation: Any) -> tuple[type, list[Any] | None]:
     """argparse's type and choices for a settings field's annotation."""
     if get_origin(annotation) is Literal:
-        return str, list(get_args(annotation))
+        values = get_args(annotation)
+        return type(values[0]), list(values)  # kv_bits' choices are ints, log_format's strings
     inner = [a for a in get_args(annotation) if a is not type(None)]
     if inner:  # Optional[X]
         return _flag_type(inner[0])

@@ -82,7 +82,7 @@ def test_a_vision_model_with_a_window_is_refused_before_loading(vision_model):
     from worker.backends.mlx_vlm import load_vision_model
     from worker.settings import load_settings
 
-    with pytest.raises(ValueError, match="max_kv_size is served on text models only"):
+    with pytest.raises(ValueError, match="max_kv_size is served through mlx-lm.s batch only"):
         load_vision_model(load_settings(model=str(vision_model), max_kv_size=WINDOW))
 
 

@@ -55,6 +55,13 @@ class WorkerSettings(LayeredSettings):
                                     "rotating window: older tokens drop out, so a generation may run longer than "
                                     "memory would allow, attending only to the last max_kv_size tokens); text "
                                     "models only; unset: the whole sequence")
+    kv_bits: Literal[4, 8] | None = Field(None, description="store each sequence's keys and values quantized "
+                                          "to this many bits (mx.quantize, groups of kv_group_size along each "
+                                          "head): about 1/2 (8) or 1/4 (4) of the KV memory per sequence, at "
+                                          "some cost per step; served through mlx-vlm's batch, text models "
+                                          "too; unset: the model's dtype")
+    kv_group_size: Literal[32, 64, 128] = Field(64, description="values sharing one scale and bias in the "
+                                                "quantized KV cache; must divide the model's head dimension")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")

@@ -7,8 +7,9 @@ batching API, which moves between minor releases:
     mlx_vlm   vision-language models, mlx-vlm's BatchGenerator (the `vision` extra)
     sim       a simulated engine for fleet-scale runs (`--model sim:...`)
 
-`load_model` picks mlx-vlm when the model's config has a vision tower, else mlx-lm. It
-runs on the engine thread; this module imports no MLX itself.
+`load_model` picks mlx-vlm when the model's config has a vision tower or a setting asks
+for what only mlx-vlm's batch has (a quantized KV cache), else mlx-lm. It runs on the
+engine thread; this module imports no MLX itself.
 """
 
 from __future__ import annotations
@@ -114,15 +115,25 @@ def load_model(settings: WorkerSettings) -> Loaded:
         from .sim import load_sim
 
         return load_sim(settings.model)
-    if is_vision_model(settings.model):
+    vision = is_vision_model(settings.model)
+    needs = mlx_vlm_only(settings)
+    if vision or needs:
         try:
-            from .mlx_vlm import load_vision_model
+            from .mlx_vlm import load_through_mlx_vlm
         except ImportError as e:
-            raise RuntimeError(f"{settings.model} is a vision model: {VISION_EXTRA} ({e})") from e
-        return load_vision_model(settings)
+            why = "is a vision model" if vision else f"with {needs}"
+            raise RuntimeError(f"{settings.model} {why}: {VISION_EXTRA} ({e})") from e
+        return load_through_mlx_vlm(settings, vision=vision)
     from .mlx_lm import load_text_model
 
     return load_text_model(settings)
+
+
+def mlx_vlm_only(settings: WorkerSettings) -> str | None:
+    """The settings that only mlx-vlm's batch serves (mlx-lm 0.32's has no quantized
+    KV cache), named for a message; None when mlx-lm's batch serves them all."""
+    named = [name for name in ("kv_bits",) if getattr(settings, name) is not None]
+    return " and ".join(named) or None
 
 
 def is_vision_model(path: str) -> bool:

@@ -36,6 +36,12 @@ log = structlog.get_logger()
 
 def load_vision_model(settings: WorkerSettings) -> Loaded:
     """Load a vision model of any family mlx-vlm batches, and its processor, through mlx-vlm's `load()`."""
+    return load_through_mlx_vlm(settings, vision=True)
+
+
+def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
+    """A model in mlx-vlm's batch: a vision model, or a text model for what only that
+    batch has (a quantized KV cache); mlx-vlm loads text models too."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
@@ -47,42 +53,66 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
     assert settings.model is not None
     name = path = settings.model
     if settings.max_kv_size is not None:
-        raise ValueError(f"{name}: max_kv_size is served on text models only (mlx-vlm 0.7.10's batch takes none); "
-                         "unset it for a vision model")
+        raise ValueError(f"{name}: max_kv_size is served through mlx-lm's batch only (mlx-vlm 0.7.10's takes none), "
+                         f"so not on {'a vision model' if vision else 'a text model with kv_bits or ssd_cache_dir'}")
     local = get_model_path(path)
     model, processor = load(str(local))
     refusal = unbatchable(model)
     if refusal is not None:
         raise ValueError(f"{name}: mlxq cannot serve this {model.config.model_type} model: {refusal}")
-    encoder = encoder_for(model)
-    if encoder is None:
+    text_config = _text_config(model)
+    kv_quantization = kv_quantization_of(settings, text_config)
+    encoder = encoder_for(model) if vision else None
+    if vision and encoder is None:
         log.info("vision features not cached", model_type=model.config.model_type,
                  reason=not_cached_because(model.config.model_type))
+    stopping = _tokenizer_of(processor).stopping_criteria
     # The text side exactly as on a text model: mlx-lm's tokenizer wrapper (chat template,
     # streaming detokenizer) with the eos ids mlx-vlm stops on.
-    tokenizer = load_tokenizer(local, eos_token_ids=sorted(processor.tokenizer.stopping_criteria.eos_token_ids))
+    tokenizer = load_tokenizer(local, eos_token_ids=sorted(stopping.eos_token_ids))
     # Nor eos stops its batch, as on mlx-lm's: each request's stop tokens (eos unless it
     # says ignore_eos, its stop_token_ids, min_tokens holding them back) are the engine's.
-    processor.tokenizer.stopping_criteria = _NoStops()
-    text_config = _text_config(model)
-    prompts = VisionPrompts(processor, model.config, name, media_limits(settings))
+    _tokenizer_of(processor).stopping_criteria = _NoStops()
+    prompts = VisionPrompts(processor, model.config, name, media_limits(settings)) if vision else None
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
-    vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024)
+    vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024 if vision else 0)
     prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
 
     def make_backend() -> VisionBatchBackend:
         return VisionBatchBackend(model, processor, encoder, vision_cache, prefix_cache,
                                   max_num_seqs=settings.max_num_seqs,
                                   prefill_batch_size=settings.prefill_batch_size,
-                                  prefill_step_size=settings.prefill_step_size)
+                                  prefill_step_size=settings.prefill_step_size, kv_quantization=kv_quantization)
 
     def cache_stats() -> dict[str, CacheStats | None]:
         return {"prefix_cache": None if prefix_cache is None else _prefix_stats(prefix_cache),
-                "vision_cache": vision_cache.stats()}
+                "vision_cache": vision_cache.stats() if vision else None}
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
+
+
+def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, int]:
+    """mlx-vlm's batch arguments for the configured KV quantization ({} for none), checked
+    against the model: `mx.quantize` groups each key's and value's last axis, the head."""
+    if settings.kv_bits is None:
+        return {}
+    head_dim = _head_dim(text_config)
+    if head_dim % settings.kv_group_size:
+        raise ValueError(f"{settings.model}: kv_group_size {settings.kv_group_size} does not divide the model's "
+                         f"head dimension {head_dim}; mx.quantize groups along it (sizes 32, 64, 128)")
+    return {"kv_bits": settings.kv_bits, "kv_group_size": settings.kv_group_size}
+
+
+def _head_dim(config: Any) -> int:
+    return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+
+
+def _tokenizer_of(processor: Any) -> Any:
+    """The tokenizer mlx-vlm's batch reads its stopping criteria from: a vision model's
+    processor holds one, a text model's processor is one."""
+    return processor.tokenizer if hasattr(processor, "tokenizer") else processor
 
 
 def media_limits(settings: WorkerSettings) -> MediaLimits:
@@ -118,7 +148,7 @@ def _prefix_cache(model: Any, budget_bytes: int) -> Any:
 
     config = _text_config(model)
     heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(config)
     itemsize = _embed_tokens(model).weight.dtype.size
     block_bytes = 2 * config.num_hidden_layers * heads * head_dim * itemsize * DEFAULT_BLOCK_SIZE  # K and V
     blocks = min(budget_bytes // block_bytes, MAX_PREFIX_BLOCKS)
@@ -140,7 +170,8 @@ class VisionBatchBackend:
     """`BatchBackend` over mlx-vlm 0.7's BatchGenerator."""
 
     def __init__(self, model: Any, processor: Any, encoder: Encoder | None, cache: VisionCache, prefix_cache: Any, *,
-                 max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int) -> None:
+                 max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int,
+                 kv_quantization: dict[str, int] | None = None) -> None:
         from mlx_vlm.generate.ar import BatchGenerator
 
         self._model = model
@@ -157,7 +188,8 @@ class VisionBatchBackend:
         self._generator = BatchGenerator(model.language_model, processor, compute_logprobs=False,
                                          completion_batch_size=max_num_seqs + prefill_batch_size,
                                          prefill_batch_size=prefill_batch_size,
-                                         prefill_step_size=prefill_step_size, apc_manager=prefix_cache)
+                                         prefill_step_size=prefill_step_size, apc_manager=prefix_cache,
+                                         **(kv_quantization or {}))
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,

@@ -1,0 +1,99 @@
+"""`kv_bits`: a text model's sequences keep their keys and values quantized, in mlx-vlm's
+batch (mlx-lm's has no quantized cache), decoded in the shared batch exactly as mlx-vlm's
+own batch decodes them; refused at start where it cannot be served."""
+
+from __future__ import annotations
+
+import random
+import uuid
+
+import pytest
+from support import build_demo_model, check_stream, start_worker, worker_url, xadd_json
+
+from client import Delta, Done
+
+BITS = 8
+NEW_TOKENS = 40
+# The bench size: its heads are 64 wide, which mx.quantize can group (the demo model's 16 cannot).
+PROMPTS = [random.Random(n).choices(range(10, 1000), k=n) for n in (20, 31, 44)]
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("model") / "bench", "--size", "bench")
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url, bench_model, logs_dir):
+    process = start_worker(worker_url(redis_url), bench_model, f"kv{uuid.uuid4().hex[:8]}", logs_dir,
+                           kv_bits=BITS, kv_group_size=64, max_num_seqs=8)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, process.log()
+
+
+@pytest.fixture(scope="module")
+def reference(bench_model):
+    """mlx-vlm's own batch, greedy, the prompts inserted together, quantized or not."""
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.generate.ar import BatchGenerator
+
+    model, processor = load(str(bench_model))
+    processor.stopping_criteria.reset([])  # no eos: the requests say ignore_eos
+
+    def generate(bits: int | None) -> list[list[int]]:
+        quantized = {} if bits is None else {"kv_bits": bits, "kv_group_size": 64}
+        batch = BatchGenerator(model.language_model, processor, compute_logprobs=False, **quantized)
+        embeddings = [{k: v for k, v in model.get_input_embeddings(mx.array([p])).to_dict().items() if v is not None}
+                      for p in PROMPTS]
+        uids = batch.insert(PROMPTS, [NEW_TOKENS] * len(PROMPTS), prompt_kwargs=embeddings)
+        tokens: dict[int, list[int]] = {uid: [] for uid in uids}
+        while any(len(made) < NEW_TOKENS for made in tokens.values()):
+            for response in batch.next()[1]:
+                tokens[response.uid].append(response.token)
+        batch.close()
+        return [tokens[uid] for uid in uids]
+
+    return generate
+
+
+def tokens_of(events: list) -> list[int]:
+    assert isinstance(check_stream(events), Done), events
+    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
+
+
+def test_batched_sequences_decode_as_mlx_vlm_does_with_the_same_quantization(worker, r, outputs, new_id,
+                                                                              reference):
+    quantized = reference(BITS)
+    assert reference(None) != quantized, "quantizing must change the output, or this test could not tell"
+    ids = [new_id("kv") for _ in PROMPTS]
+    for rid, prompt in zip(ids, PROMPTS, strict=True):
+        xadd_json(r, worker.queue, rid, {"prompt_tokens": prompt, "max_tokens": NEW_TOKENS, "ignore_eos": True})
+    assert [tokens_of(outputs.of(rid)) for rid in ids] == quantized
+
+
+def test_a_group_that_does_not_divide_the_heads_is_refused(demo_model):
+    from worker.backends import load_model
+    from worker.settings import load_settings
+
+    with pytest.raises(ValueError, match="kv_group_size 32 does not divide the model's head dimension 16"):
+        load_model(load_settings(model=str(demo_model), kv_bits=4, kv_group_size=32))
+
+
+def test_a_window_with_quantization_is_refused(demo_model):
+    from worker.backends import load_model
+    from worker.settings import load_settings
+
+    with pytest.raises(ValueError, match="max_kv_size is served through mlx-lm's batch only"):
+        load_model(load_settings(model=str(demo_model), kv_bits=8, max_kv_size=64))
+
+
+@pytest.mark.parametrize(("setting", "value"), [("kv_bits", 3), ("kv_bits", 16), ("kv_group_size", 48)])
+def test_hostile_settings_are_refused(setting, value):
+    from pydantic import ValidationError
+
+    from worker.settings import load_settings
+
+    with pytest.raises(ValidationError, match=setting):
+        load_settings(**{setting: value})
