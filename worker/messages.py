@@ -226,6 +226,7 @@ class EngineStats:
     memory: dict[str, int]  # the framework's figures, in bytes
     prefix_cache: CacheStats | None = None
     vision_cache: CacheStats | None = None
+    ssd_cache: CacheStats | None = None  # the prefix cache's SSD tier
     mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
     mask_fill_ms: float = 0.0
     time: EngineTime | None = None  # where the engine thread's time went, since it started
@@ -235,4 +236,5 @@ class EngineStats:
                 "constraints": {"mask_fills": self.mask_fills, "mask_fill_ms": round(self.mask_fill_ms, 1)},
                 "engine": None if self.time is None else self.time.as_json(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
-                "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json()}
+                "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json(),
+                "ssd_cache": None if self.ssd_cache is None else self.ssd_cache.as_json()}

@@ -66,6 +66,13 @@ class WorkerSettings(LayeredSettings):
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")
     cache_max_entries: int = Field(256, ge=0, description="most prompt caches kept")
+    ssd_cache_dir: Path | None = Field(None, description="the prefix cache's SSD tier: every block it stores is "
+                                       "also written here (off the engine thread) and read back on a hit, across "
+                                       "restarts; files are keyed by the model's weights; each worker on a host "
+                                       "uses a slot of its own (slot-N); served through mlx-vlm's batch, text "
+                                       "models too; unset: off")
+    ssd_cache_max_gb: float = Field(10.0, gt=0, description="most GB one worker's SSD tier keeps; the oldest "
+                                    "files are evicted past it")
     priority_aging_s: float = Field(10.0, gt=0, description="waiting this long counts as one priority level "
                                     "better, so low priorities are not starved")
     stream_interval: int = Field(1, ge=1, description="tokens per delta unless the request says")

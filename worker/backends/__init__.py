@@ -8,7 +8,7 @@ batching API, which moves between minor releases:
     sim       a simulated engine for fleet-scale runs (`--model sim:...`)
 
 `load_model` picks mlx-vlm when the model's config has a vision tower or a setting asks
-for what only mlx-vlm's batch has (a quantized KV cache), else mlx-lm. It runs on the
+for what only mlx-vlm's batch has (a quantized KV cache, an SSD tier), else mlx-lm. It runs on the
 engine thread; this module imports no MLX itself.
 """
 
@@ -131,8 +131,9 @@ def load_model(settings: WorkerSettings) -> Loaded:
 
 def mlx_vlm_only(settings: WorkerSettings) -> str | None:
     """The settings that only mlx-vlm's batch serves (mlx-lm 0.32's has no quantized
-    KV cache), named for a message; None when mlx-lm's batch serves them all."""
-    named = [name for name in ("kv_bits",) if getattr(settings, name) is not None]
+    KV cache, and its prefix cache no disk tier), named for a message; None when
+    mlx-lm's batch serves them all."""
+    named = [name for name in ("kv_bits", "ssd_cache_dir") if getattr(settings, name) is not None]
     return " and ".join(named) or None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+from pathlib import Path
 from collections.abc import Iterable
 from typing import Any
 
@@ -77,7 +78,7 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024 if vision else 0)
-    prefix_cache = _prefix_cache(model, settings.cache_budget_bytes())
+    prefix_cache = _prefix_cache(model, settings.cache_budget_bytes(), _disk_store(settings, local, kv_quantization))
 
     def make_backend() -> VisionBatchBackend:
         return VisionBatchBackend(model, processor, encoder, vision_cache, prefix_cache,
@@ -87,7 +88,8 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
 
     def cache_stats() -> dict[str, CacheStats | None]:
         return {"prefix_cache": None if prefix_cache is None else _prefix_stats(prefix_cache),
-                "vision_cache": vision_cache.stats() if vision else None}
+                "vision_cache": vision_cache.stats() if vision else None,
+                "ssd_cache": None if prefix_cache is None or prefix_cache.disk is None else _disk_stats(prefix_cache)}
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
@@ -140,10 +142,24 @@ def _text_config(model: Any) -> Any:
     return getattr(model.config, "text_config", None) or model.config
 
 
-def _prefix_cache(model: Any, budget_bytes: int) -> Any:
+def _disk_store(settings: WorkerSettings, local: Any, kv_quantization: dict[str, int]) -> Any:
+    """The prefix cache's SSD tier (`ssd_tier`), or None when not configured."""
+    if settings.ssd_cache_dir is None:
+        return None
+    if settings.cache_budget_bytes() <= 0:
+        raise ValueError("ssd_cache_dir is the tier below the prefix cache in memory, which is off "
+                         "(cache_memory_mb 0): give it a budget, or unset ssd_cache_dir")
+    from .ssd_tier import open_store
+
+    return open_store(settings.ssd_cache_dir.expanduser(), Path(local), int(settings.ssd_cache_max_gb * 2**30),
+                      kv_quantization)
+
+
+def _prefix_cache(model: Any, budget_bytes: int, disk: Any = None) -> Any:
     """mlx-vlm's automatic prefix cache (blocks of 16 tokens, hashed with the images they
-    hold), sized to the prefix-cache budget; None when the budget is 0. Our own PrefixCache
-    cannot be used here: mlx-vlm's generator takes no per-request KV cache at insert."""
+    hold), sized to the prefix-cache budget, over `disk` (its SSD tier) when given; None
+    when the budget is 0. Our own PrefixCache cannot be used here: mlx-vlm's generator
+    takes no per-request KV cache at insert."""
     from mlx_vlm.apc import DEFAULT_BLOCK_SIZE, APCManager
 
     config = _text_config(model)
@@ -152,12 +168,20 @@ def _prefix_cache(model: Any, budget_bytes: int) -> Any:
     itemsize = _embed_tokens(model).weight.dtype.size
     block_bytes = 2 * config.num_hidden_layers * heads * head_dim * itemsize * DEFAULT_BLOCK_SIZE  # K and V
     blocks = min(budget_bytes // block_bytes, MAX_PREFIX_BLOCKS)
-    return APCManager(num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE) if blocks > 0 else None
+    return APCManager(num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, disk=disk) if blocks > 0 else None
 
 
 # 32k tokens. mlx-vlm scans its whole block pool (Python objects) several times per
 # admitted prompt, so TTFT grows with the pool (docs/benchmarks.md, "Images").
 MAX_PREFIX_BLOCKS = 2048
+
+
+def _disk_stats(cache: Any) -> CacheStats:
+    """The SSD tier in the common shape: entries are the blocks it indexes, hits the lookups
+    it answered, misses those neither tier could, refused the writes that failed."""
+    stats, disk = cache.stats, cache.disk
+    return CacheStats(entries=disk.num_blocks_indexed, hits=stats.disk_hits, misses=stats.misses,
+                      bytes=disk.disk_bytes, refused=stats.disk_write_failures)
 
 
 def _prefix_stats(cache: Any) -> CacheStats:
@@ -176,6 +200,7 @@ class VisionBatchBackend:
 
         self._model = model
         self._encoder = encoder
+        self._disk = getattr(prefix_cache, "disk", None)
         self._media_prefills_alone = model.config.model_type in MEDIA_PREFILLS_ALONE
         self._media_uids: set[int] = set()  # waiting or prefilling, in such a family
         self._cache = cache
@@ -255,6 +280,8 @@ class VisionBatchBackend:
 
     def close(self) -> None:
         self._generator.close()
+        if self._disk is not None:  # what was queued for the SSD tier lands before a stop, for the restart
+            self._disk.flush()
 
     def _embed(self, prompt: list[int], media: PreparedMedia | None) -> dict[str, Any]:
         """What mlx-vlm's batch takes for one prompt: its embeddings (media features merged

@@ -1,0 +1,76 @@
+"""The prefix cache's SSD tier: where on disk a worker keeps its blocks, keyed by what.
+
+mlx-vlm's `DiskBlockStore` does the work: every block its prefix cache stores is also
+written to disk by a background thread (a temporary file renamed into place, so a kill
+mid-write leaves only a partial that the next start deletes), shards over the budget are
+evicted oldest first, a shard whose header cannot be read is dropped, and the index is
+rebuilt from the files at start, so a restarted worker's first request on a long shared
+prompt is a hit. Ours is the key and the place:
+
+- the namespace (a subdirectory) fingerprints the model's weights, not only its path: a
+  sample of every weight file's bytes and its size, with the config and the KV
+  quantization, so another model, or the same path with other weights, never reads
+  these files;
+- each worker process on a host takes a slot of its own (`slot-N`, held by an exclusive
+  lock on `slot-N.lock` for the process's life, released by the kernel however it dies),
+  so two workers never write or evict one directory; a restarted worker takes the lowest
+  free slot, the one it had when it ran alone.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+MAX_SLOTS = 64
+SAMPLES = 16  # chunks hashed per weight file, spread over it
+SAMPLE_BYTES = 1 << 16
+
+_held: list[int] = []  # the slot locks' descriptors: held until the process ends
+
+
+def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dict[str, int]) -> Any:
+    """mlx-vlm's disk block store for this model, in a slot of `root` no other live worker holds."""
+    from mlx_vlm.apc import DiskBlockStore, apc_disk_namespace
+
+    slot = claim_slot(root)
+    namespace = apc_disk_namespace(model_dir.name[:64], weights_fingerprint=weights_fingerprint(model_dir),
+                                   kv_bits=kv_quantization.get("kv_bits"),
+                                   kv_group_size=kv_quantization.get("kv_group_size"))
+    return DiskBlockStore(slot, namespace=namespace, max_bytes=max_bytes)
+
+
+def claim_slot(root: Path) -> Path:
+    """The lowest `root/slot-N` whose lock this process could take."""
+    root.mkdir(parents=True, exist_ok=True)
+    for n in range(MAX_SLOTS):
+        descriptor = os.open(root / f"slot-{n}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(descriptor)
+            continue
+        _held.append(descriptor)
+        return root / f"slot-{n}"
+    raise RuntimeError(f"ssd_cache_dir {root}: all {MAX_SLOTS} slots are held by live workers")
+
+
+def weights_fingerprint(model_dir: Path) -> str:
+    """A digest of the model's config and weights: each weight file's size and SAMPLES
+    chunks of its bytes (a whole 40 GB model is not read at start; two checkpoints of one
+    shape differ in nearly every chunk)."""
+    digest = hashlib.sha256()
+    config = model_dir / "config.json"
+    if config.is_file():
+        digest.update(config.read_bytes())
+    for weights in sorted(model_dir.glob("*.safetensors")):
+        size = weights.stat().st_size
+        digest.update(f"{weights.name}:{size}".encode())
+        with open(weights, "rb") as f:
+            for i in range(SAMPLES):
+                f.seek(size * i // SAMPLES)
+                digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:32]
