@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -95,7 +95,7 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
 
 
-def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, int]:
+def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, Any]:
     """mlx-vlm's batch arguments for the configured KV quantization ({} for none), checked
     against the model: `mx.quantize` groups each key's and value's last axis, the head."""
     if settings.kv_bits is None:
@@ -142,7 +142,7 @@ def _text_config(model: Any) -> Any:
     return getattr(model.config, "text_config", None) or model.config
 
 
-def _disk_store(settings: WorkerSettings, local: Any, kv_quantization: dict[str, int]) -> Any:
+def _disk_store(settings: WorkerSettings, local: Any, kv_quantization: dict[str, Any]) -> Any:
     """The prefix cache's SSD tier (`ssd_tier`), or None when not configured."""
     if settings.ssd_cache_dir is None:
         return None
@@ -195,7 +195,7 @@ class VisionBatchBackend:
 
     def __init__(self, model: Any, processor: Any, encoder: Encoder | None, cache: VisionCache, prefix_cache: Any, *,
                  max_num_seqs: int, prefill_batch_size: int, prefill_step_size: int,
-                 kv_quantization: dict[str, int] | None = None) -> None:
+                 kv_quantization: dict[str, Any] | None = None) -> None:
         from mlx_vlm.generate.ar import BatchGenerator
 
         self._model = model

@@ -32,7 +32,7 @@ SAMPLE_BYTES = 1 << 16
 _held: list[int] = []  # the slot locks' descriptors: held until the process ends
 
 
-def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dict[str, int]) -> Any:
+def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dict[str, Any]) -> Any:
     """mlx-vlm's disk block store for this model, in a slot of `root` no other live worker holds."""
     from mlx_vlm.apc import DiskBlockStore, apc_disk_namespace
 
