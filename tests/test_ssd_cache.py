@@ -5,6 +5,7 @@ are never read, the tier keeps to its budget, two workers on one host keep apart
 
 from __future__ import annotations
 
+import json
 import random
 import uuid
 from pathlib import Path
@@ -35,6 +36,11 @@ def ask(worker, r, outputs, prompt: list[int]) -> tuple[list[int], int]:
     return [t for e in events if isinstance(e, Delta) for t in e.tokens], done.usage.cached_tokens
 
 
+def tier_stats(r, worker) -> dict | None:
+    beat = r.get(f"mlxq:workers:{worker.consumer}")
+    return None if beat is None else json.loads(beat).get("ssd_cache")
+
+
 def shards(tier: Path) -> list[Path]:
     return sorted(tier.glob("slot-*/*/*.safetensors"))
 
@@ -56,6 +62,8 @@ def test_a_restarted_worker_reads_the_prompt_from_disk(redis_url, demo_model, tm
     try:
         tokens, cached = ask(worker, r, outputs, LONG)
         assert cached == 400 and tokens == cold  # its whole blocks
+        wait_for(lambda: (tier_stats(r, worker) or {}).get("hits", 0) > 0, what="the hit in the heartbeat")
+        assert tier_stats(r, worker)["entries"] >= 25
     finally:
         worker.stop()
 
