@@ -2,10 +2,12 @@
 and how long greedy output agrees with the unquantized cache, by `kv_bits`.
 
     python -m mlxq.blas .venv/bin/python docs/kv_quant.py MODEL [--prompts 16] [--input-len 100] [--output-len 128]
+        [--group 64] [--code]
 
 Runs mlx-vlm's BatchGenerator (the one a worker with `kv_bits` runs) in this process on
 the model's language model, the prompts inserted together, greedy, no stops; the first
-pass of each setting warms up and is not counted. Random prompts over the vocabulary.
+pass of each setting warms up and is not counted. Random prompts over the vocabulary,
+or with `--code` windows of the standard library's sources (for `mlxq demo-model --trained`).
 """
 
 from __future__ import annotations
@@ -82,12 +84,23 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--group", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--code", action="store_true", help="prompts cut from the standard library's sources "
+                        "(what the trained demo model learnt) instead of random tokens")
     args = parser.parse_args()
     model, processor = load(args.model)
     (processor.tokenizer if hasattr(processor, "tokenizer") else processor).stopping_criteria = NoStops()
     vocab = model.config.vocab_size if hasattr(model.config, "vocab_size") else model.config.text_config.vocab_size
     rng = random.Random(args.seed)
-    prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
+    if args.code:
+        from pathlib import Path
+
+        from mlxq.demo_trained import corpus_tokens
+
+        corpus = corpus_tokens(Path(args.model))
+        starts = [rng.randrange(len(corpus) - args.input_len) for _ in range(args.prompts)]
+        prompts = [corpus[s:s + args.input_len].tolist() for s in starts]
+    else:
+        prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
     results = {}
     for bits in (None, 8, 4):
         run(model, processor, prompts[:2], 8, bits, args.group)  # warm-up

@@ -106,8 +106,9 @@ def ensure(path: Path) -> Path:
 
 def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE,
           family: str = DEFAULT_VISION_FAMILY) -> Path:
-    """Build the demo model (`demo`), the `bench` size, the `thinking` variant or a
-    `vision` model of `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
+    """Build the demo model (`demo`), the `bench` size, the `thinking` variant, the
+    `trained` model and its draft (`demo_trained`, minutes) or a `vision` model of
+    `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
     a crash leaves nothing half-built. A `vocab` above the default trains the tokenizer
     on the standard library's sources, for a realistic vocabulary (structured output's
     mask cost grows with it)."""
@@ -119,6 +120,12 @@ def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE
             from . import demo_vision
 
             demo_vision.write(staging, family, seed)
+        elif size == "trained":
+            from . import demo_trained
+
+            write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
+            demo_trained.write(staging, seed, {**MODEL_CONFIG, "vocab_size": VOCAB_SIZE,
+                                               "eos_token_id": special_ids(staging, EOS_TOKENS)})
         elif size == "thinking":
             write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
             _write_model(staging, seed, MODEL_CONFIG)
