@@ -1,14 +1,17 @@
 """`kv_bits`: a text model's sequences keep their keys and values quantized, in mlx-vlm's
 batch (mlx-lm's has no quantized cache), decoded in the shared batch exactly as mlx-vlm's
-own batch decodes them; refused at start where it cannot be served."""
+own batch decodes them, and resumed after a kill to the same text; refused at start
+where it cannot be served."""
 
 from __future__ import annotations
 
 import random
+import signal
+import time
 import uuid
 
 import pytest
-from support import build_demo_model, check_stream, start_worker, worker_url, xadd_json
+from support import KEYS, build_demo_model, check_stream, start_worker, wait_for_deltas, worker_url, xadd_json
 
 from client import Delta, Done
 
@@ -97,3 +100,43 @@ def test_hostile_settings_are_refused(setting, value):
 
     with pytest.raises(ValidationError, match=setting):
         load_settings(**{setting: value})
+
+
+STORIES = [f"Story number {i}:" for i in range(3)]
+LONG = 120
+
+
+def submit(r, queue: str, tag: str) -> list[str]:
+    ids = [f"{tag}{i}-{uuid.uuid4().hex[:8]}" for i in range(len(STORIES))]
+    for rid, prompt in zip(ids, STORIES, strict=True):
+        xadd_json(r, queue, rid, {"prompt": prompt, "max_tokens": LONG, "ignore_eos": True})
+    return ids
+
+
+def texts(outputs, ids: list[str]) -> list[str]:
+    done = [check_stream(outputs.of(rid, timeout=120)) for rid in ids]
+    assert all(isinstance(d, Done) and d.usage.completion_tokens == LONG for d in done), done
+    return [d.text for d in done]
+
+
+def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, bench_model, logs_dir, r, outputs):
+    queue = f"kvrec{uuid.uuid4().hex[:8]}"
+    url = worker_url(redis_url)
+    victim = start_worker(url, bench_model, queue, logs_dir, consumer="kv-victim", kv_bits=BITS, kv_group_size=64)
+    ids = submit(r, queue, "kv")
+    for rid in ids:
+        wait_for_deltas(r, KEYS.output(rid), [rid], 10)
+    victim.signal(signal.SIGSTOP)
+    time.sleep(0.2)  # a write already sent lands
+    written = {rid: r.xlen(KEYS.output(rid)) for rid in ids}
+    survivor = start_worker(url, bench_model, queue, logs_dir, consumer="kv-survivor", reclaim_interval_s=0.2,
+                            kv_bits=BITS, kv_group_size=64)
+    try:
+        victim.process.kill()
+        victim.wait()
+        resumed = texts(outputs, ids)
+        assert all(written[rid] < LONG for rid in ids), "the kill came after a request had finished"
+        assert "took over the requests of a silent worker" in survivor.log()
+        assert resumed == texts(outputs, submit(r, queue, "reference"))
+    finally:
+        survivor.stop()
