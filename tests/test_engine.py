@@ -33,7 +33,8 @@ class CountingBackend(SimBackend):
     def running(self) -> dict[int, list[int]]:
         return self._running
 
-    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, media=None, logprobs=False) -> int:
+    def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, media=None, logprobs=False,
+               speculative=True) -> int:
         self.prompts.append(prompt)
         uid = super().insert(prompt, max_tokens, sampler, logits_processors, cached, media, logprobs)
         self.most_running = max(self.most_running, len(self._running))

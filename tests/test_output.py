@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,20 @@ def test_process_step_drops_tokens_of_removed_sequences(tokenizer):
     assert [o.event.id for o in outgoing] == ["r1"] and finished == []
     outgoing, finished = process_step(streams, [TokenOut(7, 52, "length")], now=102.0)
     assert finished == [7] and isinstance(outgoing[-1].event, Done)
+
+
+def test_tokens_after_a_stop_in_the_same_step_are_dropped(tokenizer):
+    """A speculative step gives a sequence several tokens; a stop token among them ends it
+    there, once, and what follows it in the step is not output."""
+    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    request = replace(make_request(), stop_tokens=frozenset([eos]))
+    streams = {3: RequestOutput(request, tokenizer.detokenizer, 100.0)}
+    hello = tokenizer.encode("hello")
+    step = [TokenOut(3, t, None) for t in [*hello, eos, *tokenizer.encode(" world")]]
+    outgoing, finished = process_step(streams, step, now=101.0)
+    done = outgoing[-1].event
+    assert finished == [3] and isinstance(done, Done) and done.text == "hello"
+    assert sum(isinstance(o.event, Done) for o in outgoing) == 1
 
 
 def test_a_request_whose_output_fails_ends_alone_with_an_error(tokenizer):

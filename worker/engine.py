@@ -179,6 +179,7 @@ class Engine:
         self._on_stats(EngineStats(running=len(core.running), waiting=len(core.scheduler),
                                    memory=self._loaded.memory(), mask_fills=core.guides.fills,
                                    mask_fill_ms=core.guides.fill_s * 1000, time=replace(self._time),
+                                   speculation=None if self._loaded.speculation is None else self._loaded.speculation(),
                                    **caches))  # type: ignore[arg-type]
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 

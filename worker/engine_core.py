@@ -170,7 +170,8 @@ class EngineCore:
         try:
             uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
                                       request.tokens_to_generate, build_sampler(request.sampling), processors,
-                                      cached, request.media, logprobs=request.logprobs is not None)
+                                      cached, request.media, logprobs=request.logprobs is not None,
+                                      speculative=request.speculative)
         except Exception:
             if guide is not None:
                 self.guides.discard(guide)  # its bitmask row goes back

@@ -113,6 +113,7 @@ class EngineRequest:
     constraint: LLMatcher | None = None  # for its response_format (or forced call), advanced over `resume`'s tokens
     tools: ToolUse | None = None  # when its output may call tools: they are parsed at the end
     thinking: Thinking | None = None  # on a thinking model: reasoning goes apart from the text
+    speculative: bool = True  # False: the request opted out of speculative decoding
 
     @property
     def id(self) -> str:
@@ -227,6 +228,7 @@ class EngineStats:
     prefix_cache: CacheStats | None = None
     vision_cache: CacheStats | None = None
     ssd_cache: CacheStats | None = None  # the prefix cache's SSD tier
+    speculation: dict[str, Any] | None = None  # speculative decoding's counters, where it runs
     mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
     mask_fill_ms: float = 0.0
     time: EngineTime | None = None  # where the engine thread's time went, since it started
@@ -237,4 +239,5 @@ class EngineStats:
                 "engine": None if self.time is None else self.time.as_json(),
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
                 "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json(),
-                "ssd_cache": None if self.ssd_cache is None else self.ssd_cache.as_json()}
+                "ssd_cache": None if self.ssd_cache is None else self.ssd_cache.as_json(),
+                "speculation": self.speculation}

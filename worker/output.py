@@ -188,8 +188,8 @@ def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], 
     finished: list[int] = []
     for out in tokens:
         output = outputs.get(out.uid)
-        if output is None:  # removed this step (cancelled); its token is dropped
-            continue
+        if output is None or output.done is not None:  # removed this step (cancelled), or ended by an earlier
+            continue  # token of this step (a speculative step's tokens after a stop): the token is dropped
         try:
             events = output.add(out, now, (logprobs or {}).get(out.uid), flush)
         except Exception as e:  # noqa: BLE001 - this request alone fails

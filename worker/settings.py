@@ -62,6 +62,12 @@ class WorkerSettings(LayeredSettings):
                                           "too; unset: the model's dtype")
     kv_group_size: Literal[32, 64, 128] = Field(64, description="values sharing one scale and bias in the "
                                                 "quantized KV cache; must divide the model's head dimension")
+    prompt_lookup_max: int = Field(0, ge=0, le=32, description="speculative decoding by prompt lookup (vLLM's "
+                                   "ngram): a greedy request's draft is what followed the last earlier match of "
+                                   "its last n tokens (n up to this) in its prompt and output, verified in the "
+                                   "running batch, so its output is unchanged; text models on mlx-lm's batch; "
+                                   "0: off")
+    num_draft_tokens: int = Field(4, ge=1, le=16, description="most draft tokens a sequence proposes per step")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
     cache_memory_percent: float = Field(10.0, ge=0, le=90, description="prefix cache budget, % of RAM")

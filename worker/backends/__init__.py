@@ -60,10 +60,12 @@ class BatchBackend(Protocol):
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
         `media` (on a vision model) is what the placeholder tokens in `prompt` stand for;
-        with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`)."""
+        with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`);
+        without `speculative`, it takes no part in speculative decoding. A step may give a
+        sequence several tokens (speculative decoding), in order."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
@@ -105,6 +107,7 @@ class Loaded:
     cache_stats: Callable[[], dict[str, CacheStats | None]] = dict  # the backend's own caches, by heartbeat name
     memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
+    speculation: Callable[[], dict[str, Any]] | None = None  # speculative decoding's counters, where it runs
 
 
 def load_model(settings: WorkerSettings) -> Loaded:

@@ -11,7 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
-from mlx_lm.sample_utils import LogitsProcessor, Sampler
+from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
 from ..media import PreparedMedia
 from ..prefix_cache import PrefixCache
@@ -19,6 +19,7 @@ from ..sampling import warm_up
 from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from . import Coverage, Loaded, ModelInfo, TokenOut
+from .speculative import Gate, LookupGenerationBatch, SpeculationStats
 
 
 class MlxBatchBackend:
@@ -32,31 +33,43 @@ class MlxBatchBackend:
     """
 
     def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
-                 prefill_step_size: int, max_kv_size: int | None = None) -> None:
+                 prefill_step_size: int, max_kv_size: int | None = None,
+                 lookup: LookupGenerationBatch | None = None) -> None:
         self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
+        if lookup is not None:  # the one generation batch, which each prefilled group joins
+            self._generator._generation_batch = lookup
+        self._lookup = lookup
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
         self._no_stops = StopSequences([])
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
         assert media is None, "a text model takes no media"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
+        if self._lookup is not None and speculative and sampler is greedy_sampler and not logits_processors \
+                and not logprobs:
+            self._lookup.eligible.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
-        caches = self._generator.remove(list(uids), return_prompt_caches=keep_caches)
+        uids = list(uids)
+        if self._lookup is not None:
+            self._lookup.eligible.difference_update(uids)
+        caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
         return {uid: Coverage(cache, list(tokens)) for uid, (cache, tokens) in (caches or {}).items()}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
         _, generated = self._generator.next()
+        if self._lookup is not None:  # finished sequences leave the batch by themselves
+            self._lookup.eligible.difference_update(r.uid for r in generated if r.finish_reason)
         return [TokenOut(r.uid, r.token, r.finish_reason,
                          None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
                          logprobs=r.logprobs)
@@ -94,14 +107,26 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
     warm_up(info.vocab_size)
 
+    if settings.prompt_lookup_max and settings.max_kv_size is not None:
+        raise ValueError(f"{path}: prompt_lookup_max cannot drop rejected drafts from a rotating cache "
+                         "(max_kv_size); unset one of them")
+    stats, gate = SpeculationStats(), Gate()  # across backends: one is made anew after a failed step
+
     def make_backend() -> MlxBatchBackend:
+        lookup = None
+        if settings.prompt_lookup_max:
+            lookup = LookupGenerationBatch.empty(model, greedy_sampler).configure(
+                settings.prompt_lookup_max, settings.num_draft_tokens, set(), stats, gate)
         return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
-                               prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size)
+                               prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size,
+                               lookup=lookup)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
-                  memory=mlx_memory, release_memory=mx.clear_cache)
+                  memory=mlx_memory, release_memory=mx.clear_cache,
+                  speculation=(lambda: {**stats.as_json(), "tok_s": gate.as_json()}) if settings.prompt_lookup_max
+                  else None)
 
 
 def mlx_memory() -> dict[str, int]:

@@ -53,9 +53,12 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     transformers_logging.set_verbosity_error()
     assert settings.model is not None
     name = path = settings.model
+    where = "a vision model" if vision else "a text model with kv_bits or ssd_cache_dir"
     if settings.max_kv_size is not None:
         raise ValueError(f"{name}: max_kv_size is served through mlx-lm's batch only (mlx-vlm 0.7.10's takes none), "
-                         f"so not on {'a vision model' if vision else 'a text model with kv_bits or ssd_cache_dir'}")
+                         f"so not on {where}")
+    if settings.prompt_lookup_max:
+        raise ValueError(f"{name}: prompt_lookup_max is served through mlx-lm's batch only, so not on {where}")
     local = get_model_path(path)
     model, processor = load(str(local))
     refusal = unbatchable(model)
@@ -218,7 +221,7 @@ class VisionBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
         processors = list(logits_processors)
         tap = _LogprobsTap() if logprobs else None
         if tap is not None:  # after every processor (what the token is drawn from), before the draw

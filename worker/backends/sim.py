@@ -30,7 +30,8 @@ class SimBackend:
         self._running: dict[int, list[int]] = {}  # uid -> [next token, left, seed]
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Any, logits_processors: Any,
-               cached: Coverage | None = None, media: PreparedMedia | None = None, logprobs: bool = False) -> int:
+               cached: Coverage | None = None, media: PreparedMedia | None = None, logprobs: bool = False,
+               speculative: bool = True) -> int:
         uid = next(self._uids)
         self._running[uid] = [0, max_tokens, sum(prompt) + (len(cached.tokens) if cached else 0)]
         return uid

@@ -1,0 +1,194 @@
+"""Prompt lookup decoding (`prompt_lookup_max`): drafts from a request's own tokens,
+verified in the running batch, leave every greedy output exactly as without them; rows
+that cannot speculate run beside them unchanged; the gate keeps whichever way is faster
+at each batch size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from support import check_stream, start_worker, wait_for, worker_url, xadd_json
+
+from client import Delta, Done
+from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, propose
+
+# The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
+# proposes; random weights loop in their own output too, which it proposes as well.
+SPANS = [random.Random(n).choices(range(10, 1000), k=12) for n in range(4)]
+PROMPTS = [span * 3 + random.Random(9 + n).choices(range(10, 1000), k=n) for n, span in enumerate(SPANS)]
+NEW_TOKENS = 48
+
+
+def test_a_draft_is_what_followed_the_latest_longest_match():
+    context = [1, 2, 3, 9, 1, 2, 3, 7, 8, 4, 2, 3]
+    assert propose(context, max_ngram=3, max_tokens=2) == [7, 8]  # "2 3" last matched before "7 8"
+    assert propose([5, 6, 1, 2, 7, 1, 2], max_ngram=3, max_tokens=4) == [7, 1, 2]
+    assert propose([1, 2, 3, 4], max_ngram=3, max_tokens=4) == []  # no earlier match
+    assert propose([4, 4, 4], max_ngram=2, max_tokens=0) == []
+
+
+def run(gate: Gate, rows: int, way_rate: dict[bool, float], start: float) -> float:
+    """Drive `gate` through one epoch at `rows` rows where each way makes `way_rate` tokens/s
+    (a step of 1 s, giving that many tokens); the time after it."""
+    now = start
+    for _ in range(EPOCH):
+        way = gate.choose(rows, now)
+        gate.took(int(way_rate[way]), speculative=way)
+        now += 1.0
+    return now
+
+
+def ways(gate: Gate, rows: int, way_rate: dict[bool, float], epochs: int) -> list[bool]:
+    now, taken = 0.0, []
+    for _ in range(epochs):
+        taken.append(gate.choose(rows, now))
+        gate.took(int(way_rate[taken[-1]]), speculative=taken[-1])
+        now = run(gate, rows, way_rate, now + 1.0)
+    return taken
+
+
+def test_the_gate_keeps_the_faster_way_and_tries_the_other_less_and_less():
+    gate = Gate()
+    taken = ways(gate, 16, {True: 50.0, False: 100.0}, epochs=60)
+    assert taken[0] is True and taken[1] is False  # each way measured once
+    tries = [i for i, way in enumerate(taken) if way][1:]
+    assert tries, "the losing way is tried again"
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    assert gaps == sorted(gaps) and gaps[-1] > FIRST_PATIENCE  # less and less often
+    assert sum(taken) < len(taken) // 4
+
+
+def test_the_gate_speculates_where_it_pays_and_not_beyond():
+    gate = Gate()
+    assert sum(ways(gate, 1, {True: 200.0, False: 100.0}, epochs=20)) > 15  # pays alone
+    assert sum(ways(gate, 2, {True: 80.0, False: 100.0}, epochs=20)) < 8  # loses at 2
+    big = ways(gate, 16, {True: 400.0, False: 500.0}, epochs=6)
+    assert big[0] is False, "it lost at a smaller batch: not tried first at a larger one"
+
+
+@pytest.fixture(scope="module")
+def backends(demo_model):
+    """The worker's text backend on the demo model, without and with prompt lookup (its
+    gate always speculating), and the lookup's counters."""
+    from worker.backends import load_model
+    from worker.backends.speculative import LookupGenerationBatch
+    from worker.settings import WorkerSettings
+
+    def make(lookup: int):
+        loaded = load_model(WorkerSettings(model=str(demo_model), prompt_lookup_max=lookup, cache_memory_mb=0))
+        backend = loaded.make_backend()
+        batch = backend._generator._generation_batch
+        if isinstance(batch, LookupGenerationBatch):
+            batch.gate.adaptive = False
+        return backend, loaded
+
+    return make
+
+
+def decode(backend, requests) -> list[list[int]]:
+    """Each (prompt, sampler, processors, speculative) inserted together, stepped to the end."""
+    from worker.scheduler import StepPlan
+
+    uids = [backend.insert(p, NEW_TOKENS, s, lp, speculative=sp) for p, s, lp, sp in requests]
+    out: dict[int, list[int]] = {uid: [] for uid in uids}
+    done: set[int] = set()
+    while len(done) < len(uids):
+        for token in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
+            out[token.uid].append(token.token)
+            if token.finish_reason:
+                done.add(token.uid)
+    return [out[uid] for uid in uids]
+
+
+def mixed_requests(speculative: bool = True):
+    """Greedy prompts beside a seeded sampled one and one with a repetition penalty."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import greedy_sampler, make_logits_processors, make_sampler
+
+    mx.random.seed(7)
+    greedy = [(p, greedy_sampler, [], speculative) for p in PROMPTS]
+    sampled = (PROMPTS[0], make_sampler(temp=0.8), [], True)
+    penalized = (PROMPTS[1], greedy_sampler, make_logits_processors(repetition_penalty=1.3), True)
+    return [*greedy, sampled, penalized]
+
+
+def test_greedy_output_is_unchanged_and_its_neighbours_too(backends):
+    import mlx.core as mx
+
+    plain, _ = backends(0)
+    lookup, loaded = backends(3)
+    mx.random.seed(7)
+    expected = decode(plain, mixed_requests())
+    mx.random.seed(7)
+    assert decode(lookup, mixed_requests()) == expected
+    stats = loaded.speculation()
+    assert stats["accepted_tokens"] > 0, stats  # drafts were taken, or this test could not tell
+    assert all(len(tokens) == NEW_TOKENS for tokens in expected)
+
+
+def test_a_request_that_opts_out_is_never_drafted(backends):
+    lookup, loaded = backends(3)
+    before = loaded.speculation()["draft_tokens"]
+    decode(lookup, mixed_requests(speculative=False)[:len(PROMPTS)])
+    assert loaded.speculation()["draft_tokens"] == before
+
+
+def test_hostile_settings_are_refused(demo_model):
+    from pydantic import ValidationError
+
+    from worker.backends import load_model
+    from worker.settings import load_settings
+
+    for setting, value in (("prompt_lookup_max", -1), ("prompt_lookup_max", 1000), ("num_draft_tokens", 0)):
+        with pytest.raises(ValidationError, match=setting):
+            load_settings(**{setting: value})
+    with pytest.raises(ValueError, match="rotating cache"):
+        load_model(load_settings(model=str(demo_model), prompt_lookup_max=3, max_kv_size=64))
+    with pytest.raises(ValueError, match="prompt_lookup_max is served through mlx-lm's batch only"):
+        load_model(load_settings(model=str(demo_model), prompt_lookup_max=3, ssd_cache_dir="/tmp/x"))
+
+
+@pytest.fixture(scope="module")
+def workers(redis_url, demo_model, logs_dir):
+    plain = start_worker(worker_url(redis_url), demo_model, "specplain", logs_dir, max_num_seqs=8)
+    lookup = start_worker(worker_url(redis_url), demo_model, "speclookup", logs_dir, max_num_seqs=8,
+                          prompt_lookup_max=3)
+    yield plain, lookup
+    for worker in (plain, lookup):
+        worker.stop()
+        assert worker.process.returncode == 0, worker.log()
+
+
+def outputs_of(r, outputs, worker, bodies: list[dict]) -> list[tuple[list[int], str]]:
+    ids = [f"spec-{worker.queue}-{random.getrandbits(32):x}" for _ in bodies]
+    for rid, body in zip(ids, bodies, strict=True):
+        xadd_json(r, worker.queue, rid, body)
+    result = []
+    for rid in ids:
+        events = outputs.of(rid)
+        done = check_stream(events)
+        assert isinstance(done, Done), events
+        result.append(([t for e in events if isinstance(e, Delta) for t in e.tokens], done.finish_reason))
+    return result
+
+
+def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs):
+    import json
+
+    plain, lookup = workers
+    bodies = [{"prompt_tokens": p, "max_tokens": NEW_TOKENS, "ignore_eos": True} for p in PROMPTS]
+    expected = outputs_of(r, outputs, plain, bodies)
+    # A stop token in the middle of a speculative step's tokens ends the request there.
+    stop = expected[0][0][NEW_TOKENS // 2]
+    bodies.append({"prompt_tokens": PROMPTS[0], "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                   "stop_token_ids": [stop]})
+    bodies.append({"prompt_tokens": PROMPTS[1], "max_tokens": NEW_TOKENS, "ignore_eos": True,
+                   "speculative": False})
+    got = outputs_of(r, outputs, lookup, bodies)
+    assert got[:len(PROMPTS)] == expected
+    cut = expected[0][0].index(stop)
+    assert got[len(PROMPTS)] == (expected[0][0][:cut], "stop")  # the stop token itself is not streamed
+    assert got[-1] == expected[1]
+    wait_for(lambda: (json.loads(r.get(f"mlxq:workers:{lookup.consumer}") or "{}").get("speculation") or {})
+             .get("steps", 0) > 0, what="speculative steps in the heartbeat")

@@ -1,0 +1,290 @@
+"""Prompt lookup decoding inside mlx-lm's running batch (vLLM's `ngram` method).
+
+A row's draft is what followed the last earlier occurrence of its last n tokens (n from
+`prompt_lookup_max` down to 1) in its own prompt and output: no second model, and the
+win for extraction and rewriting jobs, which copy their input. One forward pass over
+every row's pending token and its draft verifies all drafts at once; a greedy row keeps
+the draft tokens the model would have chosen itself and the model's own token after
+them, so its output is the same token for token. Rows that sample, have logits
+processors (penalties, constraints, min_tokens) or asked for logprobs, and requests
+that opt out, take one token as in any step: they verify nothing.
+
+A step is speculative only when some row has a draft and the gate says speculation
+pays at this batch size: it keeps, per batch-size bucket, the tokens per second of the
+steps taken each way (the time from one step to the next, so the engine's own work
+counts) and chooses the faster, trying the other every `EXPLORE_EVERY` decisions. On a
+CPU the verifying pass costs what its tokens cost and speculation stops paying at a few
+rows; on a GPU decode is bound by memory and it pays further (docs/benchmarks.md).
+
+The positions of rejected draft
+tokens are dropped from each row's KV cache as mlx-lm drops a prefill's right padding
+(`BatchKVCache.prepare(right_padding=...)` then `finalize()`: rolled into the row's left
+padding, masked from then on).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.generate import GenerationBatch
+from mlx_lm.models.cache import BatchKVCache
+
+
+def propose(context: list[int], max_ngram: int, max_tokens: int) -> list[int]:
+    """The tokens that followed the latest earlier match of the context's last n tokens,
+    the longest n (at most `max_ngram`) that matches; [] when none does."""
+    if max_tokens <= 0 or len(context) < 2:
+        return []
+    tokens = np.asarray(context)
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
+        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+        if starts.size:
+            follow = int(starts[-1]) + n
+            return tokens[follow:follow + max_tokens].tolist()
+    return []
+
+
+@dataclass
+class SpeculationStats:
+    """What speculation did since the worker started (vLLM's spec-decode counters)."""
+
+    steps: int = 0  # speculative steps
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens the model agreed with
+    rows: int = 0  # sequences stepped in speculative steps
+    emitted: int = 0  # tokens out of speculative steps (pending ones included)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"steps": self.steps, "draft_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 3) if self.drafted else None,
+                "tokens_per_sequence_step": round(self.emitted / self.rows, 2) if self.rows else None}
+
+
+EPOCH = 8  # steps taken one way before the gate chooses again
+# Epochs at a batch size before the way the gate does not take is tried again: doubled
+# each time the try confirms the choice, so a way that keeps losing costs less and less.
+FIRST_PATIENCE, MAX_PATIENCE = 4, 256
+SMOOTHING = 0.3  # weight of the newest epoch in each way's tokens-per-second average
+
+
+class Gate:
+    """Whether to speculate at a batch size: whichever way has made more tokens per
+    second at that size, measured on this machine as the batch runs.
+
+    It chooses for an epoch of EPOCH steps and times steps 2 to EPOCH of it: the first
+    carries what the way before left (a plain step's forward pass runs on while the next
+    step begins), which counts a plain epoch's last token early, in plain's favour."""
+
+    def __init__(self, adaptive: bool = True) -> None:
+        self.adaptive = adaptive  # False: always speculate (tests, the upper bound)
+        self._rates: dict[tuple[int, bool], float] = {}  # (batch-size bucket, speculative) -> tokens/s
+        self._waited: dict[int, int] = {}  # epochs since the other way was tried, by bucket
+        self._patience: dict[int, int] = {}
+        self._exploring: int | None = None  # the bucket whose current epoch tries the other way
+        self._bucket, self._way, self._step = 0, False, EPOCH + 1  # no epoch yet
+        self._timed_from, self._tokens = 0.0, 0
+
+    def choose(self, rows: int, now: float) -> bool:
+        """The way of the step beginning `now` with `rows` sequences."""
+        if not self.adaptive:
+            return True
+        bucket = rows.bit_length()  # 1, 2-3, 4-7, 8-15, ...
+        if self._step >= EPOCH or bucket != self._bucket:
+            self._close(now)
+            self._bucket, self._way, self._step = bucket, self._pick(bucket), 0
+        self._step += 1
+        if self._step == 2:
+            self._timed_from, self._tokens = now, 0
+        return self._way
+
+    def took(self, tokens: int, speculative: bool) -> None:
+        """The step just chosen gave `tokens` (`speculative`: it did speculate)."""
+        if self._step >= 2:
+            self._tokens += tokens
+        if self._way and not speculative:  # no draft anywhere: the epoch's time is not speculation's
+            self._step = EPOCH + 1
+
+    def _close(self, now: float) -> None:
+        if self._step < 3 or self._step > EPOCH:
+            return
+        key = (self._bucket, self._way)
+        rate = self._tokens / max(now - self._timed_from, 1e-6)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + SMOOTHING * (rate - old)
+
+    def _pick(self, bucket: int) -> bool:
+        speculative, plain = self._rates.get((bucket, True)), self._rates.get((bucket, False))
+        if speculative is None and self._loses_below(bucket):  # speculation pays less as batches grow
+            if plain is None:
+                return False
+            speculative = 0.0  # until it is tried here
+        if speculative is None or plain is None:
+            return speculative is None  # each way measured once first, speculation first
+        faster = speculative > plain
+        patience = self._patience.get(bucket, FIRST_PATIENCE)
+        if self._exploring == bucket:  # the epoch just closed tried the other way
+            self._exploring = None
+            patience = FIRST_PATIENCE if faster == self._way else min(2 * patience, MAX_PATIENCE)
+            self._patience[bucket] = patience
+        waited = self._waited[bucket] = self._waited.get(bucket, 0) + 1
+        if waited < patience:
+            return faster
+        self._waited[bucket], self._exploring = 0, bucket
+        return not faster
+
+    def _loses_below(self, bucket: int) -> bool:
+        """Whether speculation was measured slower at a smaller batch size."""
+        return any(self._rates[(b, True)] < self._rates[(b, False)] for b in range(1, bucket)
+                   if (b, True) in self._rates and (b, False) in self._rates)
+
+    def as_json(self) -> dict[str, Any]:
+        """Tokens per second by batch size and way, as measured."""
+        return {f"{'spec' if way else 'plain'}@{2 ** (bucket - 1)}+": round(rate)
+                for (bucket, way), rate in sorted(self._rates.items())}
+
+
+class LookupGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch, with prompt lookup for the rows in `eligible`.
+
+    Set up on an empty batch (`GenerationBatch.empty`), it is the one long-lived batch
+    that BatchGenerator extends with each newly prefilled group of rows."""
+
+    max_ngram: int
+    num_draft_tokens: int
+    eligible: set[int]  # uids that may speculate (greedy, no processors, no logprobs)
+    stats: SpeculationStats
+
+    def configure(self, max_ngram: int, num_draft_tokens: int, eligible: set[int], stats: SpeculationStats,
+                  gate: Gate) -> LookupGenerationBatch:
+        self.max_ngram, self.num_draft_tokens, self.eligible = max_ngram, num_draft_tokens, eligible
+        self.stats, self.gate = stats, gate
+        return self
+
+    def next(self) -> list[GenerationBatch.Response]:
+        if not self.uids or not self.eligible or not all(isinstance(c, BatchKVCache) for c in self.prompt_cache):
+            return super().next()
+        speculative = self.gate.choose(len(self.uids), time.perf_counter())
+        responses = self._speculative_next() if speculative else None
+        if responses is None:
+            speculative, responses = False, super().next()
+        self.gate.took(len(responses), speculative)
+        return responses
+
+    def _speculative_next(self) -> list[GenerationBatch.Response] | None:
+        """A step verifying each eligible row's draft; None when no row has one."""
+        pending = cast(list[int], self._next_tokens.tolist())
+        drafts = [self._draft(i, token) for i, token in enumerate(pending)]
+        return self._verify(pending, drafts) if any(drafts) else None
+
+    def _draft(self, row: int, pending: int) -> list[int]:
+        if self.uids[row] not in self.eligible:
+            return []
+        room = self.max_tokens[row] - self._num_tokens[row] - 1  # the pending token goes out too
+        return propose(self.tokens[row] + [pending], self.max_ngram, min(self.num_draft_tokens, room))
+
+    def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[GenerationBatch.Response]:
+        """One pass over each row's pending token and draft; each row keeps what it accepts."""
+        width = max(len(d) for d in drafts)
+        inputs = mx.array([[p, *d, *[p] * (width - len(d))] for p, d in zip(pending, drafts, strict=True)],
+                          dtype=self._next_tokens.dtype)
+        logits = self.model(inputs, cache=self.prompt_cache)
+        first = self._processed(logits[:, 0, :])
+        first_logprobs = first - mx.logsumexp(first, axis=-1, keepdims=True)
+        sampled = self._sample(first_logprobs)
+        targets = mx.argmax(logits[:, 1:, :], axis=-1)
+        mx.eval(sampled, targets)
+        chosen, after = cast(list[int], sampled.tolist()), cast(list[list[int]], targets.tolist())
+        accepted = [_accepted(d, [c, *a]) for d, c, a in zip(drafts, chosen, after, strict=True)]
+        next_tokens = [([c, *a])[n] for c, a, n in zip(chosen, after, accepted, strict=True)]
+        self._drop_rejected([width - n for n in accepted])
+        last_logprobs = self._next_logprobs
+        rows = mx.arange(len(pending))
+        drawn_from = logits[rows, mx.array(accepted)]
+        drawn_from = drawn_from - mx.logsumexp(drawn_from, axis=-1, keepdims=True)
+        self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
+        self._next_logprobs = [first_logprobs[i] if n == 0 else drawn_from[i] for i, n in enumerate(accepted)]
+        emitted = [[p, *d[:n]] for p, d, n in zip(pending, drafts, accepted, strict=True)]
+        for row_tokens, out in zip(self.tokens, emitted, strict=True):
+            row_tokens.extend(out)
+        self._count(drafts, accepted, emitted)
+        return self._responses(emitted, last_logprobs)
+
+    def _processed(self, logits: mx.array) -> mx.array:
+        """The pending position's logits through each row's processors, as mlx-lm's step
+        does (only rows that verify nothing have any)."""
+        by_row: list[Any] = self.logits_processors or []
+        if not any(by_row):
+            return logits
+        rows = []
+        for e, processors in enumerate(by_row):
+            row = logits[e:e + 1]
+            if processors:
+                context = self._token_context[e].update_and_fetch(self._next_tokens[e:e + 1])
+                for processor in processors:
+                    row = processor(context, row)
+            rows.append(row)
+        return mx.concatenate(rows, axis=0)
+
+    def _sample(self, logprobs: mx.array) -> mx.array:
+        given: list[Any] = self.samplers or [None] * len(self.uids)
+        samplers = [self.fallback_sampler if s is None else s for s in given]
+        if all(s is samplers[0] for s in samplers):
+            return samplers[0](logprobs)
+        return mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+
+    def _drop_rejected(self, rejected: list[int]) -> None:
+        """Take each row's rejected positions (the last `rejected[i]`) out of its cache."""
+        common = min(rejected)
+        rest = [n - common for n in rejected]
+        for cache in self.prompt_cache:
+            if common:
+                cache.trim(common)
+            if any(rest):
+                cache.prepare(right_padding=rest)
+                cache.finalize()
+
+    def _count(self, drafts: list[list[int]], accepted: list[int], emitted: list[list[int]]) -> None:
+        self.stats.steps += 1
+        self.stats.drafted += sum(len(d) for d in drafts)
+        self.stats.accepted += sum(accepted)
+        self.stats.rows += len(emitted)
+        self.stats.emitted += sum(len(e) for e in emitted)
+
+    def _responses(self, emitted: list[list[int]], last_logprobs: list[mx.array]) -> list[GenerationBatch.Response]:
+        """One response per token out, in order; a row's last carries its end, as in `next`."""
+        keep, responses = [], []
+        for i, tokens in enumerate(emitted):
+            finish_reason = None
+            for j, token in enumerate(tokens):
+                self._num_tokens[i] += 1
+                if self._num_tokens[i] >= self.max_tokens[i]:
+                    finish_reason = "length"
+                if self._matchers[i].advance(token):
+                    finish_reason = "stop"
+                last = finish_reason is not None or j == len(tokens) - 1
+                responses.append(self.Response(
+                    uid=self.uids[i], token=token, logprobs=last_logprobs[i] if j == 0 else None,  # type: ignore[arg-type]
+                    finish_reason=finish_reason if last else None,
+                    prompt_cache=self.extract_cache(i) if finish_reason else None,
+                    all_tokens=self.tokens[i] if finish_reason else None))
+                if finish_reason is not None:
+                    break
+            if finish_reason is None:
+                keep.append(i)
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+def _accepted(draft: list[int], targets: list[int]) -> int:
+    """How many of the draft's tokens lead the model's own choices (`targets[j]` is what
+    it chose after the pending token and the draft's first j)."""
+    n = 0
+    while n < len(draft) and draft[n] == targets[n]:
+        n += 1
+    return n
