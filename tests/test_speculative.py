@@ -6,11 +6,14 @@ at each batch size."""
 from __future__ import annotations
 
 import random
+import urllib.request
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from support import check_stream, start_worker, wait_for, worker_url, xadd_json
 
 from client import Delta, Done
+from mlxq.local_cluster import free_port
 from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, propose
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
@@ -152,9 +155,10 @@ def test_hostile_settings_are_refused(demo_model):
 @pytest.fixture(scope="module")
 def workers(redis_url, demo_model, logs_dir):
     plain = start_worker(worker_url(redis_url), demo_model, "specplain", logs_dir, max_num_seqs=8)
+    port = free_port()
     lookup = start_worker(worker_url(redis_url), demo_model, "speclookup", logs_dir, max_num_seqs=8,
-                          prompt_lookup_max=3)
-    yield plain, lookup
+                          prompt_lookup_max=3, metrics_port=port)
+    yield plain, lookup, port
     for worker in (plain, lookup):
         worker.stop()
         assert worker.process.returncode == 0, worker.log()
@@ -176,7 +180,7 @@ def outputs_of(r, outputs, worker, bodies: list[dict]) -> list[tuple[list[int], 
 def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs):
     import json
 
-    plain, lookup = workers
+    plain, lookup, port = workers
     bodies = [{"prompt_tokens": p, "max_tokens": NEW_TOKENS, "ignore_eos": True} for p in PROMPTS]
     expected = outputs_of(r, outputs, plain, bodies)
     # A stop token in the middle of a speculative step's tokens ends the request there.
@@ -192,3 +196,10 @@ def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs)
     assert got[-1] == expected[1]
     wait_for(lambda: (json.loads(r.get(f"mlxq:workers:{lookup.consumer}") or "{}").get("speculation") or {})
              .get("steps", 0) > 0, what="speculative steps in the heartbeat")
+    wait_for(lambda: scraped(port, "mlxq_spec_decode_num_draft_tokens_total") > 0, what="drafts in the metrics")
+
+
+def scraped(port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        families = text_string_to_metric_families(response.read().decode())
+    return sum(s.value for family in families for s in family.samples if s.name == name)

@@ -123,6 +123,13 @@ class _Collected(Collector):
             engine.add_metric([part], getattr(spent, f"{part}_s", 0.0))
         yield engine
         yield _counter("engine_steps", "Batch steps the engine took", spent.steps if spent else 0)
+        # vLLM's spec-decode counters: draft tokens proposed and accepted.
+        speculation = (stats.speculation if stats is not None else None) or {}
+        yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed (prompt lookup)",
+                       speculation.get("draft_tokens", 0))
+        yield _counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
+                       speculation.get("accepted_tokens", 0))
+        yield _counter("spec_decode_steps", "Speculative batch steps", speculation.get("steps", 0))
         memory = GaugeMetricFamily("mlxq_mlx_memory_bytes", "MLX memory, by kind", labels=["kind"])
         for kind, value in (stats.memory if stats else {}).items():
             memory.add_metric([kind], value)
