@@ -6,11 +6,14 @@ at each batch size."""
 from __future__ import annotations
 
 import random
+import signal
+import time
 import urllib.request
+import uuid
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from support import check_stream, start_worker, wait_for, worker_url, xadd_json
+from support import KEYS, check_stream, start_worker, wait_for, wait_for_deltas, worker_url, xadd_json
 
 from client import Delta, Done
 from mlxq.local_cluster import free_port
@@ -203,3 +206,44 @@ def scraped(port: int, name: str) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         families = text_string_to_metric_families(response.read().decode())
     return sum(s.value for family in families for s in family.samples if s.name == name)
+
+
+def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, logs_dir, r, outputs):
+    """A speculating worker killed with SIGKILL: another takes its requests over and ends
+    each with the text a plain uninterrupted run gives."""
+    queue, url = f"specrec{uuid.uuid4().hex[:8]}", worker_url(redis_url)
+    bodies = [{"prompt_tokens": p, "max_tokens": 400, "ignore_eos": True} for p in PROMPTS]
+    victim = start_worker(url, demo_model, queue, logs_dir, consumer="spec-victim", prompt_lookup_max=3)
+    ids = [f"specrec{i}-{uuid.uuid4().hex[:8]}" for i in range(len(bodies))]
+    for rid, body in zip(ids, bodies, strict=True):
+        xadd_json(r, queue, rid, body)
+    for rid in ids:
+        wait_for_deltas(r, KEYS.output(rid), [rid], 10)
+    victim.signal(signal.SIGSTOP)
+    time.sleep(0.2)  # a write already sent lands
+    survivor = start_worker(url, demo_model, queue, logs_dir, consumer="spec-survivor", reclaim_interval_s=0.2,
+                            prompt_lookup_max=3)
+    try:
+        victim.process.kill()
+        victim.wait()
+        resumed = []
+        for rid in ids:
+            done = check_stream(outputs.of(rid, timeout=120))
+            assert isinstance(done, Done) and done.usage.completion_tokens == 400, done
+            resumed.append(done.text)
+        assert "took over the requests of a silent worker" in survivor.log()  # some were mid-generation
+    finally:
+        survivor.stop()
+    plain = start_worker(url, demo_model, queue, logs_dir, consumer="spec-plain")
+    try:
+        expected = [check_stream(outputs.of(rid, timeout=120)).text
+                    for rid in [xadd_and_id(r, queue, body) for body in bodies]]
+    finally:
+        plain.stop()
+    assert resumed == expected
+
+
+def xadd_and_id(r, queue: str, body: dict) -> str:
+    rid = f"specref-{random.getrandbits(32):x}"
+    xadd_json(r, queue, rid, body)
+    return rid
