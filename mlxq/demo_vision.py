@@ -137,7 +137,9 @@ MISTRAL_TEMPLATE = (
 def _mistral3_config(ids: dict[str, int]) -> dict[str, Any]:
     # Pixtral's tower over 14-pixel patches, merged 2x2: a 56x56 image is 4 tokens and
     # the [IMG_BREAK] / [IMG_END] markers the processor puts after each row.
-    text = {**TEXT, "model_type": "mistral", "rope_theta": 10000.0}
+    # Heads 32 wide (the others' are 16): mx.quantize groups at least 32 values, so this
+    # is the demo family a worker with kv_bits can serve.
+    text = {**TEXT, "model_type": "mistral", "rope_theta": 10000.0, "head_dim": 32}
     vision = {"model_type": "pixtral", "num_hidden_layers": 1, "hidden_size": 32, "head_dim": 16,
               "intermediate_size": 64, "num_attention_heads": 2, "image_size": 56, "patch_size": 14}
     return {"model_type": "mistral3", "text_config": text, "vision_config": vision, "spatial_merge_size": 2,

@@ -140,3 +140,61 @@ def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, bench_model, 
         assert resumed == texts(outputs, submit(r, queue, "reference"))
     finally:
         survivor.stop()
+
+
+IMAGE_MESSAGES = [{"role": "user", "content": [{"type": "image", "index": 0},
+                                               {"type": "text", "text": "What is in it?"}]}]
+
+
+@pytest.fixture(scope="module")
+def mistral3_model(tmp_path_factory):
+    """The demo family whose heads (32 wide) mx.quantize can group."""
+    return build_demo_model(tmp_path_factory.mktemp("model") / "mistral3", "--vision", "--family", "mistral3")
+
+
+def test_an_image_conversation_decodes_as_mlx_vlm_does_with_the_same_quantization(mistral3_model, redis_url, logs_dir,
+                                                                                  r, outputs, new_id):
+    import base64
+    import io
+
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.generate.ar import BatchGenerator
+    from mlx_vlm.prompt_utils import apply_chat_template
+    from mlx_vlm.utils import prepare_inputs
+    from PIL import Image
+    from test_vision import png
+
+    image = png(60, 44, 1)
+    model, processor = load(str(mistral3_model))
+    processor.tokenizer.stopping_criteria.reset([])
+    plain = [{**m, "content": [{k: v for k, v in part.items() if k != "index"} for part in m["content"]]}
+             for m in IMAGE_MESSAGES]
+    prompt = apply_chat_template(processor, model.config, plain, num_images=1)
+
+    def mlx_vlm_batch(bits: int | None) -> list[int]:
+        """mlx-vlm's own batch on the processor's inputs, embedded by the model."""
+        inputs = prepare_inputs(processor, images=[Image.open(io.BytesIO(image)).convert("RGB")], prompts=prompt)
+        ids, pixels, mask = inputs.pop("input_ids"), inputs.pop("pixel_values"), inputs.pop("attention_mask")
+        embedded = model.get_input_embeddings(ids, pixels, mask=mask, **inputs).to_dict()
+        quantized = {} if bits is None else {"kv_bits": bits, "kv_group_size": 32}
+        batch = BatchGenerator(model.language_model, processor, compute_logprobs=False, **quantized)
+        batch.insert([ids[0].tolist()], [NEW_TOKENS],
+                     prompt_kwargs=[{k: v for k, v in embedded.items() if isinstance(v, mx.array)}])
+        tokens: list[int] = []
+        while len(tokens) < NEW_TOKENS:
+            tokens += [response.token for response in batch.next()[1]]
+        return tokens
+
+    expected = mlx_vlm_batch(BITS)
+    assert mlx_vlm_batch(None) != expected, "quantizing must change the output, or this test could not tell"
+    worker = start_worker(worker_url(redis_url), mistral3_model, f"kvv{uuid.uuid4().hex[:6]}", logs_dir,
+                          kv_bits=BITS, kv_group_size=32)
+    try:
+        rid = new_id("kvv")
+        xadd_json(r, worker.queue, rid, {"messages": IMAGE_MESSAGES, "images": [base64.b64encode(image).decode()],
+                                         "max_tokens": NEW_TOKENS, "ignore_eos": True})
+        assert tokens_of(outputs.of(rid)) == expected
+    finally:
+        worker.stop()
+
