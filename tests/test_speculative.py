@@ -17,7 +17,7 @@ from support import KEYS, check_stream, start_worker, wait_for, wait_for_deltas,
 
 from client import Delta, Done
 from mlxq.local_cluster import free_port
-from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, propose
+from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, History, propose
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
 # proposes; random weights loop in their own output too, which it proposes as well.
@@ -32,6 +32,15 @@ def test_a_draft_is_what_followed_the_latest_longest_match():
     assert propose([5, 6, 1, 2, 7, 1, 2], max_ngram=3, max_tokens=4) == [7, 1, 2]
     assert propose([1, 2, 3, 4], max_ngram=3, max_tokens=4) == []  # no earlier match
     assert propose([4, 4, 4], max_ngram=2, max_tokens=0) == []
+
+
+def test_a_growing_history_proposes_what_its_token_list_would():
+    rng = random.Random(3)
+    tokens, history = rng.choices(range(20), k=300), History()
+    for _ in range(400):  # past its first capacity
+        pending = rng.randrange(20)
+        assert propose(history.view(tokens, pending), 3, 4) == propose([*tokens, pending], 3, 4)
+        tokens.append(pending)
 
 
 def run(gate: Gate, rows: int, way_rate: dict[bool, float], start: float) -> float:

@@ -34,19 +34,50 @@ from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
 
 
-def propose(context: list[int], max_ngram: int, max_tokens: int) -> list[int]:
+def propose(context: list[int] | np.ndarray, max_ngram: int, max_tokens: int) -> list[int]:
     """The tokens that followed the latest earlier match of the context's last n tokens,
     the longest n (at most `max_ngram`) that matches; [] when none does."""
-    if max_tokens <= 0 or len(context) < 2:
-        return []
     tokens = np.asarray(context)
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:-1], n)
-        starts = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
-        if starts.size:
-            follow = int(starts[-1]) + n
-            return tokens[follow:follow + max_tokens].tolist()
-    return []
+    if max_tokens <= 0 or len(tokens) < 2:
+        return []
+    last = len(tokens) - 1
+    # Where the last token occurred before: every match of any n ends at one of them.
+    ends = np.flatnonzero(tokens[:last] == tokens[last])
+    best = None
+    for k in range(1, min(max_ngram, last)):  # the match grows one token back at a time
+        ends = ends[ends >= k]
+        longer = ends[tokens[ends - k] == tokens[last - k]]
+        if longer.size == 0:
+            break
+        ends = longer
+    if ends.size:
+        best = int(ends[-1]) + 1
+    return [] if best is None else tokens[best:best + max_tokens].tolist()
+
+
+class History:
+    """A sequence's tokens as an array, grown as they come: converting a long prompt's
+    token list on every step would cost more than the search."""
+
+    def __init__(self) -> None:
+        self._array = np.empty(256, dtype=np.int64)
+        self._length = 0
+
+    def view(self, tokens: list[int], pending: int) -> np.ndarray:
+        """The array of `tokens` and then `pending`."""
+        new = tokens[self._length:] if len(tokens) >= self._length else tokens
+        if len(tokens) < self._length:  # not this sequence's history: start over
+            self._length = 0
+            new = tokens
+        needed = self._length + len(new) + 1
+        if needed > len(self._array):
+            grown = np.empty(max(needed, 2 * len(self._array)), dtype=np.int64)
+            grown[:self._length] = self._array[:self._length]
+            self._array = grown
+        self._array[self._length:self._length + len(new)] = new
+        self._length += len(new)
+        self._array[self._length] = pending
+        return self._array[:self._length + 1]
 
 
 @dataclass
@@ -163,6 +194,7 @@ class LookupGenerationBatch(GenerationBatch):
                   gate: Gate) -> LookupGenerationBatch:
         self.max_ngram, self.num_draft_tokens, self.eligible = max_ngram, num_draft_tokens, eligible
         self.stats, self.gate = stats, gate
+        self._histories: dict[int, History] = {}
         return self
 
     def next(self) -> list[GenerationBatch.Response]:
@@ -177,15 +209,19 @@ class LookupGenerationBatch(GenerationBatch):
 
     def _speculative_next(self) -> list[GenerationBatch.Response] | None:
         """A step verifying each eligible row's draft; None when no row has one."""
+        if len(self._histories) > 2 * len(self.uids):  # of sequences gone
+            self._histories = {uid: h for uid, h in self._histories.items() if uid in self.eligible}
         pending = cast(list[int], self._next_tokens.tolist())
         drafts = [self._draft(i, token) for i, token in enumerate(pending)]
         return self._verify(pending, drafts) if any(drafts) else None
 
     def _draft(self, row: int, pending: int) -> list[int]:
-        if self.uids[row] not in self.eligible:
+        uid = self.uids[row]
+        if uid not in self.eligible:
             return []
         room = self.max_tokens[row] - self._num_tokens[row] - 1  # the pending token goes out too
-        return propose(self.tokens[row] + [pending], self.max_ngram, min(self.num_draft_tokens, room))
+        history = self._histories.setdefault(uid, History())
+        return propose(history.view(self.tokens[row], pending), self.max_ngram, min(self.num_draft_tokens, room))
 
     def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[GenerationBatch.Response]:
         """One pass over each row's pending token and draft; each row keeps what it accepts."""
