@@ -100,6 +100,9 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     path = settings.model
     assert path is not None
+    if settings.prompt_lookup_max and settings.max_kv_size is not None:
+        raise ValueError(f"{path}: prompt_lookup_max cannot drop rejected drafts from a rotating cache "
+                         "(max_kv_size); unset one of them")
     model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
     text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
     context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
@@ -107,9 +110,6 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
     warm_up(info.vocab_size)
 
-    if settings.prompt_lookup_max and settings.max_kv_size is not None:
-        raise ValueError(f"{path}: prompt_lookup_max cannot drop rejected drafts from a rotating cache "
-                         "(max_kv_size); unset one of them")
     stats, gate = SpeculationStats(), Gate()  # across backends: one is made anew after a failed step
 
     def make_backend() -> MlxBatchBackend:

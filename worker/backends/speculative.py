@@ -10,16 +10,15 @@ processors (penalties, constraints, min_tokens) or asked for logprobs, and reque
 that opt out, take one token as in any step: they verify nothing.
 
 A step is speculative only when some row has a draft and the gate says speculation
-pays at this batch size: it keeps, per batch-size bucket, the tokens per second of the
-steps taken each way (the time from one step to the next, so the engine's own work
-counts) and chooses the faster, trying the other every `EXPLORE_EVERY` decisions. On a
-CPU the verifying pass costs what its tokens cost and speculation stops paying at a few
+pays at this batch size: it times epochs of steps taken each way (from one step to the
+next, so the engine's own work counts), per batch-size bucket, keeps the faster, and
+tries the other again after a patience that doubles each time the try loses. On a CPU
+the verifying pass costs what its tokens cost and speculation stops paying at a few
 rows; on a GPU decode is bound by memory and it pays further (docs/benchmarks.md).
 
-The positions of rejected draft
-tokens are dropped from each row's KV cache as mlx-lm drops a prefill's right padding
-(`BatchKVCache.prepare(right_padding=...)` then `finalize()`: rolled into the row's left
-padding, masked from then on).
+The positions of rejected draft tokens are dropped from each row's KV cache as mlx-lm
+drops a prefill's right padding (`BatchKVCache.prepare(right_padding=...)` then
+`finalize()`: rolled into the row's left padding, masked from then on).
 """
 
 from __future__ import annotations
@@ -43,16 +42,16 @@ def propose(context: list[int] | np.ndarray, max_ngram: int, max_tokens: int) ->
     last = len(tokens) - 1
     # Where the last token occurred before: every match of any n ends at one of them.
     ends = np.flatnonzero(tokens[:last] == tokens[last])
-    best = None
     for k in range(1, min(max_ngram, last)):  # the match grows one token back at a time
         ends = ends[ends >= k]
         longer = ends[tokens[ends - k] == tokens[last - k]]
         if longer.size == 0:
             break
         ends = longer
-    if ends.size:
-        best = int(ends[-1]) + 1
-    return [] if best is None else tokens[best:best + max_tokens].tolist()
+    if ends.size == 0:
+        return []
+    follow = int(ends[-1]) + 1
+    return tokens[follow:follow + max_tokens].tolist()
 
 
 class History:
@@ -65,10 +64,9 @@ class History:
 
     def view(self, tokens: list[int], pending: int) -> np.ndarray:
         """The array of `tokens` and then `pending`."""
-        new = tokens[self._length:] if len(tokens) >= self._length else tokens
-        if len(tokens) < self._length:  # not this sequence's history: start over
+        if len(tokens) < self._length:  # not the list it grew from: start over
             self._length = 0
-            new = tokens
+        new = tokens[self._length:]
         needed = self._length + len(new) + 1
         if needed > len(self._array):
             grown = np.empty(max(needed, 2 * len(self._array)), dtype=np.int64)
