@@ -70,10 +70,12 @@ def test_validation_errors_name_every_bad_field():
 
 def test_strict_types_do_not_coerce():
     """Strings are not silently turned into numbers, nor numbers into strings."""
-    for body in ({"prompt": "x", "max_tokens": "5"}, {"prompt": 5}, {"prompt": "x", "seed": True}):
+    for body in ({"prompt": "x", "max_tokens": "5"}, {"prompt": 5}, {"prompt": "x", "seed": True},
+                 {"prompt": "x", "speculative": "no"}, {"prompt": "x", "speculative": 0}):
         with pytest.raises(RequestRejected):
             validate_body(body)
     assert validate_body({"prompt": "x", "temperature": 1}).temperature == 1.0
+    assert validate_body({"prompt": "x", "speculative": False}).speculative is False
 
 
 def test_encode_request_checks_the_id():
