@@ -172,6 +172,12 @@ def check_stream(events: list[Event]) -> Done | Error:
     return terminal
 
 
+def tokens_of(events: list[Event]) -> list[int]:
+    """The token ids a request's deltas carried, once its stream checks out and ends in `done`."""
+    assert isinstance(check_stream(events), Done), events
+    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
+
+
 def wait_for(condition: Any, timeout: float = 30, what: str = "the condition",
              ignoring: tuple[type[BaseException], ...] = ()) -> Any:
     """`condition()`'s first true value, tried every 0.05 s for up to `timeout` seconds

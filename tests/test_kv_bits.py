@@ -11,9 +11,18 @@ import time
 import uuid
 
 import pytest
-from support import KEYS, build_demo_model, check_stream, start_worker, wait_for_deltas, worker_url, xadd_json
+from support import (
+    KEYS,
+    build_demo_model,
+    check_stream,
+    start_worker,
+    tokens_of,
+    wait_for_deltas,
+    worker_url,
+    xadd_json,
+)
 
-from client import Delta, Done
+from client import Done
 
 BITS = 8
 NEW_TOKENS = 40
@@ -59,11 +68,6 @@ def reference(bench_model):
         return [tokens[uid] for uid in uids]
 
     return generate
-
-
-def tokens_of(events: list) -> list[int]:
-    assert isinstance(check_stream(events), Done), events
-    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
 
 
 def test_batched_sequences_decode_as_mlx_vlm_does_with_the_same_quantization(worker, r, outputs, new_id,

@@ -6,9 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from support import check_stream, worker_fixture, xadd_json
-
-from client import Delta, Done
+from support import tokens_of, worker_fixture, xadd_json
 
 WINDOW = 48
 NEW_TOKENS = 60  # each prompt plus its output outgrows the window while it decodes
@@ -41,11 +39,6 @@ def reference(demo_model):
         return [tokens[uid] for uid in uids]
 
     return generate
-
-
-def tokens_of(events: list) -> list[int]:
-    assert isinstance(check_stream(events), Done), events
-    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
 
 
 def submit_together(r, queue: str, new_id) -> list[str]:
