@@ -42,7 +42,8 @@ def load_vision_model(settings: WorkerSettings) -> Loaded:
 
 def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     """A model in mlx-vlm's batch: a vision model, or a text model for what only that
-    batch has (a quantized KV cache); mlx-vlm loads text models too."""
+    batch has (a quantized KV cache, the prefix cache's SSD tier); mlx-vlm loads text
+    models too."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from mlx_vlm import load
     from mlx_vlm.utils import get_model_path
