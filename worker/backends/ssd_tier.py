@@ -3,9 +3,10 @@
 mlx-vlm's `DiskBlockStore` does the work: every block its prefix cache stores is also
 written to disk by a background thread (a temporary file renamed into place, so a kill
 mid-write leaves only a partial that the next start deletes), shards over the budget are
-evicted oldest first, a shard whose header cannot be read is dropped, and the index is
-rebuilt from the files at start, so a restarted worker's first request on a long shared
-prompt is a hit. Ours is the key and the place:
+evicted oldest first, and the index is rebuilt from the files at start, so a restarted
+worker's first request on a long shared prompt is a hit. A file whose header does not
+parse or whose tensors run past its end is removed before that (`damaged_files`).
+Ours is the key and the place:
 
 - the namespace (a subdirectory) fingerprints the model's weights, not only its path: a
   sample of every weight file's bytes and its size, with the config and the KV
@@ -21,7 +22,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,8 @@ def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dic
     from mlx_vlm.apc import DiskBlockStore, apc_disk_namespace
 
     slot = claim_slot(root)
+    for damaged in damaged_files(slot):
+        damaged.unlink(missing_ok=True)
     namespace = apc_disk_namespace(model_dir.name[:64], weights_fingerprint=weights_fingerprint(model_dir),
                                    kv_bits=kv_quantization.get("kv_bits"),
                                    kv_group_size=kv_quantization.get("kv_group_size"))
@@ -56,6 +61,27 @@ def claim_slot(root: Path) -> Path:
         _held.append(descriptor)
         return root / f"slot-{n}"
     raise RuntimeError(f"ssd_cache_dir {root}: all {MAX_SLOTS} slots are held by live workers")
+
+
+def damaged_files(slot: Path) -> list[Path]:
+    """The slot's safetensors files whose header does not parse or whose tensors run past
+    the end of the file (cut short: a full disk, a copy stopped halfway). mlx-vlm drops
+    an unreadable header itself, but keeps a cut-short file and fails to load it on every
+    hit; these are removed before its index is built."""
+    damaged = []
+    for path in slot.glob("*/*.safetensors"):
+        try:
+            size = path.stat().st_size
+            with open(path, "rb") as f:
+                header_size = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(header_size)) if 0 < header_size <= size - 8 else None
+            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"] \
+                if isinstance(header, dict) else None
+        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
+            ends = None
+        if ends is None or 8 + header_size + max(ends, default=0) > size:
+            damaged.append(path)
+    return damaged
 
 
 def weights_fingerprint(model_dir: Path) -> str:
