@@ -18,7 +18,9 @@ rows; on a GPU decode is bound by memory and it pays further (docs/benchmarks.md
 
 The positions of rejected draft tokens are dropped from each row's KV cache as mlx-lm
 drops a prefill's right padding (`BatchKVCache.prepare(right_padding=...)` then
-`finalize()`: rolled into the row's left padding, masked from then on).
+`finalize()`: rolled into the row's left padding, masked from then on). That roll moves
+every row's whole cache, so a speculative step costs more as contexts grow (the gate's
+measurements see it; a cache whose rows each keep their own end would not need it).
 """
 
 from __future__ import annotations
