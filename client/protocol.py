@@ -213,7 +213,7 @@ class RequestBody(BaseModel):
     tools: list[Tool] | None = Field(None, min_length=1, max_length=MAX_TOOLS)
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    speculative: bool | None = None  # False opts out of the worker's speculative decoding
+    speculative: bool = True  # False opts out of the worker's speculative decoding
 
     @field_validator("prompt_tokens")
     @classmethod

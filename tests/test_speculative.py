@@ -8,15 +8,23 @@ from __future__ import annotations
 import random
 import signal
 import time
-import urllib.request
 import uuid
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from support import KEYS, check_stream, start_worker, wait_for, wait_for_deltas, worker_url, xadd_json
+from support import (
+    KEYS,
+    check_stream,
+    free_port,
+    heartbeat_stats,
+    scrape_metrics,
+    start_worker,
+    wait_for,
+    wait_for_deltas,
+    worker_url,
+    xadd_json,
+)
 
 from client import Delta, Done
-from mlxq.local_cluster import free_port
 from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, History, propose
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
@@ -198,7 +206,6 @@ def outputs_of(r, outputs, worker, bodies: list[dict]) -> list[tuple[list[int], 
 
 
 def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs):
-    import json
 
     plain, lookup, port = workers
     bodies = [{"prompt_tokens": p, "max_tokens": NEW_TOKENS, "ignore_eos": True} for p in PROMPTS]
@@ -214,15 +221,10 @@ def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs)
     cut = expected[0][0].index(stop)
     assert got[len(PROMPTS)] == (expected[0][0][:cut], "stop")  # the stop token itself is not streamed
     assert got[-1] == expected[1]
-    wait_for(lambda: (json.loads(r.get(f"mlxq:workers:{lookup.consumer}") or "{}").get("speculation") or {})
-             .get("steps", 0) > 0, what="speculative steps in the heartbeat")
-    wait_for(lambda: scraped(port, "mlxq_spec_decode_num_draft_tokens_total") > 0, what="drafts in the metrics")
-
-
-def scraped(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        families = text_string_to_metric_families(response.read().decode())
-    return sum(s.value for family in families for s in family.samples if s.name == name)
+    wait_for(lambda: (heartbeat_stats(r, lookup.consumer).get("speculation") or {}).get("steps", 0) > 0,
+             what="speculative steps in the heartbeat")
+    wait_for(lambda: scrape_metrics(port).get("mlxq_spec_decode_num_draft_tokens_total", {}).get((), 0) > 0,
+             what="drafts in the metrics")
 
 
 def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, logs_dir, r, outputs):

@@ -5,13 +5,12 @@ are never read, the tier keeps to its budget, two workers on one host keep apart
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from pathlib import Path
 
 import pytest
-from support import check_stream, start_worker, wait_for, worker_url, xadd_json
+from support import check_stream, heartbeat_stats, start_worker, wait_for, worker_url, xadd_json
 
 from client import Delta, Done
 
@@ -36,11 +35,6 @@ def ask(worker, r, outputs, prompt: list[int]) -> tuple[list[int], int]:
     return [t for e in events if isinstance(e, Delta) for t in e.tokens], done.usage.cached_tokens
 
 
-def tier_stats(r, worker) -> dict | None:
-    beat = r.get(f"mlxq:workers:{worker.consumer}")
-    return None if beat is None else json.loads(beat).get("ssd_cache")
-
-
 def shards(tier: Path) -> list[Path]:
     return sorted(tier.glob("slot-*/*/*.safetensors"))
 
@@ -62,8 +56,9 @@ def test_a_restarted_worker_reads_the_prompt_from_disk(redis_url, demo_model, tm
     try:
         tokens, cached = ask(worker, r, outputs, LONG)
         assert cached == 400 and tokens == cold  # its whole blocks
-        wait_for(lambda: (tier_stats(r, worker) or {}).get("hits", 0) > 0, what="the hit in the heartbeat")
-        assert tier_stats(r, worker)["entries"] >= 25
+        tier = wait_for(lambda: (heartbeat_stats(r, worker.consumer).get("ssd_cache") or {}).get("hits", 0) > 0
+                        and heartbeat_stats(r, worker.consumer)["ssd_cache"], what="the hit in the heartbeat")
+        assert tier["entries"] >= 25
     finally:
         worker.stop()
 
@@ -145,3 +140,25 @@ def test_without_a_memory_tier_it_is_refused(demo_model, tmp_path):
 
     with pytest.raises(ValueError, match="cache_memory_mb 0"):
         load_model(load_settings(model=str(demo_model), ssd_cache_dir=tmp_path, cache_memory_mb=0))
+
+
+def test_damaged_files_are_told_from_whole_ones_whatever_their_header_says(tmp_path):
+    import json
+    import struct
+
+    from worker.backends.ssd_tier import damaged_files
+
+    def write(name: str, header: object, payload: bytes = b"\0" * 16, size: int | None = None) -> None:
+        raw = json.dumps(header).encode()
+        (tmp_path / "ns").mkdir(exist_ok=True)
+        (tmp_path / "ns" / name).write_bytes(struct.pack("<Q", len(raw) if size is None else size) + raw + payload)
+
+    write("whole.safetensors", {"k0": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "__metadata__": {}})
+    write("short.safetensors", {"k0": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}})
+    write("odd-offsets.safetensors", {"k0": {"data_offsets": ["0", "x"]}})
+    write("a-list.safetensors", [1, 2, 3])
+    write("huge-header.safetensors", {}, size=2**62)
+    (tmp_path / "ns" / "empty.safetensors").write_bytes(b"")
+    assert sorted(p.name for p in damaged_files(tmp_path)) == [
+        "a-list.safetensors", "empty.safetensors", "huge-header.safetensors", "odd-offsets.safetensors",
+        "short.safetensors"]

@@ -86,7 +86,7 @@ class Preparer:
             constraint=constraint,
             tools=tools,
             thinking=thinking,
-            speculative=body.speculative is not False,
+            speculative=body.speculative,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:

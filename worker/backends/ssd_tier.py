@@ -74,12 +74,14 @@ def damaged_files(slot: Path) -> list[Path]:
             size = path.stat().st_size
             with open(path, "rb") as f:
                 header_size = struct.unpack("<Q", f.read(8))[0]
-                header = json.loads(f.read(header_size)) if 0 < header_size <= size - 8 else None
-            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"] \
-                if isinstance(header, dict) else None
-        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError):
-            ends = None
-        if ends is None or 8 + header_size + max(ends, default=0) > size:
+                if not 0 < header_size <= size - 8:
+                    raise ValueError("no header of that size fits")
+                header = json.loads(f.read(header_size))
+            ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+            whole = 8 + header_size + max(ends, default=0) <= size
+        except (OSError, ValueError, struct.error, KeyError, TypeError, IndexError, AttributeError):
+            whole = False  # unreadable, or not a safetensors header
+        if not whole:
             damaged.append(path)
     return damaged
 
