@@ -266,3 +266,21 @@ def xadd_and_id(r, queue: str, body: dict) -> str:
     rid = f"specref-{random.getrandbits(32):x}"
     xadd_json(r, queue, rid, body)
     return rid
+
+
+def test_a_losing_try_is_cut_short():
+    from worker.backends.speculative import CUT_SHORT_AFTER
+
+    gate, now, way_rate = Gate(), 0.0, {True: 10.0, False: 100.0}
+    for _ in range(EPOCH * (FIRST_PATIENCE + 2)):  # speculation's first epoch, then plain's until a retry
+        way = gate.choose(16, now)
+        gate.took(int(way_rate[way]), speculative=way)
+        now += 1.0
+    steps = []
+    for _ in range(EPOCH * 2 * FIRST_PATIENCE):
+        steps.append(gate.choose(16, now))
+        gate.took(int(way_rate[steps[-1]]), speculative=steps[-1])
+        now += 1.0
+    assert any(steps), "speculation is tried again"
+    tries = "".join("s" if way else "." for way in steps).split(".")
+    assert max(len(t) for t in tries) <= CUT_SHORT_AFTER, steps

@@ -12,7 +12,8 @@ that opt out, take one token as in any step: they verify nothing.
 A step is speculative only when some row has a draft and the gate says speculation
 pays at this batch size: it times epochs of steps taken each way (from one step to the
 next, so the engine's own work counts), per batch-size bucket, keeps the faster, and
-tries the other again after a patience that doubles each time the try loses. On a CPU
+tries the other again after a patience that doubles each time the try loses (a try
+running well below plain's rate is cut short). On a CPU
 the verifying pass costs what its tokens cost and speculation stops paying at a few
 rows; on a GPU decode is bound by memory and it pays further (docs/benchmarks.md).
 
@@ -101,6 +102,7 @@ EPOCH = 8  # steps taken one way before the gate chooses again
 # each time the try confirms the choice, so a way that keeps losing costs less and less.
 FIRST_PATIENCE, MAX_PATIENCE = 4, 256
 SMOOTHING = 0.3  # weight of the newest epoch in each way's tokens-per-second average
+CUT_SHORT_AFTER, CUT_SHORT_BELOW = 4, 0.8  # steps into a speculative epoch, and the share of plain's rate
 
 
 class Gate:
@@ -125,7 +127,7 @@ class Gate:
         if not self.adaptive:
             return True
         bucket = rows.bit_length()  # 1, 2-3, 4-7, 8-15, ...
-        if self._step >= EPOCH or bucket != self._bucket:
+        if self._step >= EPOCH or bucket != self._bucket or self._clearly_losing(now):
             self._close(now)
             self._bucket, self._way, self._step = bucket, self._pick(bucket), 0
         self._step += 1
@@ -139,6 +141,14 @@ class Gate:
             self._tokens += tokens
         if self._way and not speculative:  # no draft anywhere: the epoch's time is not speculation's
             self._step = EPOCH + 1
+
+    def _clearly_losing(self, now: float) -> bool:
+        """Whether a speculative epoch already runs well below plain's rate: cut short, so
+        a try where speculation does not pay costs a few steps, not an epoch."""
+        plain = self._rates.get((self._bucket, False))
+        if not self._way or plain is None or not CUT_SHORT_AFTER <= self._step <= EPOCH:
+            return False
+        return self._tokens / max(now - self._timed_from, 1e-6) < CUT_SHORT_BELOW * plain
 
     def _close(self, now: float) -> None:
         if self._step < 3 or self._step > EPOCH:
