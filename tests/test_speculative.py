@@ -1,7 +1,7 @@
-"""Prompt lookup decoding (`prompt_lookup_max`): drafts from a request's own tokens,
-verified in the running batch, leave every greedy output exactly as without them; rows
-that cannot speculate run beside them unchanged; the gate keeps whichever way is faster
-at each batch size."""
+"""Speculative decoding in the running batch, by prompt lookup (`prompt_lookup_max`:
+drafts from a request's own tokens) and by a draft model (`draft_model`): verified
+drafts leave every greedy output exactly as without them; rows that cannot speculate
+run beside them unchanged; the gate keeps whichever way is faster at each batch size."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from support import (
 )
 
 from client import Delta, Done
-from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate, History, propose
+from worker.backends.prompt_lookup import History, propose
+from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
 # proposes; random weights loop in their own output too, which it proposes as well.
@@ -100,21 +101,40 @@ def test_the_gate_speculates_where_it_pays_and_not_beyond():
 
 @pytest.fixture(scope="module")
 def backends(demo_model):
-    """The worker's text backend on the demo model, without and with prompt lookup (its
-    gate always speculating), and the lookup's counters."""
+    """The worker's text backend on the demo model with `settings` (speculating ones with
+    their gate always speculating), and what loaded it (for its counters)."""
     from worker.backends import load_model
-    from worker.backends.speculative import LookupGenerationBatch
+    from worker.backends.speculative import SpeculativeGenerationBatch
     from worker.settings import WorkerSettings
 
-    def make(lookup: int):
-        loaded = load_model(WorkerSettings(model=str(demo_model), prompt_lookup_max=lookup, cache_memory_mb=0))
+    def make(**settings):
+        loaded = load_model(WorkerSettings(model=str(demo_model), cache_memory_mb=0, **settings))
         backend = loaded.make_backend()
         batch = backend._generator._generation_batch
-        if isinstance(batch, LookupGenerationBatch):
+        if isinstance(batch, SpeculativeGenerationBatch):
             batch.gate.adaptive = False
         return backend, loaded
 
     return make
+
+
+@pytest.fixture(scope="module")
+def near_draft(demo_model, tmp_path_factory):
+    """A draft that agrees with the demo model often, not always: its weights with a
+    little noise (random weights are chaotic: noise of 2% of each matrix's spread keeps
+    about 60% of greedy tokens; an unrelated random model keeps none)."""
+    import shutil
+
+    import mlx.core as mx
+
+    out = tmp_path_factory.mktemp("draft") / "near"
+    shutil.copytree(demo_model, out)
+    weights = mx.load(str(demo_model / "model.safetensors"))
+    mx.random.seed(5)
+    noisy = {name: (w + 0.02 * w.std() * mx.random.normal(w.shape)).astype(w.dtype) if w.ndim == 2 else w
+             for name, w in weights.items()}
+    mx.save_safetensors(str(out / "model.safetensors"), noisy, metadata={"format": "mlx"})
+    return out
 
 
 def decode(backend, requests) -> list[list[int]]:
@@ -147,8 +167,8 @@ def mixed_requests(speculative: bool = True):
 def test_greedy_output_is_unchanged_and_its_neighbours_too(backends):
     import mlx.core as mx
 
-    plain, _ = backends(0)
-    lookup, loaded = backends(3)
+    plain, _ = backends()
+    lookup, loaded = backends(prompt_lookup_max=3)
     mx.random.seed(7)
     expected = decode(plain, mixed_requests())
     mx.random.seed(7)
@@ -159,10 +179,82 @@ def test_greedy_output_is_unchanged_and_its_neighbours_too(backends):
 
 
 def test_a_request_that_opts_out_is_never_drafted(backends):
-    lookup, loaded = backends(3)
+    lookup, loaded = backends(prompt_lookup_max=3)
     before = loaded.speculation()["draft_tokens"]
     decode(lookup, mixed_requests(speculative=False)[:len(PROMPTS)])
     assert loaded.speculation()["draft_tokens"] == before
+
+
+def decode_arriving(backend, requests, seed: int) -> list[list[int]]:
+    """Like `decode`, with a request joining every third step and the gate's choice
+    random (plain steps leave a draft model behind, to catch up on the next draft)."""
+    from worker.backends.speculative import SpeculativeGenerationBatch
+    from worker.scheduler import StepPlan
+
+    batch, rng = backend._generator._generation_batch, random.Random(seed)
+    if isinstance(batch, SpeculativeGenerationBatch):
+        batch.gate.choose = lambda rows, now: rng.random() < 0.6
+    waiting, uids, out, done, steps = list(requests), [], {}, set(), 0
+    while waiting or len(done) < len(uids):
+        if waiting and steps % 3 == 0:
+            prompt, sampler, processors, speculative = waiting.pop(0)
+            uids.append(backend.insert(prompt, NEW_TOKENS, sampler, processors, speculative=speculative))
+            out[uids[-1]] = []
+        for token in backend.step(StepPlan(prefill_chunk=16, prefill_prompts=2)):  # prompts prefill over steps
+            out[token.uid].append(token.token)
+            if token.finish_reason:
+                done.add(token.uid)
+        steps += 1
+    return [out[uid] for uid in uids]
+
+
+@pytest.mark.parametrize("draft", ["itself", "near"])
+def test_a_draft_model_leaves_greedy_output_unchanged(backends, demo_model, near_draft, draft):
+    """With the model itself as its draft every draft is accepted (the upper bound), which
+    holds only while each row's draft cache covers exactly its tokens; with a draft that
+    agrees often, rows accept part of their drafts and drop the rest."""
+    import mlx.core as mx
+
+    plain, _ = backends()
+    drafting, loaded = backends(draft_model=str(demo_model if draft == "itself" else near_draft))
+    mx.random.seed(7)
+    expected = decode_arriving(plain, mixed_requests(), seed=1)
+    mx.random.seed(7)
+    got = decode_arriving(drafting, mixed_requests(), seed=1)
+    greedy = range(len(PROMPTS))
+    assert [got[i] for i in greedy] == [expected[i] for i in greedy]
+    assert got[-1] == expected[-1]  # the penalized row, which verifies nothing
+    stats = loaded.speculation()
+    assert stats["method"] == "draft_model"
+    if draft == "itself":
+        assert stats["acceptance_rate"] >= 0.95, stats
+    else:
+        assert 0.1 < stats["acceptance_rate"] < 0.95, stats
+
+
+def test_a_draft_proposes_what_it_would_from_each_rows_whole_context(backends, near_draft):
+    """Each row's draft, from the draft's batched cache after rejections, catch-ups and
+    rows coming and going, is the draft model's own greedy continuation of the row's
+    tokens computed afresh."""
+    import mlx.core as mx
+
+    drafting, _ = backends(draft_model=str(near_draft))
+    batch = drafting._generator._generation_batch
+    proposer, checked = batch.proposer, []
+    propose_drafts = proposer.drafts
+
+    def checking(batch, pending, room):
+        drafts = propose_drafts(batch, pending, room)
+        for row, draft in enumerate(drafts):
+            context = [*batch.tokens[row], pending[row]]
+            for token in draft:
+                checked.append(token == mx.argmax(proposer.model(mx.array([context]))[0, -1]).item())
+                context.append(token)
+        return drafts
+
+    proposer.drafts = checking
+    decode_arriving(drafting, mixed_requests(), seed=2)
+    assert len(checked) > 100 and sum(checked) >= 0.95 * len(checked), (sum(checked), len(checked))
 
 
 def test_hostile_settings_are_refused(demo_model):
@@ -178,16 +270,39 @@ def test_hostile_settings_are_refused(demo_model):
         load_model(load_settings(model=str(demo_model), prompt_lookup_max=3, max_kv_size=64))
     with pytest.raises(ValueError, match="prompt_lookup_max is served through mlx-lm's batch only"):
         load_model(load_settings(model=str(demo_model), prompt_lookup_max=3, ssd_cache_dir="/tmp/x"))
+    draft = str(demo_model)
+    with pytest.raises(ValidationError, match="choose one way to draft"):
+        load_settings(prompt_lookup_max=3, draft_model=draft)
+    with pytest.raises(ValidationError, match="draft_model"):
+        load_settings(draft_model="/nowhere/draft")
+    with pytest.raises(ValueError, match="rotating cache"):
+        load_model(load_settings(model=str(demo_model), draft_model=draft, max_kv_size=64))
+    with pytest.raises(ValueError, match="draft_model is served through mlx-lm's batch only"):
+        load_model(load_settings(model=str(demo_model), draft_model=draft, kv_bits=8))
+
+
+def test_a_draft_of_another_vocabulary_is_refused(demo_model, tmp_path):
+    from mlxq.demo_model import build
+    from worker.backends import load_model
+    from worker.settings import load_settings
+
+    other = build(tmp_path / "thinking", size="thinking")  # its tokenizer has more tokens
+    with pytest.raises(ValueError, match="its tokenizer is not the model's"):
+        load_model(load_settings(model=str(demo_model), draft_model=str(other)))
 
 
 @pytest.fixture(scope="module")
-def workers(redis_url, demo_model, logs_dir):
-    plain = start_worker(worker_url(redis_url), demo_model, "specplain", logs_dir, max_num_seqs=8)
-    port = free_port()
-    lookup = start_worker(worker_url(redis_url), demo_model, "speclookup", logs_dir, max_num_seqs=8,
-                          prompt_lookup_max=3, metrics_port=port)
-    yield plain, lookup, port
-    for worker in (plain, lookup):
+def workers(redis_url, demo_model, near_draft, logs_dir):
+    """A plain worker, and a speculating one by each method (with its metrics port)."""
+    url = worker_url(redis_url)
+    plain = start_worker(url, demo_model, "specplain", logs_dir, max_num_seqs=8)
+    speculating = {}
+    for method, setting in (("ngram", {"prompt_lookup_max": 3}), ("draft_model", {"draft_model": near_draft})):
+        port = free_port()
+        speculating[method] = (start_worker(url, demo_model, f"spec{method}", logs_dir, max_num_seqs=8,
+                                            metrics_port=port, **setting), port)
+    yield plain, speculating
+    for worker in (plain, *(w for w, _ in speculating.values())):
         worker.stop()
         assert worker.process.returncode == 0, worker.log()
 
@@ -205,9 +320,10 @@ def outputs_of(r, outputs, worker, bodies: list[dict]) -> list[tuple[list[int], 
     return result
 
 
-def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs):
-
-    plain, lookup, port = workers
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs, method):
+    plain, speculating = workers
+    lookup, port = speculating[method]
     bodies = [{"prompt_tokens": p, "max_tokens": NEW_TOKENS, "ignore_eos": True} for p in PROMPTS]
     expected = outputs_of(r, outputs, plain, bodies)
     # A stop token in the middle of a speculative step's tokens ends the request there.
@@ -223,16 +339,20 @@ def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs)
     assert got[-1] == expected[1]
     wait_for(lambda: (heartbeat_stats(r, lookup.consumer).get("speculation") or {}).get("steps", 0) > 0,
              what="speculative steps in the heartbeat")
+    assert heartbeat_stats(r, lookup.consumer)["speculation"]["method"] == method
     wait_for(lambda: scrape_metrics(port).get("mlxq_spec_decode_num_draft_tokens_total", {}).get((), 0) > 0,
              what="drafts in the metrics")
 
 
-def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, logs_dir, r, outputs):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, near_draft, logs_dir, r, outputs,
+                                                        method):
     """A speculating worker killed with SIGKILL: another takes its requests over and ends
     each with the text a plain uninterrupted run gives."""
     queue, url = f"specrec{uuid.uuid4().hex[:8]}", worker_url(redis_url)
+    setting = {"prompt_lookup_max": 3} if method == "ngram" else {"draft_model": near_draft}
     bodies = [{"prompt_tokens": p, "max_tokens": 400, "ignore_eos": True} for p in PROMPTS]
-    victim = start_worker(url, demo_model, queue, logs_dir, consumer="spec-victim", prompt_lookup_max=3)
+    victim = start_worker(url, demo_model, queue, logs_dir, consumer="spec-victim", **setting)
     ids = [f"specrec{i}-{uuid.uuid4().hex[:8]}" for i in range(len(bodies))]
     for rid, body in zip(ids, bodies, strict=True):
         xadd_json(r, queue, rid, body)
@@ -241,7 +361,7 @@ def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, l
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
     survivor = start_worker(url, demo_model, queue, logs_dir, consumer="spec-survivor", reclaim_interval_s=0.2,
-                            prompt_lookup_max=3)
+                            **setting)
     try:
         victim.process.kill()
         victim.wait()

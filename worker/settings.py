@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
@@ -67,6 +67,10 @@ class WorkerSettings(LayeredSettings):
                                    "its last n tokens (n up to this) in its prompt and output, verified in the "
                                    "running batch, so its output is unchanged; text models on mlx-lm's batch; "
                                    "0: off")
+    draft_model: str | None = Field(None, description="speculative decoding by a draft model (a local path or a "
+                                    "Hugging Face id, with the model's tokenizer): it drafts for the greedy rows, "
+                                    "the model verifies them in the running batch, so their output is unchanged; "
+                                    "text models on mlx-lm's batch; unset: off")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="most draft tokens a sequence proposes per step")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
@@ -139,7 +143,7 @@ class WorkerSettings(LayeredSettings):
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 
-    @field_validator("model")
+    @field_validator("model", "draft_model")
     @classmethod
     def _model_exists(cls, model: str | None) -> str | None:
         """A path that does not exist is refused here, rather than looked up on Hugging Face."""
@@ -149,6 +153,12 @@ class WorkerSettings(LayeredSettings):
             raise ValueError(f"{model} does not exist; give a model directory or a Hugging Face id such as "
                              "mlx-community/Qwen3-0.6B-8bit")
         return model
+
+    @model_validator(mode="after")
+    def _one_speculative_method(self) -> WorkerSettings:
+        if self.prompt_lookup_max and self.draft_model is not None:
+            raise ValueError("prompt_lookup_max and draft_model: choose one way to draft (one of them unset)")
+        return self
 
     @field_validator("lanes")
     @classmethod

@@ -19,7 +19,9 @@ from ..sampling import warm_up
 from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from . import Coverage, Loaded, ModelInfo, TokenOut
-from .speculative import Gate, LookupGenerationBatch, SpeculationStats
+from .draft_model import DraftModel
+from .prompt_lookup import PromptLookup
+from .speculative import Gate, Proposer, SpeculationStats, SpeculativeGenerationBatch
 
 
 class MlxBatchBackend:
@@ -34,13 +36,13 @@ class MlxBatchBackend:
 
     def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
                  prefill_step_size: int, max_kv_size: int | None = None,
-                 lookup: LookupGenerationBatch | None = None) -> None:
+                 speculative: SpeculativeGenerationBatch | None = None) -> None:
         self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
-        if lookup is not None:  # the one generation batch, which each prefilled group joins
-            self._generator._generation_batch = lookup
-        self._lookup = lookup
+        if speculative is not None:  # the one generation batch, which each prefilled group joins
+            self._generator._generation_batch = speculative
+        self._speculative = speculative
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
         self._no_stops = StopSequences([])
@@ -53,23 +55,23 @@ class MlxBatchBackend:
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
-        if self._lookup is not None and speculative and sampler is greedy_sampler and not logits_processors \
+        if self._speculative is not None and speculative and sampler is greedy_sampler and not logits_processors \
                 and not logprobs:
-            self._lookup.eligible.add(uid)
+            self._speculative.eligible.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         uids = list(uids)
-        if self._lookup is not None:
-            self._lookup.eligible.difference_update(uids)
+        if self._speculative is not None:
+            self._speculative.eligible.difference_update(uids)
         caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
         return {uid: Coverage(cache, list(tokens)) for uid, (cache, tokens) in (caches or {}).items()}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
         _, generated = self._generator.next()
-        if self._lookup is not None:  # finished sequences leave the batch by themselves
-            self._lookup.eligible.difference_update(r.uid for r in generated if r.finish_reason)
+        if self._speculative is not None:  # finished sequences leave the batch by themselves
+            self._speculative.eligible.difference_update(r.uid for r in generated if r.finish_reason)
         return [TokenOut(r.uid, r.token, r.finish_reason,
                          None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
                          logprobs=r.logprobs)
@@ -100,8 +102,8 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     path = settings.model
     assert path is not None
-    if settings.prompt_lookup_max and settings.max_kv_size is not None:
-        raise ValueError(f"{path}: prompt_lookup_max cannot drop rejected drafts from a rotating cache "
+    if (settings.prompt_lookup_max or settings.draft_model) and settings.max_kv_size is not None:
+        raise ValueError(f"{path}: speculative decoding cannot drop rejected drafts from a rotating cache "
                          "(max_kv_size); unset one of them")
     model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
     text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
@@ -110,23 +112,44 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                      context_length=int(context), vocab_size=int(text_config.get("vocab_size", len(tokenizer))))
     warm_up(info.vocab_size)
 
+    speculating = bool(settings.prompt_lookup_max or settings.draft_model)
+    draft = load_draft(settings.draft_model, tokenizer, info.vocab_size) if settings.draft_model else None
     stats, gate = SpeculationStats(), Gate()  # across backends: one is made anew after a failed step
 
     def make_backend() -> MlxBatchBackend:
-        lookup = None
-        if settings.prompt_lookup_max:
-            lookup = LookupGenerationBatch.empty(model, greedy_sampler).configure(
-                settings.prompt_lookup_max, settings.num_draft_tokens, set(), stats, gate)
+        speculative = None
+        if speculating:
+            proposer: Proposer = PromptLookup(settings.prompt_lookup_max) if draft is None \
+                else DraftModel(draft, info.vocab_size)
+            speculative = SpeculativeGenerationBatch.empty(model, greedy_sampler).configure(
+                proposer, settings.num_draft_tokens, set(), stats, gate)
         return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
                                prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size,
-                               lookup=lookup)
+                               speculative=speculative)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
                   memory=mlx_memory, release_memory=mx.clear_cache,
-                  speculation=(lambda: {**stats.as_json(), "tok_s": gate.as_json()}) if settings.prompt_lookup_max
-                  else None)
+                  speculation=(lambda: {"method": "ngram" if draft is None else "draft_model", **stats.as_json(),
+                                        "tok_s": gate.as_json()}) if speculating else None)
+
+
+def load_draft(path: str, tokenizer: Any, vocab_size: int) -> Any:
+    """The draft model at `path`, refused unless it shares the model's tokenizer and can
+    drop rejected tokens from its caches."""
+    from mlx_lm import load
+
+    from .draft_model import refusal
+
+    draft, draft_tokenizer = load(path)[:2]
+    if draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"draft_model {path}: its tokenizer is not the model's (their vocabularies differ), "
+                         "so its tokens would mean other words; use a draft of the same family")
+    why = refusal(draft)
+    if why is not None:
+        raise ValueError(f"draft_model {path} cannot draft in the batch: {why}")
+    return draft
 
 
 def mlx_memory() -> dict[str, int]:

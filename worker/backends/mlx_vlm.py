@@ -58,8 +58,9 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     if settings.max_kv_size is not None:
         raise ValueError(f"{name}: max_kv_size is served through mlx-lm's batch only (mlx-vlm 0.7.10's takes none), "
                          f"so not on {where}")
-    if settings.prompt_lookup_max:
-        raise ValueError(f"{name}: prompt_lookup_max is served through mlx-lm's batch only, so not on {where}")
+    for setting in ("prompt_lookup_max", "draft_model"):
+        if getattr(settings, setting):
+            raise ValueError(f"{name}: {setting} is served through mlx-lm's batch only, so not on {where}")
     local = get_model_path(path)
     model, processor = load(str(local))
     refusal = unbatchable(model)

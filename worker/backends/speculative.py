@@ -1,13 +1,11 @@
-"""Prompt lookup decoding inside mlx-lm's running batch (vLLM's `ngram` method).
+"""Speculative decoding inside mlx-lm's running batch: drafts from a `Proposer`
+(prompt lookup, `prompt_lookup.py`; a draft model, `draft_model.py`), verified together.
 
-A row's draft is what followed the last earlier occurrence of its last n tokens (n from
-`prompt_lookup_max` down to 1) in its own prompt and output: no second model, and the
-win for extraction and rewriting jobs, which copy their input. One forward pass over
-every row's pending token and its draft verifies all drafts at once; a greedy row keeps
-the draft tokens the model would have chosen itself and the model's own token after
-them, so its output is the same token for token. Rows that sample, have logits
-processors (penalties, constraints, min_tokens) or asked for logprobs, and requests
-that opt out, take one token as in any step: they verify nothing.
+One forward pass over every row's pending token and its draft verifies all drafts at
+once; a greedy row keeps the draft tokens the model would have chosen itself and the
+model's own token after them, so its output is the same token for token. Rows that
+sample, have logits processors (penalties, constraints, min_tokens) or asked for
+logprobs, and requests that opt out, take one token as in any step: they verify nothing.
 
 A step is speculative only when some row has a draft and the gate says speculation
 pays at this batch size: it times epochs of steps taken each way (from one step to the
@@ -28,57 +26,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.generate import GenerationBatch
 from mlx_lm.models.cache import BatchKVCache
-
-
-def propose(context: list[int] | np.ndarray, max_ngram: int, max_tokens: int) -> list[int]:
-    """The tokens that followed the latest earlier match of the context's last n tokens,
-    the longest n (at most `max_ngram`) that matches; [] when none does."""
-    tokens = np.asarray(context)
-    if max_tokens <= 0 or len(tokens) < 2:
-        return []
-    last = len(tokens) - 1
-    # Where the last token occurred before: every match of any n ends at one of them.
-    ends = np.flatnonzero(tokens[:last] == tokens[last])
-    for k in range(1, min(max_ngram, last)):  # the match grows one token back at a time
-        ends = ends[ends >= k]
-        longer = ends[tokens[ends - k] == tokens[last - k]]
-        if longer.size == 0:
-            break
-        ends = longer
-    if ends.size == 0:
-        return []
-    follow = int(ends[-1]) + 1
-    return tokens[follow:follow + max_tokens].tolist()
-
-
-class History:
-    """A sequence's tokens as an array, grown as they come: converting a long prompt's
-    token list on every step would cost more than the search."""
-
-    def __init__(self) -> None:
-        self._array = np.empty(256, dtype=np.int64)
-        self._length = 0
-
-    def view(self, tokens: list[int], pending: int) -> np.ndarray:
-        """The array of `tokens` and then `pending`."""
-        if len(tokens) < self._length:  # not the list it grew from: start over
-            self._length = 0
-        new = tokens[self._length:]
-        needed = self._length + len(new) + 1
-        if needed > len(self._array):
-            grown = np.empty(max(needed, 2 * len(self._array)), dtype=np.int64)
-            grown[:self._length] = self._array[:self._length]
-            self._array = grown
-        self._array[self._length:self._length + len(new)] = new
-        self._length += len(new)
-        self._array[self._length] = pending
-        return self._array[:self._length + 1]
 
 
 @dataclass
@@ -189,22 +141,43 @@ class Gate:
                 for (bucket, way), rate in sorted(self._rates.items())}
 
 
-class LookupGenerationBatch(GenerationBatch):
-    """mlx-lm's generation batch, with prompt lookup for the rows in `eligible`.
+class Proposer(Protocol):
+    """Where drafts come from; told of every change to the batch's rows."""
+
+    method: str  # vLLM's name for it, for the heartbeat
+
+    def drafts(self, batch: SpeculativeGenerationBatch, pending: list[int], room: list[int]) -> list[list[int]]:
+        """Each row's draft (at most `room[row]` tokens; [] for none) to follow its
+        pending token."""
+        ...
+
+    def verified(self, batch: SpeculativeGenerationBatch, accepted: list[int]) -> None:
+        """The drafts just proposed were verified: row i kept its first `accepted[i]`."""
+        ...
+
+    def extended(self, batch: SpeculativeGenerationBatch, first_new: int) -> None:
+        """Rows from `first_new` on joined the batch (prefilled, their first token pending)."""
+        ...
+
+    def filtered(self, batch: SpeculativeGenerationBatch) -> None:
+        """The batch just dropped rows (those left keep their order)."""
+        ...
+
+
+class SpeculativeGenerationBatch(GenerationBatch):
+    """mlx-lm's generation batch, speculating for the rows in `eligible`.
 
     Set up on an empty batch (`GenerationBatch.empty`), it is the one long-lived batch
     that BatchGenerator extends with each newly prefilled group of rows."""
 
-    max_ngram: int
     num_draft_tokens: int
     eligible: set[int]  # uids that may speculate (greedy, no processors, no logprobs)
     stats: SpeculationStats
 
-    def configure(self, max_ngram: int, num_draft_tokens: int, eligible: set[int], stats: SpeculationStats,
-                  gate: Gate) -> LookupGenerationBatch:
-        self.max_ngram, self.num_draft_tokens, self.eligible = max_ngram, num_draft_tokens, eligible
+    def configure(self, proposer: Proposer, num_draft_tokens: int, eligible: set[int], stats: SpeculationStats,
+                  gate: Gate) -> SpeculativeGenerationBatch:
+        self.proposer, self.num_draft_tokens, self.eligible = proposer, num_draft_tokens, eligible
         self.stats, self.gate = stats, gate
-        self._histories: dict[int, History] = {}
         return self
 
     def next(self) -> list[GenerationBatch.Response]:
@@ -217,21 +190,23 @@ class LookupGenerationBatch(GenerationBatch):
         self.gate.took(len(responses), speculative)
         return responses
 
+    def extend(self, batch: GenerationBatch) -> None:
+        first_new = len(self.uids)
+        super().extend(batch)
+        self.proposer.extended(self, first_new)
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self.proposer.filtered(self)
+
     def _speculative_next(self) -> list[GenerationBatch.Response] | None:
         """A step verifying each eligible row's draft; None when no row has one."""
-        if len(self._histories) > 2 * len(self.uids):  # of sequences gone
-            self._histories = {uid: h for uid, h in self._histories.items() if uid in self.eligible}
         pending = cast(list[int], self._next_tokens.tolist())
-        drafts = [self._draft(i, token) for i, token in enumerate(pending)]
+        # The pending token goes out too, so a row has room for one token fewer.
+        room = [min(self.num_draft_tokens, most - done - 1) for most, done in zip(self.max_tokens, self._num_tokens,
+                                                                                   strict=True)]
+        drafts = self.proposer.drafts(self, pending, room)
         return self._verify(pending, drafts) if any(drafts) else None
-
-    def _draft(self, row: int, pending: int) -> list[int]:
-        uid = self.uids[row]
-        if uid not in self.eligible:
-            return []
-        room = self.max_tokens[row] - self._num_tokens[row] - 1  # the pending token goes out too
-        history = self._histories.setdefault(uid, History())
-        return propose(history.view(self.tokens[row], pending), self.max_ngram, min(self.num_draft_tokens, room))
 
     def _verify(self, pending: list[int], drafts: list[list[int]]) -> list[GenerationBatch.Response]:
         """One pass over each row's pending token and draft; each row keeps what it accepts."""
@@ -247,7 +222,8 @@ class LookupGenerationBatch(GenerationBatch):
         chosen, after = cast(list[int], sampled.tolist()), cast(list[list[int]], targets.tolist())
         accepted = [_accepted(d, [c, *a]) for d, c, a in zip(drafts, chosen, after, strict=True)]
         next_tokens = [([c, *a])[n] for c, a, n in zip(chosen, after, accepted, strict=True)]
-        self._drop_rejected([width - n for n in accepted])
+        drop_last(self.prompt_cache, [width - n for n in accepted])
+        self.proposer.verified(self, accepted)
         last_logprobs = self._next_logprobs
         rows = mx.arange(len(pending))
         drawn_from = logits[rows, mx.array(accepted)]
@@ -283,17 +259,6 @@ class LookupGenerationBatch(GenerationBatch):
             return samplers[0](logprobs)
         return mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
 
-    def _drop_rejected(self, rejected: list[int]) -> None:
-        """Take each row's rejected positions (the last `rejected[i]`) out of its cache."""
-        common = min(rejected)
-        rest = [n - common for n in rejected]
-        for cache in self.prompt_cache:
-            if common:
-                cache.trim(common)
-            if any(rest):
-                cache.prepare(right_padding=rest)
-                cache.finalize()
-
     def _count(self, drafts: list[list[int]], accepted: list[int], emitted: list[list[int]]) -> None:
         self.stats.steps += 1
         self.stats.drafted += sum(len(d) for d in drafts)
@@ -325,6 +290,18 @@ class LookupGenerationBatch(GenerationBatch):
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
+
+
+def drop_last(caches: list[Any], counts: list[int]) -> None:
+    """Take each row's last `counts[row]` positions out of a batch's caches (a layer each)."""
+    common = min(counts)
+    rest = [n - common for n in counts]
+    for cache in caches:
+        if common:
+            cache.trim(common)
+        if any(rest):
+            cache.prepare(right_padding=rest)
+            cache.finalize()
 
 
 def _accepted(draft: list[int], targets: list[int]) -> int:
