@@ -1,12 +1,15 @@
-"""Prompt lookup decoding by batch size: tok/s without it, with the worker's gate, and
+"""Speculative decoding by batch size: tok/s without it, with the worker's gate, and
 always speculating, with acceptance and tokens per sequence step, on the worker's own
 text backend in process (no queue); the gate both fresh ("cold": the first burst a worker sees
 at that batch size) and after one burst ("warm").
 
     python -m mlxq.blas .venv/bin/python docs/spec_bench.py MODEL [--rows 1,2,4,8,16] [--rounds 2]
+        [--method ngram|draft|itself]
 
 MODEL is the trained demo model (`mlxq demo-model --trained`): random weights accept
-almost nothing. Prompts are 200-token windows of the standard library's sources, greedy,
+almost nothing. `--method`: prompt lookup (`ngram`, the default), the draft trained
+beside it (`draft`: MODEL/draft), or the model itself as its draft (`itself`: every
+draft accepted, the upper bound of what a draft model can give). Prompts are 200-token windows of the standard library's sources, greedy,
 256 new tokens each, inserted together; each (rows, way) runs in a fresh process-local
 backend, the ways alternating, `--rounds` times.
 """
@@ -23,14 +26,14 @@ from typing import Any
 WAYS = ("plain", "gate", "always")
 
 
-def run(model: str, prompts: list[list[int]], new_tokens: int, way: str, lookup: int) -> list[dict[str, Any]]:
+def run(model: str, prompts: list[list[int]], new_tokens: int, way: str,
+        speculation: dict[str, Any]) -> list[dict[str, Any]]:
     """The way's burst on a fresh backend; for the gate, a second burst on the same
     backend too (its gate has measured this batch size: a worker that has run a while)."""
     from worker.backends import load_model
     from worker.settings import WorkerSettings
 
-    loaded = load_model(WorkerSettings(model=model, prompt_lookup_max=0 if way == "plain" else lookup,
-                                       cache_memory_mb=0))
+    loaded = load_model(WorkerSettings(model=model, cache_memory_mb=0, **({} if way == "plain" else speculation)))
     backend = loaded.make_backend()
     if way == "always":
         backend._generator._generation_batch.gate.adaptive = False
@@ -43,6 +46,7 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, way: str, lookup:
         drafted = after.get("draft_tokens", 0) - before.get("draft_tokens", 0)
         accepted = after.get("accepted_tokens", 0) - before.get("accepted_tokens", 0)
         rows.append({"rows": len(prompts), "way": label, "tok_s": tok_s, "steps": steps,
+                     "tokens_per_sequence_step": round(new_tokens / steps, 2),
                      "speculative_steps": after.get("steps", 0) - before.get("steps", 0),
                      "acceptance": round(accepted / drafted, 3) if drafted else None})
     return rows
@@ -72,15 +76,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--prompt-lookup-max", type=int, default=3)
+    parser.add_argument("--method", choices=("ngram", "draft", "itself"), default="ngram")
     args = parser.parse_args()
+    speculation = {"ngram": {"prompt_lookup_max": args.prompt_lookup_max},
+                   "draft": {"draft_model": str(Path(args.model) / "draft")},
+                   "itself": {"draft_model": args.model}}[args.method]
     corpus = corpus_tokens(Path(args.model))
     for rows in (int(n) for n in args.rows.split(",")):
         rng = random.Random(rows)
         prompts = [corpus[s:s + 200].tolist() for s in (rng.randrange(len(corpus) - 300) for _ in range(rows))]
         for _ in range(args.rounds):
             for way in WAYS:
-                for row in run(args.model, prompts, args.new_tokens, way, args.prompt_lookup_max):
-                    print(json.dumps(row), flush=True)
+                for row in run(args.model, prompts, args.new_tokens, way, speculation):
+                    print(json.dumps({"method": args.method, **row}), flush=True)
 
 
 if __name__ == "__main__":

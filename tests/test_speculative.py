@@ -83,7 +83,7 @@ def ways(gate: Gate, rows: int, way_rate: dict[bool, float], epochs: int) -> lis
 def test_the_gate_keeps_the_faster_way_and_tries_the_other_less_and_less():
     gate = Gate()
     taken = ways(gate, 16, {True: 50.0, False: 100.0}, epochs=60)
-    assert taken[0] is True and taken[1] is False  # each way measured once
+    assert taken[0] is False and taken[1] is True  # each way measured once, plain first
     tries = [i for i, way in enumerate(taken) if way][1:]
     assert tries, "the losing way is tried again"
     gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
@@ -210,20 +210,21 @@ def decode_arriving(backend, requests, seed: int) -> list[list[int]]:
 
 @pytest.mark.parametrize("draft", ["itself", "near"])
 def test_a_draft_model_leaves_greedy_output_unchanged(backends, demo_model, near_draft, draft):
-    """With the model itself as its draft every draft is accepted (the upper bound), which
-    holds only while each row's draft cache covers exactly its tokens; with a draft that
-    agrees often, rows accept part of their drafts and drop the rest."""
+    """With the model itself as its draft every draft of a row without processors is
+    accepted (the upper bound), which holds only while each row's draft cache covers
+    exactly its tokens; with a draft that agrees often, rows accept part of their drafts
+    and drop the rest, the penalized row through its penalty."""
     import mlx.core as mx
 
     plain, _ = backends()
     drafting, loaded = backends(draft_model=str(demo_model if draft == "itself" else near_draft))
+    requests = mixed_requests() if draft == "near" else mixed_requests()[:-1]  # the penalty rejects drafts
     mx.random.seed(7)
-    expected = decode_arriving(plain, mixed_requests(), seed=1)
+    expected = decode_arriving(plain, requests, seed=1)
     mx.random.seed(7)
-    got = decode_arriving(drafting, mixed_requests(), seed=1)
-    greedy = range(len(PROMPTS))
+    got = decode_arriving(drafting, requests, seed=1)
+    greedy = [*range(len(PROMPTS)), *([len(requests) - 1] if draft == "near" else [])]
     assert [got[i] for i in greedy] == [expected[i] for i in greedy]
-    assert got[-1] == expected[-1]  # the penalized row, which verifies nothing
     stats = loaded.speculation()
     assert stats["method"] == "draft_model"
     if draft == "itself":
@@ -342,6 +343,28 @@ def test_a_speculating_worker_streams_what_a_plain_one_does(workers, r, outputs,
     assert heartbeat_stats(r, lookup.consumer)["speculation"]["method"] == method
     wait_for(lambda: scrape_metrics(port).get("mlxq_spec_decode_num_draft_tokens_total", {}).get((), 0) > 0,
              what="drafts in the metrics")
+
+
+# A format that lets a model go on long enough to draft: words and digits, then a dot.
+LONG_REGEX = {"type": "regex", "pattern": "[a-z0-9 ]{20,120}\\."}
+LIST_SCHEMA = {"type": "json_schema", "json_schema": {"name": "items", "strict": True, "schema": {
+    "type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}}},
+    "required": ["items"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_constrained_requests_verify_drafts_through_their_masks(workers, r, outputs, method):
+    """Greedy constrained requests speculate: a draft token counts only where the masked
+    choice agrees, and the output is the plain worker's, token for token."""
+    plain, speculating = workers
+    worker, _ = speculating[method]
+    bodies = [{"prompt_tokens": p, "max_tokens": 96, "temperature": 0, "response_format": f}
+              for p in PROMPTS for f in (LONG_REGEX, LIST_SCHEMA)]
+    before = (heartbeat_stats(r, worker.consumer).get("speculation") or {}).get("accepted_tokens", 0)
+    expected = outputs_of(r, outputs, plain, bodies)
+    assert outputs_of(r, outputs, worker, bodies) == expected
+    wait_for(lambda: (heartbeat_stats(r, worker.consumer).get("speculation") or {}).get("accepted_tokens", 0)
+             > before, what="drafts accepted for constrained requests")
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -55,8 +55,7 @@ class MlxBatchBackend:
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
-        if self._speculative is not None and speculative and sampler is greedy_sampler and not logits_processors \
-                and not logprobs:
+        if self._speculative is not None and speculative and sampler is greedy_sampler and not logprobs:
             self._speculative.eligible.add(uid)
         return uid
 

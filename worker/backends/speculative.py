@@ -3,9 +3,12 @@
 
 One forward pass over every row's pending token and its draft verifies all drafts at
 once; a greedy row keeps the draft tokens the model would have chosen itself and the
-model's own token after them, so its output is the same token for token. Rows that
-sample, have logits processors (penalties, constraints, min_tokens) or asked for
-logprobs, and requests that opt out, take one token as in any step: they verify nothing.
+model's own token after them, so its output is the same token for token. A greedy row
+with logits processors (penalties, a constraint's mask, min_tokens) verifies its draft
+through them, position by position while the draft agrees, so they see exactly the
+tokens accepted. Rows that sample (no acceptance rule for sampling is built: their
+distribution stays exactly as without speculation) or asked for logprobs, and requests
+that opt out, take one token as in any step: they verify nothing.
 
 A step is speculative only when some row has a draft and the gate says speculation
 pays at this batch size: it times epochs of steps taken each way (from one step to the
@@ -117,7 +120,7 @@ class Gate:
                 return False
             speculative = 0.0  # until it is tried here
         if speculative is None or plain is None:
-            return speculative is None  # each way measured once first, speculation first
+            return plain is not None  # each way measured once first, plain first: a losing try is cut short
         faster = speculative > plain
         patience = self._patience.get(bucket, FIRST_PATIENCE)
         if self._exploring == bucket:  # the epoch just closed tried the other way
@@ -171,7 +174,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
     that BatchGenerator extends with each newly prefilled group of rows."""
 
     num_draft_tokens: int
-    eligible: set[int]  # uids that may speculate (greedy, no processors, no logprobs)
+    eligible: set[int]  # uids that may speculate (greedy, no logprobs, not opted out)
     stats: SpeculationStats
 
     def configure(self, proposer: Proposer, num_draft_tokens: int, eligible: set[int], stats: SpeculationStats,
@@ -220,8 +223,13 @@ class SpeculativeGenerationBatch(GenerationBatch):
         targets = mx.argmax(logits[:, 1:, :], axis=-1)
         mx.eval(sampled, targets)
         chosen, after = cast(list[int], sampled.tolist()), cast(list[list[int]], targets.tolist())
-        accepted = [_accepted(d, [c, *a]) for d, c, a in zip(drafts, chosen, after, strict=True)]
-        next_tokens = [([c, *a])[n] for c, a, n in zip(chosen, after, accepted, strict=True)]
+        choices = [[c, *a] for c, a in zip(chosen, after, strict=True)]
+        processed: dict[int, mx.array] = {}  # rows whose processors chose: the logits of their last choice
+        for row, processors in enumerate(self.logits_processors or []):
+            if processors and drafts[row]:
+                choices[row], processed[row] = self._processed_choices(row, logits[row], drafts[row], chosen[row])
+        accepted = [_accepted(d, c) for d, c in zip(drafts, choices, strict=True)]
+        next_tokens = [c[n] for c, n in zip(choices, accepted, strict=True)]
         drop_last(self.prompt_cache, [width - n for n in accepted])
         self.proposer.verified(self, accepted)
         last_logprobs = self._next_logprobs
@@ -230,6 +238,9 @@ class SpeculativeGenerationBatch(GenerationBatch):
         drawn_from = drawn_from - mx.logsumexp(drawn_from, axis=-1, keepdims=True)
         self._next_tokens = mx.array(next_tokens, dtype=self._next_tokens.dtype)
         self._next_logprobs = [first_logprobs[i] if n == 0 else drawn_from[i] for i, n in enumerate(accepted)]
+        for row, last in processed.items():
+            if accepted[row]:
+                self._next_logprobs[row] = last - mx.logsumexp(last, axis=-1)
         emitted = [[p, *d[:n]] for p, d, n in zip(pending, drafts, accepted, strict=True)]
         for row_tokens, out in zip(self.tokens, emitted, strict=True):
             row_tokens.extend(out)
@@ -237,8 +248,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
         return self._responses(emitted, last_logprobs)
 
     def _processed(self, logits: mx.array) -> mx.array:
-        """The pending position's logits through each row's processors, as mlx-lm's step
-        does (only rows that verify nothing have any)."""
+        """The pending position's logits through each row's processors, as mlx-lm's step does."""
         by_row: list[Any] = self.logits_processors or []
         if not any(by_row):
             return logits
@@ -251,6 +261,24 @@ class SpeculativeGenerationBatch(GenerationBatch):
                     row = processor(context, row)
             rows.append(row)
         return mx.concatenate(rows, axis=0)
+
+    def _processed_choices(self, row: int, logits: mx.array, draft: list[int],
+                           first: int) -> tuple[list[int], mx.array]:
+        """A row's greedy choices through its processors (penalties, a constraint's mask,
+        min_tokens): `first` after its pending token, then one after each draft token as
+        long as the draft agrees, so the processors see exactly the tokens accepted, as
+        they would one step at a time; and the logits of the last choice."""
+        choices, last = [first], logits[0]
+        for position, token in enumerate(draft, start=1):
+            if token != choices[-1]:
+                break
+            context = self._token_context[row].update_and_fetch(mx.array([token], dtype=self._next_tokens.dtype))
+            last = logits[position:position + 1]
+            for processor in self.logits_processors[row]:
+                last = processor(context, last)
+            last = last[0]
+            choices.append(int(mx.argmax(last).item()))
+        return choices, last
 
     def _sample(self, logprobs: mx.array) -> mx.array:
         given: list[Any] = self.samplers or [None] * len(self.uids)
