@@ -125,7 +125,7 @@ class _Collected(Collector):
         yield _counter("engine_steps", "Batch steps the engine took", spent.steps if spent else 0)
         # vLLM's spec-decode counters: draft tokens proposed and accepted.
         speculation = (stats.speculation if stats is not None else None) or {}
-        yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed (prompt lookup)",
+        yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed (prompt lookup or the draft model)",
                        speculation.get("draft_tokens", 0))
         yield _counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
                        speculation.get("accepted_tokens", 0))

@@ -36,7 +36,7 @@ class DraftModel:
         self._cache: list[Any] = []  # one BatchKVCache a layer, a row per entry of _uids
         self._uids: list[int] = []
         self._covered: list[int] = []  # tokens of each row's sequence in its draft cache
-        self._fed = 0  # draft tokens fed in the last drafting, after each row's pending one
+        self._fed = -1  # draft tokens fed in the drafting not yet verified, after each row's pending one
         self._before: list[int] = []  # each row's tokens in the target's cache when it was drafted
 
     def drafts(self, batch: SpeculativeGenerationBatch, pending: list[int], room: list[int]) -> list[list[int]]:
@@ -44,7 +44,6 @@ class DraftModel:
         rows = [row_of[uid] for uid in self._uids]
         width = max((room[row] for row in rows), default=0)
         if width == 0:
-            self._fed = -1  # nothing fed: nothing to drop
             return [[] for _ in batch.uids]
         self._before = [len(batch.tokens[row]) for row in rows]
         missed = [[*batch.tokens[row][covered:], pending[row]]

@@ -227,7 +227,8 @@ class SpeculativeGenerationBatch(GenerationBatch):
         processed: dict[int, mx.array] = {}  # rows whose processors chose: the logits of their last choice
         for row, processors in enumerate(self.logits_processors or []):
             if processors and drafts[row]:
-                choices[row], processed[row] = self._processed_choices(row, logits[row], drafts[row], chosen[row])
+                choices[row], processed[row] = self._processed_choices(row, processors, logits[row], drafts[row],
+                                                                       chosen[row])
         accepted = [_accepted(d, c) for d, c in zip(drafts, choices, strict=True)]
         next_tokens = [c[n] for c, n in zip(choices, accepted, strict=True)]
         drop_last(self.prompt_cache, [width - n for n in accepted])
@@ -262,7 +263,7 @@ class SpeculativeGenerationBatch(GenerationBatch):
             rows.append(row)
         return mx.concatenate(rows, axis=0)
 
-    def _processed_choices(self, row: int, logits: mx.array, draft: list[int],
+    def _processed_choices(self, row: int, processors: list[Any], logits: mx.array, draft: list[int],
                            first: int) -> tuple[list[int], mx.array]:
         """A row's greedy choices through its processors (penalties, a constraint's mask,
         min_tokens): `first` after its pending token, then one after each draft token as
@@ -274,10 +275,10 @@ class SpeculativeGenerationBatch(GenerationBatch):
                 break
             context = self._token_context[row].update_and_fetch(mx.array([token], dtype=self._next_tokens.dtype))
             last = logits[position:position + 1]
-            for processor in self.logits_processors[row]:
+            for processor in processors:
                 last = processor(context, last)
             last = last[0]
-            choices.append(int(mx.argmax(last).item()))
+            choices.append(cast(int, mx.argmax(last).item()))
         return choices, last
 
     def _sample(self, logprobs: mx.array) -> mx.array:
