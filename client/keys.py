@@ -103,6 +103,19 @@ class Keys:
         """Every worker seen lately (a sorted set: consumer name, scored by when last seen)."""
         return f"{self.prefix}:fleet"
 
+    def host(self, name: str) -> str:
+        """A worker of several models (`[[models]]`): its budget and each model's state, with a TTL."""
+        return f"{self.prefix}:hosts:{name}"
+
+    @property
+    def hosts(self) -> str:
+        """Every such worker seen lately (a sorted set: its name, scored by when last seen)."""
+        return f"{self.prefix}:hostset"
+
+    def loading(self, queue: str) -> str:
+        """The lease of the one worker loading `queue`'s model for the fleet (its name, with a TTL)."""
+        return f"{self.prefix}:loading:{queue}"
+
     def limits(self, queue: str) -> str:
         """What the workers of `queue` accept (a hash; `max_len`: the most requests waiting
         in each of its streams before producers are refused with QueueFull)."""

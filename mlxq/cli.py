@@ -112,7 +112,8 @@ def _add_worker(commands: Any) -> None:
         worker.set_defaults(run=partial(_missing_extra, "worker", e), extra_missing=True)
     else:
         for name, field in WorkerSettings.model_fields.items():
-            _add_setting(worker, name, field)
+            if name != "models":  # tables: TOML only
+                _add_setting(worker, name, field)
         worker.set_defaults(run=_run_worker)
 
 

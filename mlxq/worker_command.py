@@ -23,14 +23,33 @@ def run(args: argparse.Namespace) -> int:
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
-    overrides = {name: getattr(args, name) for name in WorkerSettings.model_fields}
+    overrides = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
     settings = settings_for_command(partial(load_settings, args.config, **overrides))
     logs.configure(settings.log_format, settings.log_level)
+    if settings.models:
+        return _run_host(settings)
     if settings.model is None:  # the demo model, built offline on first use
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
     server, url = _redis_for(settings)
     try:
         return _run_on_fast_loop(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
+    finally:
+        if server is not None:
+            _release(server, settings.embedded_port)
+
+
+def _run_host(settings: Any) -> int:
+    """A worker of several models: the host, which runs a worker process per loaded model."""
+    from worker.host import Host
+    from worker.models_config import ModelsConfigError
+
+    server, url = _redis_for(settings)
+    try:
+        try:
+            host = Host(settings, url)
+        except ModelsConfigError as e:
+            raise CommandError(f"mlxq worker: {e}", status=2) from None
+        return host.run()
     finally:
         if server is not None:
             _release(server, settings.embedded_port)

@@ -16,6 +16,7 @@ from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
+from .models_config import ModelEntry, check_names
 from .scheduler import SchedulingPolicy
 
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
@@ -140,6 +141,16 @@ class WorkerSettings(LayeredSettings):
                               "interface)")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
+    models: list[ModelEntry] = Field(default_factory=list, description="several models, each on its own queue "
+                                     "([[models]] tables: name, path, pin, memory_gb and any setting of its "
+                                     "own), each run in a worker process of its own, loaded when requests wait "
+                                     "and unloaded when idle or to make room; unset: the one `model`")
+    memory_budget_gb: float | None = Field(None, gt=0, description="what the models loaded at once may hold "
+                                           "(weights, KV, caches); unset: memory_budget_percent of RAM")
+    memory_budget_percent: float = Field(75.0, gt=0, le=100, description="the models' budget, % of RAM, when "
+                                         "memory_budget_gb is unset")
+    idle_unload_s: float = Field(600.0, gt=0, description="a model (not pinned) with nothing running or "
+                                 "waiting for this long is unloaded")
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 
@@ -153,6 +164,13 @@ class WorkerSettings(LayeredSettings):
             raise ValueError(f"{model} does not exist; give a model directory or a Hugging Face id such as "
                              "mlx-community/Qwen3-0.6B-8bit")
         return model
+
+    @model_validator(mode="after")
+    def _models_or_model(self) -> WorkerSettings:
+        if self.models and self.model is not None:
+            raise ValueError("model and [[models]]: give one model, or a list of them")
+        check_names(self.models)
+        return self
 
     @model_validator(mode="after")
     def _one_speculative_method(self) -> WorkerSettings:
@@ -173,12 +191,21 @@ class WorkerSettings(LayeredSettings):
         return SchedulingPolicy(self.max_num_seqs, self.max_step_tokens, self.prefill_batch_size,
                                 self.prefill_step_size, self.priority_aging_s, self.flush_interval_ms / 1000)
 
+    def memory_budget_bytes(self) -> int:
+        """What the models loaded at once may hold."""
+        if self.memory_budget_gb is not None:
+            return int(self.memory_budget_gb * 1024 ** 3)
+        return int(_ram_bytes() * self.memory_budget_percent / 100)
+
     def cache_budget_bytes(self) -> int:
         """The prefix cache's byte budget."""
         if self.cache_memory_mb is not None:
             return self.cache_memory_mb * 1024 * 1024
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        return int(ram * self.cache_memory_percent / 100)
+        return int(_ram_bytes() * self.cache_memory_percent / 100)
+
+
+def _ram_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSettings:

@@ -1,0 +1,203 @@
+"""A worker of several models (`[[models]]`): each loaded model in a worker process of its
+own, under one memory budget; loaded when requests wait on its queue, unloaded when idle
+or to make room (least recently used first, never with requests in flight); one loader
+per demand across the fleet."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from support import HELD, KEYS, ROOT, ServiceProcess, check_stream, wait_for, wait_for_deltas, worker_url, xadd_json
+
+from client import Done, Error
+
+pytestmark = pytest.mark.process
+
+
+@dataclass
+class HostProcess(ServiceProcess):
+    """A worker of several models (`mlxq worker --config` with `[[models]]`)."""
+
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    name: str
+
+
+def write_config(path: Path, redis_url: str, name: str, models: list[dict], **settings) -> Path:
+    lines = [f"redis_url = {json.dumps(redis_url)}", f"consumer = {json.dumps(name)}", "heartbeat_s = 0.5",
+             'log_format = "json"', "cache_memory_mb = 0", "reclaim_interval_s = 0.5",
+             *(f"{k} = {json.dumps(v)}" for k, v in settings.items())]
+    for model in models:
+        lines += ["", "[[models]]", *(f"{k} = {json.dumps(v)}" for k, v in model.items())]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def start_host(redis_url: str, tmp: Path, name: str, models: list[dict], **settings) -> HostProcess:
+    config = write_config(tmp / f"{name}.toml", worker_url(redis_url), name, models, **settings)
+    log_path = tmp / f"{name}.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MLXQ_TEST_SLOW_ON_TOKEN": "1023"}
+    with open(log_path, "ab") as log_file:  # a session of its own: kill -9 takes its model workers too
+        process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config", str(config)], cwd=ROOT,
+                                   env=env, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    return HostProcess(process, log_path, name)
+
+
+def states(r, host: str) -> dict[str, str]:
+    raw = r.get(KEYS.host(host))
+    body = json.loads(raw) if raw else {}
+    return {m["name"]: m["state"] for m in body.get("models", [])}
+
+
+def model(name: str, demo_model: Path, **settings) -> dict:
+    return {"name": name, "path": str(demo_model), "memory_gb": 1, **settings}
+
+
+def submit(r, queue: str, n: int = 1, **body) -> list[str]:
+    ids = [f"mm-{queue}-{uuid.uuid4().hex[:8]}" for _ in range(n)]
+    for rid in ids:
+        xadd_json(r, queue, rid, {"prompt": "Hello", "max_tokens": 16, **body})
+    return ids
+
+
+def finished(outputs, ids: list[str], timeout: float = 120) -> list[Done | Error]:
+    return [check_stream(outputs.of(rid, timeout=timeout)) for rid in ids]
+
+
+def test_three_models_under_a_budget_for_two(redis_url, demo_model, tmp_path, r, outputs):
+    """The pinned model stays loaded; the other two take turns in the room left, the least
+    recently used unloading for the one that has requests; every request completes."""
+    tag = uuid.uuid4().hex[:6]
+    pinned, beta, gamma = (f"{n}{tag}" for n in ("alpha", "beta", "gamma"))
+    host = start_host(redis_url, tmp_path, f"host{tag}",
+                      [model(pinned, demo_model, pin=True), model(beta, demo_model), model(gamma, demo_model)],
+                      memory_budget_gb=2.5)
+    try:
+        wait_for(lambda: states(r, host.name).get(pinned) == "loaded", timeout=60, what="the pinned model")
+        assert states(r, host.name)[beta] == "available"
+        first = submit(r, beta, 3)  # waiting before its model loads: they complete once it has
+        assert all(isinstance(d, Done) for d in finished(outputs, first))
+        then = submit(r, gamma, 2)
+        seen = []
+        wait_for(lambda: seen.append(states(r, host.name)) or seen[-1].get(gamma) == "loaded", timeout=60,
+                 what="the third model, once the idle one unloaded")
+        assert all(isinstance(d, Done) for d in finished(outputs, then))
+        assert any(s.get(beta) in ("draining", "available") for s in seen)  # made room
+        assert not any(s.get(beta) == s.get(gamma) == "loaded" for s in seen)  # never both: the budget holds
+        again = submit(r, beta, 2)
+        assert all(isinstance(d, Done) for d in finished(outputs, again))
+        assert all(s[pinned] == "loaded" for s in seen) and states(r, host.name)[pinned] == "loaded"
+        assert states(r, host.name)[gamma] in ("draining", "available")
+        assert finished(outputs, submit(r, pinned))[0].finish_reason in ("stop", "length")
+    finally:
+        assert host.stop() == 0, host.log()
+    assert r.get(KEYS.host(host.name)) is None
+
+
+def test_unloading_waits_for_the_running_request(redis_url, demo_model, tmp_path, r, outputs):
+    """A model with a request in flight is not unloaded to make room: the other waits, and
+    loads once the request has ended (here, cancelled)."""
+    from client import Client
+
+    tag = uuid.uuid4().hex[:6]
+    beta, gamma = f"beta{tag}", f"gamma{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model), model(gamma, demo_model)],
+                      memory_budget_gb=1.5)
+    try:
+        (held,) = _held(r, beta)
+        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        (waiting,) = submit(r, gamma)
+        for _ in range(20):  # the host looks four times a second: twenty looks leave beta loaded
+            wait_for(lambda: states(r, host.name).get(beta) == "loaded", what="beta still loaded")
+        assert states(r, host.name)[gamma] == "available"
+        Client(worker_url(redis_url)).cancel(held)
+        assert finished(outputs, [held])[0].finish_reason == "cancelled"
+        assert isinstance(finished(outputs, [waiting])[0], Done)
+        wait_for(lambda: states(r, host.name)[gamma] == "loaded", what="gamma seen loaded")
+    finally:
+        assert host.stop() == 0, host.log()
+
+
+def _held(r, queue: str) -> list[str]:
+    rid = f"mm-held-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, rid, HELD)
+    return [rid]
+
+
+def test_an_idle_model_unloads_by_itself(redis_url, demo_model, tmp_path, r, outputs):
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model)], memory_budget_gb=2,
+                      idle_unload_s=1)
+    try:
+        assert isinstance(finished(outputs, submit(r, beta))[0], Done)
+        wait_for(lambda: states(r, host.name).get(beta) == "available", timeout=30, what="the idle unload")
+        assert "unloading an idle model" in host.log()
+    finally:
+        assert host.stop() == 0, host.log()
+
+
+def test_two_hosts_one_queue_nobody_holds_exactly_one_loads_it(redis_url, demo_model, tmp_path, r, outputs):
+    """The one with more room: host 2's budget is the larger."""
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    hosts = [start_host(redis_url, tmp_path, f"host{i}{tag}", [model(beta, demo_model)], memory_budget_gb=1 + i)
+             for i in (1, 2)]
+    try:
+        wait_for(lambda: all(states(r, h.name) for h in hosts), timeout=30, what="both hosts")
+        ids = submit(r, beta, 4)
+        seen = []
+        wait_for(lambda: seen.append([states(r, h.name).get(beta) for h in hosts]) or "loaded" in seen[-1],
+                 timeout=60, what="one host loading it")
+        assert all(isinstance(d, Done) for d in finished(outputs, ids))
+        seen.append([states(r, h.name).get(beta) for h in hosts])
+        assert all(sum(s in ("loading", "loaded") for s in look) <= 1 for look in seen), seen
+        assert seen[-1] == ["available", "loaded"], seen
+    finally:
+        for h in hosts:
+            assert h.stop() == 0, h.log()
+
+
+def test_a_host_killed_mid_load_leaves_the_load_to_another(redis_url, demo_model, tmp_path, r, outputs):
+    """kill -9 of a host (and its model's worker) while it loads: its lease expires, the
+    other host loads the model, and every request completes."""
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    first = start_host(redis_url, tmp_path, f"hostA{tag}", [model(beta, demo_model)], memory_budget_gb=3)
+    wait_for(lambda: states(r, first.name), timeout=30, what="the first host")
+    ids = submit(r, beta, 3)
+    wait_for(lambda: states(r, first.name).get(beta) == "loading", timeout=30, what="the load")
+    os.killpg(first.process.pid, signal.SIGKILL)
+    first.wait()
+    second = start_host(redis_url, tmp_path, f"hostB{tag}", [model(beta, demo_model)], memory_budget_gb=2)
+    try:
+        assert all(isinstance(d, Done) for d in finished(outputs, ids, timeout=180))
+        wait_for(lambda: states(r, second.name)[beta] == "loaded", what="the second host's load")
+    finally:
+        assert second.stop() == 0, second.log()
+
+
+@pytest.mark.parametrize(("models", "settings", "message"), [
+    ([{"name": "a", "path": "PATH"}, {"name": "a", "path": "PATH"}], {}, "the name 'a' is given twice"),
+    ([{"name": "a", "path": "PATH", "memory_gb": 4}], {"memory_budget_gb": 2}, "a needs 4.0 GB, more than"),
+    ([{"name": "a", "path": "PATH", "redis_url": "redis://x"}], {}, "'redis_url' is the whole worker's"),
+    ([{"name": "a", "path": "PATH", "max_num_seqs": 0}], {}, "models: a: max_num_seqs"),
+    ([{"name": "a", "path": "PATH"}], {"model": "PATH"}, "give one model, or a list of them"),
+])
+def test_bad_configs_are_refused_at_start_in_one_line(redis_url, demo_model, tmp_path, models, settings, message):
+    models = [{k: str(demo_model) if v == "PATH" else v for k, v in m.items()} for m in models]
+    settings = {k: str(demo_model) if v == "PATH" else v for k, v in settings.items()}
+    config = write_config(tmp_path / "bad.toml", worker_url(redis_url), "bad", models, **settings)
+    done = subprocess.run([sys.executable, "-m", "mlxq", "worker", "--config", str(config)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and message in lines[0], done.stderr

@@ -1,0 +1,314 @@
+"""A worker of several models (`[[models]]`): each loaded model runs in a worker process
+of its own, under one memory budget, started when requests wait on its queue and stopped
+when idle or to make room.
+
+    host ──Popen──> mlxq worker (model a, queue a)      each an ordinary worker: its
+         ──Popen──> mlxq worker (model b, queue b)      engine, batch, heartbeat, drain
+         ──SET NX──> mlxq:loading:<queue>               one loader per demand in the fleet
+         ──SET───> mlxq:hosts:<name>                    every model and its state
+
+A process per model, not one engine thread taking turns: an unloaded model's memory goes
+back to the system when its process exits (MLX keeps freed buffers otherwise), one
+model's crash stays its own, and models step at once where the machine allows (on a Mac
+the GPU interleaves their command buffers). The host itself touches no MLX and holds no
+request: unloading is a child's ordinary drain (stop reading, finish what runs, hand back
+the rest), so nothing it held is lost.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from client.connect import connect
+from client.fleet import WorkerView, read_stream, read_workers
+from client.heartbeat import ModelLoad, ModelState
+from client.keys import Keys
+from client.replies import as_text
+
+from .models_config import HOST_ONLY, ModelEntry, ModelsConfigError, child_settings, footprint_bytes, host_name
+
+log = structlog.get_logger("mlxq.host")
+
+TICK_S = 0.25  # how often the host looks at its models and their queues
+MAX_FAILURES = 3  # loads in a row that fail before a model is reported failed and left alone
+
+
+@dataclass
+class HostedModel:
+    """One configured model and its process, if it has one."""
+
+    entry: ModelEntry
+    settings: Any  # its worker's WorkerSettings
+    footprint: int  # bytes it is counted for while it has a process
+    state: ModelLoad = "available"
+    process: subprocess.Popen[bytes] | None = None
+    last_used: float = 0.0  # monotonic: when it last had work
+    failures: int = 0
+    failed: str | None = None  # why it is left alone, once it failed MAX_FAILURES times
+
+    @property
+    def queue(self) -> str:
+        return str(self.entry.name)
+
+    @property
+    def consumer(self) -> str:
+        return str(self.settings.consumer)
+
+    def holds_memory(self) -> bool:
+        return self.process is not None
+
+
+class Host:
+    """Keeps the right models loaded, one process each; `run` until SIGTERM or SIGINT."""
+
+    def __init__(self, settings: Any, redis_url: str) -> None:
+        self.settings = settings
+        self.redis_url = redis_url
+        self.keys = Keys(settings.prefix)
+        self.name = host_name(settings)
+        self.budget = settings.memory_budget_bytes()
+        self.models = [self._hosted(entry) for entry in settings.models]
+        self._check_budget()
+        self.redis = connect(redis_url, socket_timeout=10)
+        self._configs = Path(tempfile.mkdtemp(prefix="mlxq-host-"))  # each model's worker's settings
+        self._stopping = False
+
+    def _hosted(self, entry: ModelEntry) -> HostedModel:
+        child = child_settings(self.settings, entry, f"{self.name}.{entry.name}")
+        return HostedModel(entry, child, footprint_bytes(entry, child))
+
+    def _check_budget(self) -> None:
+        for model in self.models:
+            if model.footprint > self.budget:
+                raise ModelsConfigError(f"models: {model.queue} needs {_gb(model.footprint)} GB, more than "
+                                        f"memory_budget_gb {_gb(self.budget)}")
+        pinned = sum(m.footprint for m in self.models if m.entry.pin)
+        if pinned > self.budget:
+            raise ModelsConfigError(f"models: the pinned models need {_gb(pinned)} GB, more than memory_budget_gb "
+                                    f"{_gb(self.budget)}")
+
+    # ---- the loop ---------------------------------------------------------------
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_signal)
+        if not self._claim_name():
+            log.critical("worker exiting: another worker of several models runs under this name; give this one "
+                         "another --consumer", name=self.name)
+            return 2
+        log.info("host ready", host=self.name, models=[m.queue for m in self.models], budget_gb=_gb(self.budget))
+        for model in self.models:
+            if model.entry.pin:
+                self._load(model)
+        try:
+            while not self._stopping:
+                self.tick()
+                time.sleep(TICK_S)
+        finally:
+            self._stop_all()
+        return 0
+
+    def _claim_name(self) -> bool:
+        """Take the host key, waiting out one left by a host that died (it expires)."""
+        deadline = time.monotonic() + self._ttl_s() + 1
+        while not self.redis.set(self.keys.host(self.name), json.dumps({"name": self.name, "pid": os.getpid()}),
+                                 nx=True, px=int(self._ttl_s() * 1000)):
+            if time.monotonic() > deadline or self._stopping:
+                return False
+            time.sleep(TICK_S)
+        return True
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        workers = read_workers(self.redis, self.keys)
+        live = {w.name: w for w in workers if w.alive}
+        for model in self.models:
+            self._observe(model, live, now)
+        for model in self.models:
+            waiting = self._waiting(model)
+            if waiting:
+                model.last_used = now
+            if model.state == "loaded" and not model.entry.pin and now - model.last_used >= self.settings.idle_unload_s:
+                log.info("unloading an idle model", model=model.queue, idle_s=round(now - model.last_used, 1))
+                self._unload(model)
+            elif model.state == "available" and waiting and model.failed is None and not self._held_elsewhere(
+                    model, workers):
+                self._place(model, now)
+        self._beat()
+
+    def _observe(self, model: HostedModel, live: dict[str, WorkerView], now: float) -> None:
+        """Take in what its process did: started serving, exited, had work."""
+        if model.process is None:
+            return
+        code = model.process.poll()
+        if code is not None:
+            self._exited(model, code)
+            return
+        beat = live.get(model.consumer)
+        if beat is None:
+            return
+        if model.state == "loading" and beat.heartbeat.pid == model.process.pid:
+            model.state, model.failures, model.last_used = "loaded", 0, now
+            self.redis.delete(self.keys.loading(model.queue))
+            log.info("model loaded", model=model.queue, consumer=model.consumer)
+        if beat.heartbeat.in_flight:
+            model.last_used = now
+
+    def _exited(self, model: HostedModel, code: int) -> None:
+        expected = model.state == "draining"
+        if model.state == "loading":
+            self.redis.delete(self.keys.loading(model.queue))
+        model.process, model.state = None, "available"
+        if expected:
+            log.info("model unloaded", model=model.queue)
+            return
+        model.failures += 1
+        log.error("a model's worker exited", model=model.queue, status=code, failures=model.failures)
+        if model.failures >= MAX_FAILURES:
+            model.failed = f"its worker exited {model.failures} times in a row (last status {code}); see its log"
+            log.error("model left unloaded", model=model.queue, reason=model.failed)
+
+    def _waiting(self, model: HostedModel) -> bool:
+        """Whether requests wait on its queue (or any of its lanes), unread or unfinished."""
+        lanes = [None, *model.settings.lanes]
+        return any((s.waiting or s.pending) for s in (read_stream(self.redis, self.keys, model.queue, lane)
+                                                      for lane in lanes))
+
+    def _held_elsewhere(self, model: HostedModel, workers: list[WorkerView]) -> bool:
+        """Whether a live worker serves its queue already, or another host is loading it."""
+        if any(w.alive and w.heartbeat.serves(model.queue) for w in workers):
+            return True
+        loader = self.redis.get(self.keys.loading(model.queue))
+        return loader is not None and as_text(loader) != self.name
+
+    def _place(self, model: HostedModel, now: float) -> None:
+        """Load it if it fits, else unload idle models (least recently used first) to make room."""
+        if not self._preferred_for(model):
+            return
+        short = model.footprint - self._free()
+        if short > 0:
+            idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
+                           and now - m.last_used > TICK_S), key=lambda m: m.last_used)
+            freed = 0
+            for victim in idle:
+                if freed >= short:
+                    break
+                log.info("unloading a model to make room", model=victim.queue, for_model=model.queue)
+                self._unload(victim)
+                freed += victim.footprint
+            return  # loaded once the unloaded ones have exited
+        if self.redis.set(self.keys.loading(model.queue), self.name, nx=True, px=self._lease_ms()):
+            self._load(model)
+
+    def _preferred_for(self, model: HostedModel) -> bool:
+        """Whether this host has the most free budget (then the lowest name) among the
+        live hosts that can load the model now."""
+        mine = self._free()
+        for other in self._other_hosts():
+            offers = {m.get("queue"): m.get("state") for m in other.get("models", []) if isinstance(m, dict)}
+            free, name = other.get("free_bytes"), str(other.get("name"))
+            if offers.get(model.queue) == "available" and isinstance(free, int) and free >= model.footprint \
+                    and (free > mine or (free == mine and name < self.name)):
+                return False
+        return True
+
+    def _other_hosts(self) -> list[dict[str, Any]]:
+        seen: list[bytes] = self.redis.zrangebyscore(self.keys.hosts, time.time() - self._ttl_s(),  # type: ignore[assignment]
+                                                     "+inf")
+        others = [name for name in map(as_text, seen) if name != self.name]
+        raws: list[bytes | None] = self.redis.mget([self.keys.host(n) for n in others]) if others else []  # type: ignore[assignment]
+        return [value for raw in raws if raw and isinstance(value := json.loads(raw), dict)]
+
+    # ---- processes --------------------------------------------------------------
+
+    def _load(self, model: HostedModel) -> None:
+        log.info("loading a model", model=model.queue, path=model.entry.path, gb=_gb(model.footprint))
+        model.process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config",
+                                          str(self._child_config(model))], env=self._child_env(model))
+        model.state = "loading"
+
+    def _unload(self, model: HostedModel) -> None:
+        """Its worker drains: stops reading, finishes what runs, hands back the rest."""
+        if model.process is not None:
+            model.process.send_signal(signal.SIGTERM)
+            model.state = "draining"
+
+    def _child_env(self, model: HostedModel) -> dict[str, str]:
+        """The host's environment without its MLXQ_* settings: the child's are all in its file."""
+        return {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k.startswith("MLXQ_TEST_")}
+
+    def _child_config(self, model: HostedModel) -> Path:
+        """Its worker's settings as a TOML file (strings, numbers, booleans and lists of
+        strings, which JSON writes as TOML reads them)."""
+        values = {**model.settings.model_dump(mode="json"), "redis_url": self.redis_url}
+        lines = [f"{name} = {json.dumps(value)}" for name, value in values.items()
+                 if value is not None and name not in HOST_ONLY]
+        path = self._configs / f"{model.queue}.toml"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    def _stop_all(self) -> None:
+        running = [m for m in self.models if m.process is not None]
+        for model in running:
+            self._unload(model)
+        deadline = time.monotonic() + self.settings.drain_timeout_s + 30
+        for model in running:
+            assert model.process is not None
+            try:
+                model.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.error("a model's worker did not stop; killing it", model=model.queue)
+                model.process.kill()
+            if model.state == "loading":
+                self.redis.delete(self.keys.loading(model.queue))
+        self.redis.delete(self.keys.host(self.name))
+        shutil.rmtree(self._configs, ignore_errors=True)
+        log.info("host stopped", host=self.name)
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self._stopping:
+            return
+        log.info("stop requested", signal=signal.Signals(signum).name)
+        self._stopping = True
+
+    # ---- what the fleet sees ------------------------------------------------------
+
+    def _free(self) -> int:
+        return self.budget - sum(m.footprint for m in self.models if m.holds_memory())
+
+    def _beat(self) -> None:
+        models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, m.state, memory_bytes=m.footprint)),
+                   "consumer": m.consumer, "pin": m.entry.pin, "failed": m.failed} for m in self.models]
+        body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "budget_bytes": self.budget,
+                "free_bytes": self._free(), "models": models}
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.keys.host(self.name), json.dumps(body), px=int(self._ttl_s() * 1000))
+            pipe.zadd(self.keys.hosts, {self.name: time.time()})
+            for m in self.models:
+                if m.state == "loading":
+                    pipe.pexpire(self.keys.loading(m.queue), self._lease_ms())
+            pipe.execute()
+
+    def _ttl_s(self) -> float:
+        return max(3.0, 3 * self.settings.heartbeat_s)
+
+    def _lease_ms(self) -> int:
+        """A load's lease: outlives a few missed ticks, ends soon after a host that died mid-load."""
+        return int(max(10.0, 4 * self.settings.heartbeat_s) * 1000)
+
+
+def _gb(nbytes: int) -> float:
+    return round(nbytes / 1024 ** 3, 3)
