@@ -11,6 +11,7 @@ asked for.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -61,11 +62,25 @@ class StreamView:
 
 
 @dataclass
+class HostedModelView:
+    """One model of a worker of several models (`[[models]]`), and where it stands there."""
+
+    host: str  # the worker's name
+    name: str  # the model's, and its queue's
+    path: str
+    state: str  # loaded, loading, draining, available
+    memory_bytes: int | None
+    pin: bool
+    failed: str | None  # why the worker left it unloaded, if it did
+
+
+@dataclass
 class Fleet:
     """Every recent worker and every stream they serve."""
 
     workers: list[WorkerView] = field(default_factory=list)
     streams: list[StreamView] = field(default_factory=list)
+    models: list[HostedModelView] = field(default_factory=list)  # of the workers of several models
 
     def serving(self, queue: str) -> list[WorkerView]:
         """Live workers of `queue`."""
@@ -73,16 +88,37 @@ class Fleet:
 
     def as_json(self) -> dict[str, Any]:
         workers = [{**asdict(w), "heartbeat": w.heartbeat.as_json()} for w in self.workers]
-        return {"workers": workers, "streams": [asdict(s) for s in self.streams]}
+        return {"workers": workers, "streams": [asdict(s) for s in self.streams],
+                "models": [asdict(m) for m in self.models]}
 
 
 def read_fleet(redis: redis_py.Redis, keys: Keys, queues: list[str] | None = None) -> Fleet:
     """The fleet now: workers seen in the last hour, and the streams of their queues and `queues`."""
-    fleet = Fleet(workers=read_workers(redis, keys))
+    fleet = Fleet(workers=read_workers(redis, keys), models=read_hosted_models(redis, keys))
     named = {(m.queue, lane) for w in fleet.workers for m in w.heartbeat.models for lane in [None, *m.lanes]}
-    named |= {(queue, None) for queue in queues or []}
+    named |= {(queue, None) for queue in queues or []} | {(m.name, None) for m in fleet.models}
     fleet.streams = [read_stream(redis, keys, queue, lane) for queue, lane in sorted(named, key=_by_name)]
     return fleet
+
+
+def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModelView]:
+    """Each model of each live worker of several models, by worker then model."""
+    seen: list[bytes] = redis.zrangebyscore(keys.hosts, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
+    names = [as_text(n) for n in seen]
+    raws: list[bytes | None] = redis.mget([keys.host(n) for n in names]) if names else []  # type: ignore[assignment]
+    models = []
+    for name, raw in zip(names, raws, strict=True):
+        try:
+            body = json.loads(raw) if raw else {}
+        except ValueError:
+            continue
+        for m in body.get("models", []) if isinstance(body, dict) else []:
+            if isinstance(m, dict) and isinstance(m.get("name"), str):
+                models.append(HostedModelView(name, m["name"], str(m.get("path", "?")), str(m.get("state", "?")),
+                                              m.get("memory_bytes") if isinstance(m.get("memory_bytes"), int) else None,
+                                              m.get("pin") is True, m.get("failed") if isinstance(m.get("failed"), str)
+                                              else None))
+    return models
 
 
 def _by_name(item: tuple[str, str | None]) -> tuple[str, str]:

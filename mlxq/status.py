@@ -8,7 +8,7 @@ from typing import Any
 
 import redis as redis_py
 
-from client.fleet import Fleet, StreamView, WorkerView, read_fleet
+from client.fleet import Fleet, HostedModelView, StreamView, WorkerView, read_fleet
 from client.keys import Keys
 
 
@@ -39,11 +39,20 @@ def render(fleet: Fleet) -> str:
     lines += _table(["WORKER", "STATE", "HOST", "QUEUE", "MODEL", "RUN/WAIT", "TOK/S", "REQUESTS", "TOKENS",
                      "ERRORS", "PREFIX HIT", "VISION HIT", "MLX MEM", "VERSION", "BLAS", "SEEN"],
                     [_worker_row(w) for w in fleet.workers]) or ["(no workers)"]
+    if fleet.models:
+        lines.append("")
+        lines += _table(["WORKER OF MODELS", "MODEL", "STATE", "PIN", "GB", "PATH"],
+                        [_hosted_row(m) for m in fleet.models])
     errors = [f"  {w.name}: {e.get('code')} {e.get('message', '')[:120]!r} ({_ago(time.time() - e['at'])} ago)"
               for w in fleet.workers if (e := w.heartbeat.last_error) and "at" in e]
     if errors:
         lines += ["", "last errors:", *errors]
     return "\n".join(lines)
+
+
+def _hosted_row(m: HostedModelView) -> list[str]:
+    gb = "-" if m.memory_bytes is None else f"{m.memory_bytes / 1024 ** 3:.2f}"
+    return [m.host, m.name, m.state if m.failed is None else f"failed: {m.failed}", "yes" if m.pin else "-", gb, m.path]
 
 
 def _stream_row(s: StreamView) -> list[str]:

@@ -65,7 +65,7 @@ def test_a_redis_url_without_a_redis_scheme_is_refused(url):
         load_settings(redis_url=url)
 
 
-@pytest.mark.parametrize("name", ["worker.toml", "mac-qwen3.toml"])
+@pytest.mark.parametrize("name", ["worker.toml", "mac-qwen3.toml", "mac-several-models.toml"])
 def test_shipped_configs_load(name):
     """The example configs in config/ are valid."""
     settings = load_settings(ROOT / "config" / name)

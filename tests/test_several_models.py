@@ -18,6 +18,8 @@ import pytest
 from support import HELD, KEYS, ROOT, ServiceProcess, check_stream, wait_for, wait_for_deltas, worker_url, xadd_json
 
 from client import Done, Error
+from client.fleet import read_fleet
+from mlxq.status import render
 
 pytestmark = pytest.mark.process
 
@@ -97,6 +99,9 @@ def test_three_models_under_a_budget_for_two(redis_url, demo_model, tmp_path, r,
         assert all(s[pinned] == "loaded" for s in seen) and states(r, host.name)[pinned] == "loaded"
         assert states(r, host.name)[gamma] in ("draining", "available")
         assert finished(outputs, submit(r, pinned))[0].finish_reason in ("stop", "length")
+        shown = render(read_fleet(r, KEYS))  # mlxq status: the models table
+        row = next(line for line in shown.splitlines() if line.split()[:2] == [host.name, pinned])
+        assert "loaded" in row and "yes" in row, shown
     finally:
         assert host.stop() == 0, host.log()
     assert r.get(KEYS.host(host.name)) is None

@@ -1,0 +1,45 @@
+"""`[[models]]`: what each model's worker process is given, and what a model is counted for."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.models_config import ModelEntry, ModelsConfigError, child_settings, footprint_bytes
+from worker.settings import load_settings
+
+
+def test_a_models_worker_takes_the_shared_settings_and_its_own(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    host = load_settings(prefix="acme", max_num_seqs=8, drain_timeout_s=5,
+                         models=[{"name": "a", "path": str(tmp_path), "max_num_seqs": 2}])
+    child = child_settings(host, host.models[0], "h.a")
+    assert (child.model, child.queue, child.consumer, child.prefix) == (str(tmp_path), "a", "h.a", "acme")
+    assert child.max_num_seqs == 2 and child.drain_timeout_s == 5 and not child.models
+
+
+def test_a_model_is_counted_for_its_weights_and_cache_or_what_it_says(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1000)
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "model.safetensors").write_bytes(b"\0" * 5000)  # a draft's, say: not this model's
+    host = load_settings(cache_memory_mb=1, models=[{"name": "a", "path": str(tmp_path)},
+                                                    {"name": "b", "path": str(tmp_path), "memory_gb": 2}])
+    a, b = (child_settings(host, e, f"h.{e.name}") for e in host.models)
+    assert footprint_bytes(host.models[0], a) == 1200 + 1024 * 1024
+    assert footprint_bytes(host.models[1], b) == 2 * 1024 ** 3
+
+
+@pytest.mark.parametrize(("table", "message"), [
+    ({"queue": "x"}, "'queue' is the whole worker's"),
+    ({"memory_budget_gb": 1}, "'memory_budget_gb' is the whole worker's"),
+    ({"no_such_setting": 1}, "'no_such_setting' is not a worker setting"),
+    ({"kv_bits": 3}, "models: a: kv_bits"),
+])
+def test_a_models_table_holds_only_its_own_valid_settings(tmp_path, table, message):
+    host = load_settings(models=[{"name": "a", "path": str(tmp_path), **table}])
+    with pytest.raises(ModelsConfigError, match=message):
+        child_settings(host, host.models[0], "h.a")
+
+
+def test_names_are_queue_names():
+    with pytest.raises(ValueError, match="name"):
+        ModelEntry(name="a b", path="x")
