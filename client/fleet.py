@@ -105,7 +105,24 @@ def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModelVie
     """Each model of each live worker of several models, by worker then model."""
     seen: list[bytes] = redis.zrangebyscore(keys.hosts, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
     names = [as_text(n) for n in seen]
-    raws: list[bytes | None] = redis.mget([keys.host(n) for n in names]) if names else []  # type: ignore[assignment]
+    with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(keys.host(name))  # GET, not MGET: the gateway's ACL allows GET
+        return _hosted_models(names, pipe.execute())
+
+
+async def read_hosted_models_async(redis: aioredis.Redis, keys: Keys) -> list[HostedModelView]:
+    """`read_hosted_models` for asyncio."""
+    seen: list[bytes] = await redis.zrangebyscore(keys.hosts, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
+    names = [as_text(n) for n in seen]
+    async with redis.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.get(keys.host(name))
+        return _hosted_models(names, await pipe.execute())
+
+
+def _hosted_models(names: list[str], raws: list[bytes | None]) -> list[HostedModelView]:
+    """The models of the hosts whose key is still there (it expires soon after a host dies)."""
     models = []
     for name, raw in zip(names, raws, strict=True):
         try:
@@ -114,10 +131,10 @@ def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModelVie
             continue
         for m in body.get("models", []) if isinstance(body, dict) else []:
             if isinstance(m, dict) and isinstance(m.get("name"), str):
+                memory, failed = m.get("memory_bytes"), m.get("failed")
                 models.append(HostedModelView(name, m["name"], str(m.get("path", "?")), str(m.get("state", "?")),
-                                              m.get("memory_bytes") if isinstance(m.get("memory_bytes"), int) else None,
-                                              m.get("pin") is True, m.get("failed") if isinstance(m.get("failed"), str)
-                                              else None))
+                                              memory if isinstance(memory, int) else None, m.get("pin") is True,
+                                              failed if isinstance(failed, str) else None))
     return models
 
 

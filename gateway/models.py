@@ -1,8 +1,10 @@
 """Which queue serves a model, from the workers' heartbeats (and the configured map).
 
 A request's `model` is a configured name, the model a live worker serves (its path or
-Hugging Face id, as `/v1/models` lists it), or a queue's name. The heartbeats are read
-at most once a second, however many requests arrive.
+Hugging Face id, as `/v1/models` lists it), or a queue's name. A model a worker of
+several models can load counts as served though not loaded yet: a request for it goes
+to its queue and waits there for the load (bounded by the request's timeout). The
+heartbeats are read at most once a second, however many requests arrive.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from client.fleet import read_workers_async
+from client.fleet import HostedModelView, read_hosted_models_async, read_workers_async
 from client.heartbeat import Heartbeat
 from client.keys import Keys
 
@@ -74,20 +76,23 @@ class ModelDirectory:
         if time.monotonic() - self._read_at < REFRESH_S:
             return
         workers = await read_workers_async(self.redis, self.keys)
-        self._live = _served([w.heartbeat for w in workers if w.state == "ready"])
+        loadable = await read_hosted_models_async(self.redis, self.keys)
+        self._live = _served([w.heartbeat for w in workers if w.state == "ready"], loadable)
         self._recent = {name for w in workers for m in w.heartbeat.models for name in (m.path, m.queue)}
         self._read_at = time.monotonic()
 
 
-def _served(heartbeats: list[Heartbeat]) -> list[Served]:
-    """One entry per (model, queue), its oldest worker's start; ordered by queue."""
-    found: dict[tuple[str, str], Served] = {}
+def _served(heartbeats: list[Heartbeat], loadable: list[HostedModelView]) -> list[Served]:
+    """One entry per (model, queue), its oldest worker's start (0 for a model no worker
+    has loaded yet, whose tool-call format is unknown until then); ordered by queue."""
+    found: dict[tuple[str, str], Served] = {(m.path, m.name): Served(m.path, m.name, 0, None)
+                                            for m in loadable if m.failed is None}
     for beat in heartbeats:
         for model in beat.models:
             if model.state != "loaded":
                 continue
             since = int(beat.started_at)
             known = found.get((model.path, model.queue))
-            if known is None or since < known.since:
+            if known is None or known.since == 0 or since < known.since:
                 found[(model.path, model.queue)] = Served(model.path, model.queue, since, model.tool_call)
     return sorted(found.values(), key=lambda s: s.queue)

@@ -43,3 +43,19 @@ def test_a_models_table_holds_only_its_own_valid_settings(tmp_path, table, messa
 def test_names_are_queue_names():
     with pytest.raises(ValueError, match="name"):
         ModelEntry(name="a b", path="x")
+
+
+def test_the_gateway_routes_to_a_model_a_worker_can_load():
+    from client.fleet import HostedModelView
+    from client.heartbeat import Heartbeat, ModelState
+    from gateway.models import _served
+
+    loadable = [HostedModelView("h", "vl", "org/VL", "available", 1, False, None),
+                HostedModelView("h", "broken", "org/B", "available", 1, False, "exited 3 times"),
+                HostedModelView("h", "chat", "org/Chat", "loaded", 1, True, None)]
+    chat = ModelState("chat", "chat", "org/Chat", tool_call=("<a>", "</a>"))
+    live = [Heartbeat("h.chat", started_at=100.0, models=(chat,))]
+    served = {(s.model, s.queue): s for s in _served(live, loadable)}
+    assert set(served) == {("org/VL", "vl"), ("org/Chat", "chat")}  # not the one that failed
+    assert served[("org/Chat", "chat")].since == 100 and served[("org/Chat", "chat")].tool_call == ("<a>", "</a>")
+    assert served[("org/VL", "vl")].since == 0

@@ -15,7 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from support import HELD, KEYS, ROOT, ServiceProcess, check_stream, wait_for, wait_for_deltas, worker_url, xadd_json
+from support import (
+    HELD,
+    KEYS,
+    ROOT,
+    ServiceProcess,
+    check_stream,
+    start_gateway,
+    wait_for,
+    wait_for_deltas,
+    worker_url,
+    xadd_json,
+)
 
 from client import Done, Error
 from client.fleet import read_fleet
@@ -206,3 +217,23 @@ def test_bad_configs_are_refused_at_start_in_one_line(redis_url, demo_model, tmp
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+def test_the_gateway_lists_a_model_not_loaded_and_waits_for_its_load(redis_url, demo_model, tmp_path, r, logs_dir):
+    import httpx
+
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model)], memory_budget_gb=2)
+    gateway = start_gateway(redis_url, logs_dir)
+    try:
+        wait_for(lambda: states(r, host.name).get(beta) == "available", what="the host")
+        # No worker serves its queue yet: without the host's listing this is a 404.
+        reply = httpx.post(f"{gateway.url}/v1/completions", timeout=120,
+                           json={"model": beta, "prompt": "Hello", "max_tokens": 8})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+        assert states(r, host.name)[beta] in ("loading", "loaded")
+    finally:
+        assert gateway.stop() in (0, -signal.SIGTERM), gateway.log()
+        assert host.stop() == 0, host.log()
