@@ -29,6 +29,7 @@ class ErrorCode(str, enum.Enum):
     TOO_LARGE = "too_large"
     DEADLINE_EXCEEDED = "deadline_exceeded"
     POISONED = "poisoned"
+    MODEL_UNAVAILABLE = "model_unavailable"  # the queue's model failed to load where it was to run
     INTERNAL = "internal"
 
     def __str__(self) -> str:

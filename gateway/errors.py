@@ -22,6 +22,7 @@ _BY_CODE: dict[str, tuple[int, str]] = {
     ErrorCode.DEADLINE_EXCEEDED: (504, "timeout"),
     TIMEOUT: (504, "timeout"),
     ErrorCode.POISONED: (500, "server_error"),
+    ErrorCode.MODEL_UNAVAILABLE: (503, "server_error"),
     ErrorCode.INTERNAL: (500, "server_error"),
 }
 

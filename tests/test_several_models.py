@@ -237,3 +237,27 @@ def test_the_gateway_lists_a_model_not_loaded_and_waits_for_its_load(redis_url, 
     finally:
         assert gateway.stop() in (0, -signal.SIGTERM), gateway.log()
         assert host.stop() == 0, host.log()
+
+
+def test_a_model_that_cannot_load_answers_its_requests_with_the_reason(redis_url, demo_model, tmp_path, r, outputs):
+    """Its worker exits three times; the host reports it (its key, `mlxq status`, its log)
+    and answers the requests waiting on its queue with `model_unavailable`."""
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_model, broken)
+    (broken / "model.safetensors").write_bytes(b"not weights")
+    tag = uuid.uuid4().hex[:6]
+    name = f"broken{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(name, broken)], memory_budget_gb=2)
+    try:
+        ids = submit(r, name, 2)
+        for ended in finished(outputs, ids):
+            assert isinstance(ended, Error) and ended.code == "model_unavailable", ended
+            assert f"model {name}" in ended.message and "could not be loaded" in ended.message
+        raw = json.loads(r.get(KEYS.host(host.name)))
+        assert "exited 3 times" in raw["models"][0]["failed"]
+        assert "failed: its worker exited 3 times" in render(read_fleet(r, KEYS))
+        assert host.log().count("model left unloaded") == 1
+    finally:
+        assert host.stop() == 0, host.log()

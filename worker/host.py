@@ -57,7 +57,8 @@ class HostedModel:
     process: subprocess.Popen[bytes] | None = None
     last_used: float = 0.0  # monotonic: when it last had work
     failures: int = 0
-    failed: str | None = None  # why it is left alone, once it failed MAX_FAILURES times
+    failed: str | None = None  # why it is not loaded, once it failed MAX_FAILURES times
+    refusing: bool = False  # its process answers its requests with `failed` (the `unavailable` setting)
 
     @property
     def queue(self) -> str:
@@ -68,7 +69,7 @@ class HostedModel:
         return str(self.settings.consumer)
 
     def holds_memory(self) -> bool:
-        return self.process is not None
+        return self.process is not None and not self.refusing
 
 
 class Host:
@@ -141,12 +142,16 @@ class Host:
             waiting = self._waiting(model)
             if waiting:
                 model.last_used = now
-            if model.state == "loaded" and not model.entry.pin and now - model.last_used >= self.settings.idle_unload_s:
-                log.info("unloading an idle model", model=model.queue, idle_s=round(now - model.last_used, 1))
+            idle_s = now - model.last_used
+            unloadable = not model.entry.pin or model.refusing  # a refusing one is tried again once idle
+            if model.state == "loaded" and unloadable and idle_s >= self.settings.idle_unload_s:
+                log.info("unloading an idle model", model=model.queue, idle_s=round(idle_s, 1))
                 self._unload(model)
-            elif model.state == "available" and waiting and model.failed is None and not self._held_elsewhere(
-                    model, workers):
-                self._place(model, now)
+            elif model.state == "available" and waiting and not self._held_elsewhere(model, workers):
+                if model.failed is None:
+                    self._place(model, now)
+                else:
+                    self._refuse(model)
         self._beat()
 
     def _observe(self, model: HostedModel, live: dict[str, WorkerView], now: float) -> None:
@@ -163,7 +168,8 @@ class Host:
         if model.state == "loading" and beat.heartbeat.pid == model.process.pid:
             model.state, model.failures, model.last_used = "loaded", 0, now
             self.redis.delete(self.keys.loading(model.queue))
-            log.info("model loaded", model=model.queue, consumer=model.consumer)
+            log.info("answering its requests model_unavailable" if model.refusing else "model loaded",
+                     model=model.queue, consumer=model.consumer)
         if beat.heartbeat.in_flight:
             model.last_used = now
 
@@ -172,6 +178,9 @@ class Host:
         if model.state == "loading":
             self.redis.delete(self.keys.loading(model.queue))
         model.process, model.state = None, "available"
+        if expected and model.refusing:  # idle: the next request tries to load it again
+            model.refusing, model.failed, model.failures = False, None, 0
+            return
         if expected:
             log.info("model unloaded", model=model.queue)
             return
@@ -179,7 +188,8 @@ class Host:
         log.error("a model's worker exited", model=model.queue, status=code, failures=model.failures)
         if model.failures >= MAX_FAILURES:
             model.failed = f"its worker exited {model.failures} times in a row (last status {code}); see its log"
-            log.error("model left unloaded", model=model.queue, reason=model.failed)
+            log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
+                      "idle_unload_s", model=model.queue, reason=model.failed)
 
     def _waiting(self, model: HostedModel) -> bool:
         """Whether requests wait on its queue (or any of its lanes), unread or unfinished."""
@@ -236,9 +246,24 @@ class Host:
 
     def _load(self, model: HostedModel) -> None:
         log.info("loading a model", model=model.queue, path=model.entry.path, gb=_gb(model.footprint))
+        self._start(model)
+
+    def _start(self, model: HostedModel) -> None:
         model.process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config",
                                           str(self._child_config(model))], env=self._child_env(model))
         model.state = "loading"
+
+    def _refuse(self, model: HostedModel) -> None:
+        """Answer its waiting requests with why it is not loaded: a worker that loads nothing
+        and refuses each request (`unavailable`), so no request waits for it forever."""
+        reason = f"model {model.queue} ({model.entry.path}) could not be loaded on {self.name}: {model.failed}"
+        settings = model.settings
+        model.settings = settings.model_copy(update={"unavailable": reason})
+        try:
+            self._start(model)
+        finally:
+            model.settings = settings
+        model.refusing = True
 
     def _unload(self, model: HostedModel) -> None:
         """Its worker drains: stops reading, finishes what runs, hands back the rest."""
@@ -290,7 +315,8 @@ class Host:
         return self.budget - sum(m.footprint for m in self.models if m.holds_memory())
 
     def _beat(self) -> None:
-        models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, m.state, memory_bytes=m.footprint)),
+        models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, "available" if m.refusing else m.state,
+                                       memory_bytes=m.footprint)),
                    "consumer": m.consumer, "pin": m.entry.pin, "failed": m.failed} for m in self.models]
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "budget_bytes": self.budget,
                 "free_bytes": self._free(), "models": models}

@@ -44,6 +44,8 @@ class Preparer:
         """An engine request; raises `RequestRejected` with the field and the reason."""
         if envelope.error is not None:
             raise envelope.error
+        if self.settings.unavailable is not None:
+            raise RequestRejected(self.settings.unavailable, code=ErrorCode.MODEL_UNAVAILABLE)
         assert envelope.raw is not None
         body = validate_body(envelope.raw)
         self.faults.exit_if_marked(body.prompt)

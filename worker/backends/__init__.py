@@ -114,10 +114,10 @@ def load_model(settings: WorkerSettings) -> Loaded:
     """The configured model (a local path or a Hugging Face id), loaded by mlx-vlm if its
     config has a vision tower, else by mlx-lm."""
     assert settings.model is not None, "the command line resolves the demo model"
-    if settings.model.startswith("sim:"):
+    if settings.model.startswith("sim:") or settings.unavailable is not None:
         from .sim import load_sim
 
-        return load_sim(settings.model)
+        return load_sim(settings.model if settings.unavailable is None else "sim:", name=settings.model)
     vision = is_vision_model(settings.model)
     needs = mlx_vlm_only(settings)
     if vision or needs:

@@ -77,10 +77,11 @@ class Letters:
         pass
 
 
-def load_sim(spec: str) -> Loaded:
-    """The simulated model described by `spec` (see the module docstring)."""
+def load_sim(spec: str, name: str | None = None) -> Loaded:
+    """The simulated model described by `spec` (see the module docstring), named `name`
+    (default: `spec`); also what a worker answering `unavailable` runs, loading nothing."""
     options = dict(part.split("=", 1) for part in spec.removeprefix("sim:").split(",") if part)
     step_s, slots = float(options.get("step_ms", 25)) / 1000, int(options.get("slots", 64))
-    info = ModelInfo(name=spec, tokenizer=Letters(), context_length=1_000_000, vocab_size=1_000_000,
+    info = ModelInfo(name=name or spec, tokenizer=Letters(), context_length=1_000_000, vocab_size=1_000_000,
                      logprobs=False)
     return Loaded(info=info, make_backend=lambda: SimBackend(step_s, slots), new_detokenizer=Letters)
