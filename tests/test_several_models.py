@@ -261,3 +261,30 @@ def test_a_model_that_cannot_load_answers_its_requests_with_the_reason(redis_url
         assert host.log().count("model left unloaded") == 1
     finally:
         assert host.stop() == 0, host.log()
+
+
+def test_a_backlog_loads_a_second_copy_where_there_is_room(redis_url, demo_model, tmp_path, r, outputs):
+    """Host A's copy has one slot, taken by a request that runs until cancelled; a request
+    behind it waits past scale_up_after_s, and host B loads a copy that serves it."""
+    from client import Client
+
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    one_slot = model(beta, demo_model, max_num_seqs=1, prefetch=0)
+    first = start_host(redis_url, tmp_path, f"hostA{tag}", [one_slot], memory_budget_gb=2, scale_up_after_s=1)
+    second = None
+    try:
+        (held,) = _held(r, beta)
+        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        second = start_host(redis_url, tmp_path, f"hostB{tag}", [one_slot], memory_budget_gb=2, scale_up_after_s=1)
+        (behind,) = submit(r, beta)
+        assert isinstance(finished(outputs, [behind])[0], Done)
+        wait_for(lambda: states(r, second.name)[beta] == "loaded", what="the second copy seen loaded")
+        assert states(r, first.name)[beta] == "loaded"
+        assert not any(isinstance(e, (Done, Error)) for e in outputs.all_on(KEYS.output(held)))  # still running
+        Client(worker_url(redis_url)).cancel(held)
+        assert finished(outputs, [held])[0].finish_reason == "cancelled"
+    finally:
+        for host in (first, second):
+            if host is not None:
+                assert host.stop() == 0, host.log()

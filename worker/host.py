@@ -138,8 +138,10 @@ class Host:
         live = {w.name: w for w in workers if w.alive}
         for model in self.models:
             self._observe(model, live, now)
+        served_elsewhere = {m.queue for w in workers if w.alive and w.name not in self._children()
+                            for m in w.heartbeat.models}
         for model in self.models:
-            waiting = self._waiting(model)
+            waiting, oldest_s = self._demand(model)
             if waiting:
                 model.last_used = now
             idle_s = now - model.last_used
@@ -147,10 +149,13 @@ class Host:
             if model.state == "loaded" and unloadable and idle_s >= self.settings.idle_unload_s:
                 log.info("unloading an idle model", model=model.queue, idle_s=round(idle_s, 1))
                 self._unload(model)
-            elif model.state == "available" and waiting and not self._held_elsewhere(model, workers):
+            elif model.state == "available" and waiting and not self._loading_elsewhere(model):
+                backlog = oldest_s is not None and oldest_s >= self.settings.scale_up_after_s
+                if model.queue in served_elsewhere and not backlog:
+                    continue
                 if model.failed is None:
-                    self._place(model, now)
-                else:
+                    self._place(model, now, served_elsewhere)
+                elif model.queue not in served_elsewhere:
                     self._refuse(model)
         self._beat()
 
@@ -191,27 +196,30 @@ class Host:
             log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
                       "idle_unload_s", model=model.queue, reason=model.failed)
 
-    def _waiting(self, model: HostedModel) -> bool:
-        """Whether requests wait on its queue (or any of its lanes), unread or unfinished."""
-        lanes = [None, *model.settings.lanes]
-        return any((s.waiting or s.pending) for s in (read_stream(self.redis, self.keys, model.queue, lane)
-                                                      for lane in lanes))
+    def _demand(self, model: HostedModel) -> tuple[bool, float | None]:
+        """Whether requests wait on its queue (or any of its lanes), unread or unfinished,
+        and how long the oldest unread one has waited."""
+        views = [read_stream(self.redis, self.keys, model.queue, lane) for lane in [None, *model.settings.lanes]]
+        ages = [v.oldest_waiting_s for v in views if v.oldest_waiting_s is not None]
+        return any(v.waiting or v.pending for v in views), max(ages, default=None)
 
-    def _held_elsewhere(self, model: HostedModel, workers: list[WorkerView]) -> bool:
-        """Whether a live worker serves its queue already, or another host is loading it."""
-        if any(w.alive and w.heartbeat.serves(model.queue) for w in workers):
-            return True
+    def _loading_elsewhere(self, model: HostedModel) -> bool:
         loader = self.redis.get(self.keys.loading(model.queue))
         return loader is not None and as_text(loader) != self.name
 
-    def _place(self, model: HostedModel, now: float) -> None:
-        """Load it if it fits, else unload idle models (least recently used first) to make room."""
+    def _children(self) -> set[str]:
+        return {m.consumer for m in self.models}
+
+    def _place(self, model: HostedModel, now: float, served_elsewhere: set[str]) -> None:
+        """Load it if it fits, else unload idle models to make room: extra copies (models
+        other workers serve too) first, then the least recently used."""
         if not self._preferred_for(model):
             return
         short = model.footprint - self._free()
         if short > 0:
             idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
-                           and now - m.last_used > TICK_S), key=lambda m: m.last_used)
+                           and now - m.last_used > TICK_S),
+                          key=lambda m: (m.queue not in served_elsewhere, m.last_used))
             freed = 0
             for victim in idle:
                 if freed >= short:

@@ -11,8 +11,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 # Settings of the host alone: a model's worker process is not given them.
-HOST_ONLY = frozenset({"models", "memory_budget_gb", "memory_budget_percent", "idle_unload_s", "worker_index",
-                       "embedded_port", "embedded_dir", "metrics_port"})
+HOST_ONLY = frozenset({"models", "memory_budget_gb", "memory_budget_percent", "idle_unload_s", "scale_up_after_s",
+                       "worker_index", "embedded_port", "embedded_dir", "metrics_port"})
 # Settings of the worker as a whole, which a model's table cannot set.
 WHOLE_WORKER = HOST_ONLY | {"model", "queue", "consumer", "redis_url", "prefix", "unavailable"}
 WEIGHTS_HEADROOM = 1.2  # activations and a running batch's KV beside the weights, in the estimate

@@ -151,6 +151,9 @@ class WorkerSettings(LayeredSettings):
                                          "memory_budget_gb is unset")
     idle_unload_s: float = Field(600.0, gt=0, description="a model (not pinned) with nothing running or "
                                  "waiting for this long is unloaded")
+    scale_up_after_s: float = Field(30.0, gt=0, description="a model whose queue's oldest unread request has "
+                                    "waited this long is loaded here too, beside the workers serving it, if it "
+                                    "fits (an extra copy, the first unloaded when room is needed)")
     unavailable: str | None = Field(None, description="answer every request with this message (error "
                                     "model_unavailable) instead of loading the model: what a worker of several "
                                     "models runs on the queue of a model that failed to load; unset: serve")
