@@ -288,3 +288,26 @@ def test_a_backlog_loads_a_second_copy_where_there_is_room(redis_url, demo_model
         for host in (first, second):
             if host is not None:
                 assert host.stop() == 0, host.log()
+
+
+def test_model_workers_stop_when_their_host_is_killed(redis_url, demo_model, tmp_path, r):
+    """kill -9 of the host alone: its model's worker sees it gone, drains and exits, rather
+    than serving on unseen."""
+    tag = uuid.uuid4().hex[:6]
+    pinned = f"alpha{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(pinned, demo_model, pin=True)], memory_budget_gb=2)
+    wait_for(lambda: states(r, host.name).get(pinned) == "loaded", timeout=60, what="the pinned model")
+    child = json.loads(r.get(KEYS.worker(f"{host.name}.{pinned}")))["pid"]
+    host.process.kill()
+    host.wait()
+    wait_for(lambda: not _running(child), timeout=60, what="the model's worker to stop")
+    assert r.get(KEYS.worker(f"{host.name}.{pinned}")) is None  # it left cleanly: its heartbeat is gone
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaped yet does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")

@@ -186,7 +186,8 @@ class Worker:
                     if self.metrics is not None and self._scrapes is not None else []),
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
-                  asyncio.create_task(leases.run(), name="leases")]
+                  asyncio.create_task(leases.run(), name="leases"),
+                  *([asyncio.create_task(self._watch_host(), name="host")] if self.settings.host_pid else [])]
         for task in (reading, *others):
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
@@ -200,6 +201,15 @@ class Worker:
             log.error("exiting with tasks that did not stop", tasks=sorted(t.get_name() for t in stuck))
             os._exit(status)
         return status
+
+    async def _watch_host(self) -> None:
+        """As a model's worker of a worker of several models: drain and exit once that
+        process is gone (killed with -9, its children would serve on, unseen)."""
+        while os.getppid() == self.settings.host_pid:
+            await asyncio.sleep(1.0)
+        log.warning("the worker of several models that started this one is gone; stopping",
+                    host_pid=self.settings.host_pid)
+        self._stop.set()
 
     # What the engine thread hands the loop, on the engine thread: a step's output, its
     # stats now and then, its death.

@@ -4,6 +4,7 @@ on one worker")."""
 
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 HOST_ONLY = frozenset({"models", "memory_budget_gb", "memory_budget_percent", "idle_unload_s", "scale_up_after_s",
                        "worker_index", "embedded_port", "embedded_dir", "metrics_port"})
 # Settings of the worker as a whole, which a model's table cannot set.
-WHOLE_WORKER = HOST_ONLY | {"model", "queue", "consumer", "redis_url", "prefix", "unavailable"}
+WHOLE_WORKER = HOST_ONLY | {"model", "queue", "consumer", "redis_url", "prefix", "unavailable", "host_pid"}
 WEIGHTS_HEADROOM = 1.2  # activations and a running batch's KV beside the weights, in the estimate
 
 
@@ -50,7 +51,7 @@ def child_settings(host: Any, entry: ModelEntry, consumer: str) -> Any:
     shared = {k: v for k, v in host.model_dump().items() if k not in WHOLE_WORKER}
     try:
         return WorkerSettings(**{**shared, **entry.overrides(), "model": entry.path, "queue": entry.name,
-                                 "consumer": consumer, "prefix": host.prefix})
+                                 "consumer": consumer, "prefix": host.prefix, "host_pid": os.getpid()})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

@@ -154,6 +154,9 @@ class WorkerSettings(LayeredSettings):
     scale_up_after_s: float = Field(30.0, gt=0, description="a model whose queue's oldest unread request has "
                                     "waited this long is loaded here too, beside the workers serving it, if it "
                                     "fits (an extra copy, the first unloaded when room is needed)")
+    host_pid: int | None = Field(None, ge=1, description="the worker of several models that started this one "
+                                 "(set by it): this one drains and exits once that process is gone, whatever "
+                                 "killed it; unset: none")
     unavailable: str | None = Field(None, description="answer every request with this message (error "
                                     "model_unavailable) instead of loading the model: what a worker of several "
                                     "models runs on the queue of a model that failed to load; unset: serve")
