@@ -311,3 +311,29 @@ def _running(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
     return state not in ("Z", "X")
+
+
+def test_the_hosts_metrics_port_serves_every_model_labelled(redis_url, demo_model, tmp_path, r, outputs):
+    from support import free_port, scrape_metrics
+
+    tag = uuid.uuid4().hex[:6]
+    alpha, beta = f"alpha{tag}", f"beta{tag}"
+    port = free_port()
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(alpha, demo_model, pin=True),
+                                                          model(beta, demo_model, pin=True)],
+                      memory_budget_gb=3, metrics_port=port)
+    try:
+        wait_for(lambda: set(states(r, host.name).values()) == {"loaded"}, timeout=60, what="both models")
+        for name, n in ((alpha, 1), (beta, 2)):
+            assert all(isinstance(d, Done) for d in finished(outputs, submit(r, name, n, max_tokens=4)))
+
+        def finished_by_model() -> dict[str, float]:
+            by_model: dict[str, float] = {}
+            for labels, value in scrape_metrics(port).get("mlxq_request_success_total", {}).items():
+                by_model[dict(labels)["model"]] = by_model.get(dict(labels)["model"], 0) + value
+            return by_model
+
+        assert wait_for(lambda: finished_by_model() == {alpha: 1, beta: 2} and finished_by_model(),
+                        what="both models' requests in the host's metrics")
+    finally:
+        assert host.stop() == 0, host.log()

@@ -38,6 +38,7 @@ from client.heartbeat import ModelLoad, ModelState
 from client.keys import Keys
 from client.replies import as_text
 
+from . import host_metrics
 from .models_config import HOST_ONLY, ModelEntry, ModelsConfigError, child_settings, footprint_bytes, host_name
 
 log = structlog.get_logger("mlxq.host")
@@ -59,6 +60,7 @@ class HostedModel:
     failures: int = 0
     failed: str | None = None  # why it is not loaded, once it failed MAX_FAILURES times
     refusing: bool = False  # its process answers its requests with `failed` (the `unavailable` setting)
+    metrics_port: int | None = None  # where its worker serves metrics, when the host serves them
 
     @property
     def queue(self) -> str:
@@ -110,6 +112,13 @@ class Host:
             log.critical("worker exiting: another worker of several models runs under this name; give this one "
                          "another --consumer", name=self.name)
             return 2
+        if self.settings.metrics_port is not None:
+            try:
+                host_metrics.serve(self.settings.metrics_host, self.settings.metrics_port, self._metrics_ports)
+            except OSError as e:
+                log.critical("worker exiting: the metrics port cannot be opened; choose another --metrics-port",
+                             port=self.settings.metrics_port, error=str(e))
+                return 2
         log.info("host ready", host=self.name, models=[m.queue for m in self.models], budget_gb=_gb(self.budget))
         for model in self.models:
             if model.entry.pin:
@@ -257,6 +266,7 @@ class Host:
         self._start(model)
 
     def _start(self, model: HostedModel) -> None:
+        model.metrics_port = None if self.settings.metrics_port is None else host_metrics.free_local_port()
         model.process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config",
                                           str(self._child_config(model))], env=self._child_env(model))
         model.state = "loading"
@@ -286,9 +296,12 @@ class Host:
     def _child_config(self, model: HostedModel) -> Path:
         """Its worker's settings as a TOML file (strings, numbers, booleans and lists of
         strings, which JSON writes as TOML reads them)."""
-        values = {**model.settings.model_dump(mode="json"), "redis_url": self.redis_url}
-        lines = [f"{name} = {json.dumps(value)}" for name, value in values.items()
-                 if value is not None and name not in HOST_ONLY]
+        values = {name: value for name, value in model.settings.model_dump(mode="json").items()
+                  if value is not None and name not in HOST_ONLY}
+        values["redis_url"] = self.redis_url
+        if model.metrics_port is not None:
+            values.update(metrics_port=model.metrics_port, metrics_host="127.0.0.1")
+        lines = [f"{name} = {json.dumps(value)}" for name, value in values.items()]
         path = self._configs / f"{model.queue}.toml"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -318,6 +331,11 @@ class Host:
         self._stopping = True
 
     # ---- what the fleet sees ------------------------------------------------------
+
+    def _metrics_ports(self) -> dict[str, int]:
+        """Called from the metrics server's thread: reads, never changes, the models."""
+        return {m.queue: m.metrics_port for m in list(self.models)
+                if m.state in ("loaded", "draining") and m.metrics_port is not None}
 
     def _free(self) -> int:
         return self.budget - sum(m.footprint for m in self.models if m.holds_memory())
