@@ -17,6 +17,7 @@ the rest), so nothing it held is lost.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+from redis.exceptions import RedisError
 
 from client.connect import connect
 from client.fleet import WorkerView, read_stream, read_workers
@@ -40,6 +42,7 @@ from client.replies import as_text
 
 from . import host_metrics
 from .models_config import HOST_ONLY, ModelEntry, ModelsConfigError, child_settings, footprint_bytes, host_name
+from .retrying import describe
 
 log = structlog.get_logger("mlxq.host")
 
@@ -125,7 +128,11 @@ class Host:
                 self._load(model)
         try:
             while not self._stopping:
-                self.tick()
+                try:
+                    self.tick()
+                except RedisError as e:  # its model workers ride it out on their own; so does the host
+                    log.warning("redis did not answer the host; trying again", error=describe(e))
+                    time.sleep(1.0)
                 time.sleep(TICK_S)
         finally:
             self._stop_all()
@@ -134,12 +141,20 @@ class Host:
     def _claim_name(self) -> bool:
         """Take the host key, waiting out one left by a host that died (it expires)."""
         deadline = time.monotonic() + self._ttl_s() + 1
-        while not self.redis.set(self.keys.host(self.name), json.dumps({"name": self.name, "pid": os.getpid()}),
-                                 nx=True, px=int(self._ttl_s() * 1000)):
-            if time.monotonic() > deadline or self._stopping:
+        while not self._stopping:
+            try:
+                if self.redis.set(self.keys.host(self.name), json.dumps({"name": self.name, "pid": os.getpid()}),
+                                  nx=True, px=int(self._ttl_s() * 1000)):
+                    return True
+            except RedisError as e:  # not up yet: wait for it, as a worker does
+                log.warning("redis does not answer yet; trying again", error=describe(e))
+                deadline = time.monotonic() + self._ttl_s() + 1
+                time.sleep(1.0)
+                continue
+            if time.monotonic() > deadline:
                 return False
             time.sleep(TICK_S)
-        return True
+        return False
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -308,6 +323,7 @@ class Host:
 
     def _stop_all(self) -> None:
         running = [m for m in self.models if m.process is not None]
+        leases = [self.keys.loading(m.queue) for m in running if m.state == "loading"]
         for model in running:
             self._unload(model)
         deadline = time.monotonic() + self.settings.drain_timeout_s + 30
@@ -318,9 +334,8 @@ class Host:
             except subprocess.TimeoutExpired:
                 log.error("a model's worker did not stop; killing it", model=model.queue)
                 model.process.kill()
-            if model.state == "loading":
-                self.redis.delete(self.keys.loading(model.queue))
-        self.redis.delete(self.keys.host(self.name))
+        with contextlib.suppress(RedisError):  # else they expire
+            self.redis.delete(self.keys.host(self.name), *leases)
         shutil.rmtree(self._configs, ignore_errors=True)
         log.info("host stopped", host=self.name)
 
