@@ -91,6 +91,7 @@ class Host:
         self.redis = connect(redis_url, socket_timeout=10)
         self._configs = Path(tempfile.mkdtemp(prefix="mlxq-host-"))  # each model's worker's settings
         self._stopping = False
+        self._looks = 0  # ticks done, in its key: a reader can wait for the host to have looked again
 
     def _hosted(self, entry: ModelEntry) -> HostedModel:
         child = child_settings(self.settings, entry, f"{self.name}.{entry.name}")
@@ -359,8 +360,9 @@ class Host:
         models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, "available" if m.refusing else m.state,
                                        memory_bytes=m.footprint)),
                    "consumer": m.consumer, "pin": m.entry.pin, "failed": m.failed} for m in self.models]
+        self._looks += 1
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "budget_bytes": self.budget,
-                "free_bytes": self._free(), "models": models}
+                "free_bytes": self._free(), "looks": self._looks, "models": models}
         with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.keys.host(self.name), json.dumps(body), px=int(self._ttl_s() * 1000))
             pipe.zadd(self.keys.hosts, {self.name: time.time()})
