@@ -154,14 +154,18 @@ def _held(r, queue: str) -> list[str]:
 
 
 def test_an_idle_model_unloads_by_itself(redis_url, demo_model, tmp_path, r, outputs):
+    """And it is counted for what its worker was seen to hold, where its estimate (here a
+    kilobyte) is less: the next load needs that much room."""
     tag = uuid.uuid4().hex[:6]
     beta = f"beta{tag}"
-    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model)], memory_budget_gb=2,
-                      idle_unload_s=1)
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model, memory_gb=1e-6)],
+                      memory_budget_gb=2, idle_unload_s=1)
     try:
         assert isinstance(finished(outputs, submit(r, beta))[0], Done)
         wait_for(lambda: states(r, host.name).get(beta) == "available", timeout=30, what="the idle unload")
         assert "unloading an idle model" in host.log()
+        counted = json.loads(r.get(KEYS.host(host.name)))["models"][0]["memory_bytes"]
+        assert counted > 100_000, counted  # the demo model's weights alone are ~550 KB
     finally:
         assert host.stop() == 0, host.log()
 

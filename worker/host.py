@@ -56,7 +56,7 @@ class HostedModel:
 
     entry: ModelEntry
     settings: Any  # its worker's WorkerSettings
-    footprint: int  # bytes it is counted for while it has a process
+    footprint: int  # bytes estimated (`footprint_bytes`)
     state: ModelLoad = "available"
     process: subprocess.Popen[bytes] | None = None
     last_used: float = 0.0  # monotonic: when it last had work
@@ -64,6 +64,11 @@ class HostedModel:
     failed: str | None = None  # why it is not loaded, once it failed MAX_FAILURES times
     refusing: bool = False  # its process answers its requests with `failed` (the `unavailable` setting)
     metrics_port: int | None = None  # where its worker serves metrics, when the host serves them
+    measured: int = 0  # the most its worker has reported holding (MLX active + cached), kept for its next load
+
+    def counted(self) -> int:
+        """The bytes it is counted for: the estimate, or what it was seen to hold if more."""
+        return max(self.footprint, self.measured)
 
     @property
     def queue(self) -> str:
@@ -202,6 +207,10 @@ class Host:
                      model=model.queue, consumer=model.consumer)
         if beat.heartbeat.in_flight:
             model.last_used = now
+        memory = beat.heartbeat.stats.get("memory")
+        if isinstance(memory, dict) and not model.refusing:
+            held = sum(v for k, v in memory.items() if k in ("active", "cache") and isinstance(v, int))
+            model.measured = max(model.measured, held)
 
     def _exited(self, model: HostedModel, code: int) -> None:
         expected = model.state == "draining"
@@ -240,7 +249,7 @@ class Host:
         other workers serve too) first, then the least recently used."""
         if not self._preferred_for(model):
             return
-        short = model.footprint - self._free()
+        short = model.counted() - self._free()
         if short > 0:
             idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
                            and now - m.last_used > TICK_S),
@@ -251,7 +260,7 @@ class Host:
                     break
                 log.info("unloading a model to make room", model=victim.queue, for_model=model.queue)
                 self._unload(victim)
-                freed += victim.footprint
+                freed += victim.counted()
             return  # loaded once the unloaded ones have exited
         if self.redis.set(self.keys.loading(model.queue), self.name, nx=True, px=self._lease_ms()):
             self._load(model)
@@ -263,7 +272,7 @@ class Host:
         for other in self._other_hosts():
             offers = {m.get("queue"): m.get("state") for m in other.get("models", []) if isinstance(m, dict)}
             free, name = other.get("free_bytes"), str(other.get("name"))
-            if offers.get(model.queue) == "available" and isinstance(free, int) and free >= model.footprint \
+            if offers.get(model.queue) == "available" and isinstance(free, int) and free >= model.counted() \
                     and (free > mine or (free == mine and name < self.name)):
                 return False
         return True
@@ -278,7 +287,7 @@ class Host:
     # ---- processes --------------------------------------------------------------
 
     def _load(self, model: HostedModel) -> None:
-        log.info("loading a model", model=model.queue, path=model.entry.path, gb=_gb(model.footprint))
+        log.info("loading a model", model=model.queue, path=model.entry.path, gb=_gb(model.counted()))
         self._start(model)
 
     def _start(self, model: HostedModel) -> None:
@@ -354,11 +363,11 @@ class Host:
                 if m.state in ("loaded", "draining") and m.metrics_port is not None}
 
     def _free(self) -> int:
-        return self.budget - sum(m.footprint for m in self.models if m.holds_memory())
+        return self.budget - sum(m.counted() for m in self.models if m.holds_memory())
 
     def _beat(self) -> None:
         models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, "available" if m.refusing else m.state,
-                                       memory_bytes=m.footprint)),
+                                       memory_bytes=m.counted())),
                    "consumer": m.consumer, "pin": m.entry.pin, "failed": m.failed} for m in self.models]
         self._looks += 1
         body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "budget_bytes": self.budget,
