@@ -323,7 +323,10 @@ def _running(pid: int) -> bool:
 
 
 def test_the_hosts_metrics_port_serves_every_model_labelled(redis_url, demo_model, tmp_path, r, outputs):
+    """And one model busy with a long request does not hold up the other's."""
     from support import free_port, scrape_metrics
+
+    from client import Client
 
     tag = uuid.uuid4().hex[:6]
     alpha, beta = f"alpha{tag}", f"beta{tag}"
@@ -333,8 +336,12 @@ def test_the_hosts_metrics_port_serves_every_model_labelled(redis_url, demo_mode
                       memory_budget_gb=3, metrics_port=port)
     try:
         wait_for(lambda: set(states(r, host.name).values()) == {"loaded"}, timeout=60, what="both models")
-        for name, n in ((alpha, 1), (beta, 2)):
-            assert all(isinstance(d, Done) for d in finished(outputs, submit(r, name, n, max_tokens=4)))
+        (held,) = _held(r, alpha)  # alpha busy with a request that runs until cancelled: beta is not held up
+        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        assert all(isinstance(d, Done) for d in finished(outputs, submit(r, beta, 2, max_tokens=4)))
+        Client(worker_url(redis_url)).cancel(held)
+        assert finished(outputs, [held])[0].finish_reason == "cancelled"
+        assert isinstance(finished(outputs, submit(r, alpha, max_tokens=4))[0], Done)
 
         def finished_by_model() -> dict[str, float]:
             by_model: dict[str, float] = {}
@@ -342,7 +349,36 @@ def test_the_hosts_metrics_port_serves_every_model_labelled(redis_url, demo_mode
                 by_model[dict(labels)["model"]] = by_model.get(dict(labels)["model"], 0) + value
             return by_model
 
-        assert wait_for(lambda: finished_by_model() == {alpha: 1, beta: 2} and finished_by_model(),
+        assert wait_for(lambda: finished_by_model() == {alpha: 2, beta: 2} and finished_by_model(),
                         what="both models' requests in the host's metrics")
     finally:
         assert host.stop() == 0, host.log()
+
+
+def test_an_extra_copy_is_unloaded_before_a_model_used_longer_ago(redis_url, demo_model, tmp_path, r, outputs):
+    """Host B holds gamma (used first) and an extra copy of beta (host A serves beta too,
+    used since); delta needs room: the copy goes, not the least recently used gamma."""
+    from client import Client
+
+    tag = uuid.uuid4().hex[:6]
+    beta, gamma, delta = f"beta{tag}", f"gamma{tag}", f"delta{tag}"
+    one_slot = model(beta, demo_model, max_num_seqs=1, prefetch=0)
+    first = start_host(redis_url, tmp_path, f"hostA{tag}", [{**one_slot, "pin": True}], memory_budget_gb=2)
+    second = start_host(redis_url, tmp_path, f"hostB{tag}", [one_slot, model(gamma, demo_model),
+                                                             model(delta, demo_model)],
+                        memory_budget_gb=2.5, scale_up_after_s=1)
+    try:
+        wait_for(lambda: states(r, first.name).get(beta) == "loaded", timeout=60, what="host A's beta")
+        assert isinstance(finished(outputs, submit(r, gamma))[0], Done)  # B loads gamma
+        (held,) = _held(r, beta)  # A's one slot, taken
+        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        assert isinstance(finished(outputs, submit(r, beta))[0], Done)  # waited: B loaded a copy and served it
+        wait_for(lambda: states(r, second.name).get(beta) == "loaded", what="B's copy seen loaded")
+        assert isinstance(finished(outputs, submit(r, delta))[0], Done)
+        seen = states(r, second.name)
+        assert seen[gamma] == "loaded" and seen[beta] in ("draining", "available"), seen
+        Client(worker_url(redis_url)).cancel(held)
+        assert finished(outputs, [held])[0].finish_reason == "cancelled"
+    finally:
+        for host in (first, second):
+            assert host.stop() == 0, host.log()

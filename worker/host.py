@@ -171,9 +171,11 @@ class Host:
         served_elsewhere = {m.queue for w in workers if w.alive and w.name not in self._children()
                             for m in w.heartbeat.models}
         for model in self.models:
-            waiting, oldest_s = self._demand(model)
-            if waiting:
+            unread, pending, oldest_s = self._demand(model)
+            if unread:
                 model.last_used = now
+            # Entries read but unfinished are work only where no live worker holds them (a dead one's).
+            waiting = unread or (pending and model.queue not in served_elsewhere)
             idle_s = now - model.last_used
             unloadable = not model.entry.pin or model.refusing  # a refusing one is tried again once idle
             if model.state == "loaded" and unloadable and idle_s >= self.settings.idle_unload_s:
@@ -230,12 +232,12 @@ class Host:
             log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
                       "idle_unload_s", model=model.queue, reason=model.failed)
 
-    def _demand(self, model: HostedModel) -> tuple[bool, float | None]:
-        """Whether requests wait on its queue (or any of its lanes), unread or unfinished,
-        and how long the oldest unread one has waited."""
+    def _demand(self, model: HostedModel) -> tuple[bool, bool, float | None]:
+        """Whether its queue (or any of its lanes) has requests unread, and read but
+        unfinished, and how long the oldest unread one has waited."""
         views = [read_stream(self.redis, self.keys, model.queue, lane) for lane in [None, *model.settings.lanes]]
         ages = [v.oldest_waiting_s for v in views if v.oldest_waiting_s is not None]
-        return any(v.waiting or v.pending for v in views), max(ages, default=None)
+        return any(v.waiting for v in views), any(v.pending for v in views), max(ages, default=None)
 
     def _loading_elsewhere(self, model: HostedModel) -> bool:
         loader = self.redis.get(self.keys.loading(model.queue))
@@ -249,21 +251,24 @@ class Host:
         other workers serve too) first, then the least recently used."""
         if not self._preferred_for(model):
             return
-        short = model.counted() - self._free()
-        if short > 0:
-            idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
-                           and now - m.last_used > TICK_S),
-                          key=lambda m: (m.queue not in served_elsewhere, m.last_used))
-            freed = 0
-            for victim in idle:
-                if freed >= short:
-                    break
-                log.info("unloading a model to make room", model=victim.queue, for_model=model.queue)
-                self._unload(victim)
-                freed += victim.counted()
+        if model.counted() > self._free():
+            self._make_room(model, now, served_elsewhere)
             return  # loaded once the unloaded ones have exited
         if self.redis.set(self.keys.loading(model.queue), self.name, nx=True, px=self._lease_ms()):
             self._load(model)
+
+    def _make_room(self, model: HostedModel, now: float, served_elsewhere: set[str]) -> None:
+        """Unload idle models until `model` will fit, counting those already unloading."""
+        coming = sum(m.counted() for m in self.models if m.state == "draining" and m.holds_memory())
+        short = model.counted() - self._free() - coming
+        idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
+                       and now - m.last_used > TICK_S), key=lambda m: (m.queue not in served_elsewhere, m.last_used))
+        for victim in idle:
+            if short <= 0:
+                return
+            log.info("unloading a model to make room", model=victim.queue, for_model=model.queue)
+            self._unload(victim)
+            short -= victim.counted()
 
     def _preferred_for(self, model: HostedModel) -> bool:
         """Whether this host has the most free budget (then the lowest name) among the
