@@ -382,3 +382,21 @@ def test_an_extra_copy_is_unloaded_before_a_model_used_longer_ago(redis_url, dem
     finally:
         for host in (first, second):
             assert host.stop() == 0, host.log()
+
+
+def test_a_model_seen_larger_than_the_room_left_is_answered_with_why(redis_url, demo_model, tmp_path, r, outputs):
+    """Its estimate (a kilobyte) let it load once; its worker was seen holding more than
+    the budget leaves beside the pinned model, so its next requests get the reason."""
+    tag = uuid.uuid4().hex[:6]
+    pinned, small = f"alpha{tag}", f"small{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(pinned, demo_model, pin=True),
+                                                          model(small, demo_model, memory_gb=1e-6)],
+                      memory_budget_gb=1 + 300_000 / 1024 ** 3, idle_unload_s=1)
+    try:
+        assert isinstance(finished(outputs, submit(r, small))[0], Done)
+        wait_for(lambda: states(r, host.name).get(small) == "available", timeout=30, what="the idle unload")
+        (ended,) = finished(outputs, submit(r, small))
+        assert isinstance(ended, Error) and ended.code == "model_unavailable", ended
+        assert "more than the" in ended.message and "memory_budget_gb leaves beside the pinned models" in ended.message
+    finally:
+        assert host.stop() == 0, host.log()

@@ -251,6 +251,13 @@ class Host:
         other workers serve too) first, then the least recently used."""
         if not self._preferred_for(model):
             return
+        room = self.budget - sum(m.counted() for m in self.models if m.entry.pin and m is not model)
+        if model.counted() > room:  # seen to hold more than its estimate: it cannot fit here at all
+            model.failed = (f"it needs {_gb(model.counted())} GB, more than the {_gb(room)} GB memory_budget_gb "
+                            "leaves beside the pinned models")
+            log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
+                      "idle_unload_s", model=model.queue, reason=model.failed)
+            return
         if model.counted() > self._free():
             self._make_room(model, now, served_elsewhere)
             return  # loaded once the unloaded ones have exited
