@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +179,8 @@ def test_two_hosts_one_queue_nobody_holds_exactly_one_loads_it(redis_url, demo_m
              for i in (1, 2)]
     try:
         wait_for(lambda: all(states(r, h.name) for h in hosts), timeout=30, what="both hosts")
+        r.set(KEYS.host(f"junk{tag}"), "not json", ex=60)  # what another writer left: read past, never a crash
+        r.zadd(KEYS.hosts, {f"junk{tag}": time.time()})
         ids = submit(r, beta, 4)
         seen = []
         wait_for(lambda: seen.append([states(r, h.name).get(beta) for h in hosts]) or "loaded" in seen[-1],

@@ -282,19 +282,25 @@ class Host:
         live hosts that can load the model now."""
         mine = self._free()
         for other in self._other_hosts():
-            offers = {m.get("queue"): m.get("state") for m in other.get("models", []) if isinstance(m, dict)}
+            models = other.get("models")
+            offers = {m.get("queue") for m in models if isinstance(m, dict) and m.get("state") == "available"
+                      and not m.get("failed")} if isinstance(models, list) else set()
             free, name = other.get("free_bytes"), str(other.get("name"))
-            if offers.get(model.queue) == "available" and isinstance(free, int) and free >= model.counted() \
+            if model.queue in offers and isinstance(free, int) and free >= model.counted() \
                     and (free > mine or (free == mine and name < self.name)):
                 return False
         return True
 
     def _other_hosts(self) -> list[dict[str, Any]]:
+        """The keys of the other live hosts, as written; what does not read as a JSON object is left out."""
         seen: list[bytes] = self.redis.zrangebyscore(self.keys.hosts, time.time() - self._ttl_s(),  # type: ignore[assignment]
                                                      "+inf")
         others = [name for name in map(as_text, seen) if name != self.name]
-        raws: list[bytes | None] = self.redis.mget([self.keys.host(n) for n in others]) if others else []  # type: ignore[assignment]
-        return [value for raw in raws if raw and isinstance(value := json.loads(raw), dict)]
+        with self.redis.pipeline(transaction=False) as pipe:  # GETs, not one MGET: the keys may sit on other slots
+            for name in others:
+                pipe.get(self.keys.host(name))
+            raws = pipe.execute()
+        return [value for raw in raws if raw and isinstance(value := _json(raw), dict)]
 
     # ---- processes --------------------------------------------------------------
 
@@ -398,6 +404,13 @@ class Host:
     def _lease_ms(self) -> int:
         """A load's lease: outlives a few missed ticks, ends soon after a host that died mid-load."""
         return int(max(10.0, 4 * self.settings.heartbeat_s) * 1000)
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _gb(nbytes: int) -> float:
