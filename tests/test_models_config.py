@@ -59,3 +59,15 @@ def test_the_gateway_routes_to_a_model_a_worker_can_load():
     assert set(served) == {("org/VL", "vl"), ("org/Chat", "chat")}  # not the one that failed
     assert served[("org/Chat", "chat")].since == 100 and served[("org/Chat", "chat")].tool_call == ("<a>", "</a>")
     assert served[("org/VL", "vl")].since == 0
+
+
+@pytest.mark.parametrize("value", ["a \"quoted\" é\\ path\n", 3, 2.5, float("inf"), True, ["x", "y"], []])
+def test_a_models_worker_reads_back_every_value_its_file_holds(value):
+    import math
+
+    import tomllib
+
+    from worker.host import _toml
+
+    read = tomllib.loads(f"v = {_toml(value)}")["v"]
+    assert read == value or (isinstance(value, float) and math.isinf(value) and math.isinf(read))

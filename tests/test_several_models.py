@@ -231,7 +231,7 @@ def test_bad_configs_are_refused_at_start_in_one_line(redis_url, demo_model, tmp
     assert len(lines) == 1 and message in lines[0], done.stderr
 
 
-def test_the_gateway_lists_a_model_not_loaded_and_waits_for_its_load(redis_url, demo_model, tmp_path, r, logs_dir):
+def test_the_gateway_routes_to_a_model_not_loaded_and_waits_for_its_load(redis_url, demo_model, tmp_path, r, logs_dir):
     import httpx
 
     tag = uuid.uuid4().hex[:6]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -46,7 +47,9 @@ from .retrying import describe
 
 log = structlog.get_logger("mlxq.host")
 
-TICK_S = 0.25  # how often the host looks at its models and their queues
+# How often the host looks at its models and their queues: each look reads the fleet's
+# heartbeats, so a fleet of hosts looking four times a second would load Redis for nothing.
+MAX_TICK_S = 1.0
 MAX_FAILURES = 3  # loads in a row that fail before a model is reported failed and left alone
 
 
@@ -97,6 +100,7 @@ class Host:
         self._configs = Path(tempfile.mkdtemp(prefix="mlxq-host-"))  # each model's worker's settings
         self._stopping = False
         self._looks = 0  # ticks done, in its key: a reader can wait for the host to have looked again
+        self._tick_s = min(MAX_TICK_S, settings.heartbeat_s / 2)
 
     def _hosted(self, entry: ModelEntry) -> HostedModel:
         child = child_settings(self.settings, entry, f"{self.name}.{entry.name}")
@@ -139,7 +143,7 @@ class Host:
                 except RedisError as e:  # its model workers ride it out on their own; so does the host
                     log.warning("redis did not answer the host; trying again", error=describe(e))
                     time.sleep(1.0)
-                time.sleep(TICK_S)
+                time.sleep(self._tick_s)
         finally:
             self._stop_all()
         return 0
@@ -159,7 +163,7 @@ class Host:
                 continue
             if time.monotonic() > deadline:
                 return False
-            time.sleep(TICK_S)
+            time.sleep(self._tick_s)
         return False
 
     def tick(self) -> None:
@@ -269,7 +273,8 @@ class Host:
         coming = sum(m.counted() for m in self.models if m.state == "draining" and m.holds_memory())
         short = model.counted() - self._free() - coming
         idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
-                       and now - m.last_used > TICK_S), key=lambda m: (m.queue not in served_elsewhere, m.last_used))
+                       and now - m.last_used > self._tick_s),
+                      key=lambda m: (m.queue not in served_elsewhere, m.last_used))
         for victim in idle:
             if short <= 0:
                 return
@@ -337,14 +342,13 @@ class Host:
         return {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k.startswith("MLXQ_TEST_")}
 
     def _child_config(self, model: HostedModel) -> Path:
-        """Its worker's settings as a TOML file (strings, numbers, booleans and lists of
-        strings, which JSON writes as TOML reads them)."""
+        """Its worker's settings as a TOML file."""
         values = {name: value for name, value in model.settings.model_dump(mode="json").items()
                   if value is not None and name not in HOST_ONLY}
         values["redis_url"] = self.redis_url
         if model.metrics_port is not None:
             values.update(metrics_port=model.metrics_port, metrics_host="127.0.0.1")
-        lines = [f"{name} = {json.dumps(value)}" for name, value in values.items()]
+        lines = [f"{name} = {_toml(value)}" for name, value in values.items()]
         path = self._configs / f"{model.queue}.toml"
         path.write_text("\n".join(lines) + "\n")
         return path
@@ -404,6 +408,14 @@ class Host:
     def _lease_ms(self) -> int:
         """A load's lease: outlives a few missed ticks, ends soon after a host that died mid-load."""
         return int(max(10.0, 4 * self.settings.heartbeat_s) * 1000)
+
+
+def _toml(value: Any) -> str:
+    """A setting's value in TOML: strings, numbers, booleans and lists of strings, as JSON
+    writes them (TOML reads its strings and arrays), and TOML's own inf and nan."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
+    return json.dumps(value)
 
 
 def _json(raw: bytes) -> Any:
