@@ -6,8 +6,10 @@ worker (and any other implementation in Python) speaks through them too.
 """
 
 from ._async import DEFAULT_URL, AsyncClient, AsyncJob
+from ._batch_jobs import AsyncBatchHandle, BatchHandle
 from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
 from ._sync import Client, Job
+from .batches import Batch, LineResult
 from .keys import GROUP, Keys
 from .protocol import (
     Delta,
@@ -27,8 +29,11 @@ from .protocol import (
 __all__ = [
     "DEFAULT_URL",
     "GROUP",
+    "AsyncBatchHandle",
     "AsyncClient",
     "AsyncJob",
+    "Batch",
+    "BatchHandle",
     "Client",
     "Delta",
     "Done",
@@ -40,6 +45,7 @@ __all__ = [
     "JobFailed",
     "JobTimeout",
     "Keys",
+    "LineResult",
     "MlxqError",
     "QueueFull",
     "RequestRejected",

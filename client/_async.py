@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -11,7 +11,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from ._batch_jobs import AsyncBatchHandle, native_lines
+from ._errors import RequestRejected
 from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
+from .batches import BatchStore, completion_window_s
 from .connect import connect_async
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .protocol import Delta, Done, Encoding, Event, decode_event
@@ -31,6 +34,7 @@ class AsyncClient:
     def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
                  redis: aioredis.Redis | None = None) -> None:
         self.redis = redis or connect_async(url, socket_timeout=10)
+        self.url = url
         self.queue = queue
         self.keys = Keys(prefix)
         self._bounds = Bounds()
@@ -75,6 +79,27 @@ class AsyncClient:
         """Submit and wait for the final output in one call."""
         job = await self.submit(prompt, **kwargs)
         return await job.result(timeout=timeout)
+
+    async def submit_batch(self, lines: Iterable[Mapping[str, Any]], *, queue: str | None = None,
+                           completion_window: str = "24h", metadata: dict[str, str] | None = None) -> AsyncBatchHandle:
+        """Queue many requests as one batch: `lines` are `{"custom_id", "body"}`, each body
+        what `submit` takes. Its lines run behind the queue's interactive requests; a
+        gateway (or `wait()`) drives it. A body the worker would refuse is that line's
+        error; malformed lines refuse the batch (`RequestRejected`, nothing stored)."""
+        queue = queue or self.queue
+        checked = native_lines(lines, self.keys, queue)
+        try:
+            completion_window_s(completion_window)
+        except ValueError as e:
+            raise RequestRejected(str(e)) from e
+        batch = await BatchStore(self.redis, self.keys).create(checked, queue=queue, endpoint="mlxq",
+                                                               completion_window=completion_window,
+                                                               metadata=metadata)
+        return AsyncBatchHandle(self, batch.id)
+
+    def batch(self, batch_id: str) -> AsyncBatchHandle:
+        """A batch made earlier, by id."""
+        return AsyncBatchHandle(self, batch_id)
 
     async def cancel(self, request_id: str) -> None:
         """Cancel a request, running or queued; does nothing if it already finished."""

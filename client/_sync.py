@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import redis as redis_py
@@ -11,7 +12,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._async import CANCEL_TTL_S, DEFAULT_URL
+from ._async import CANCEL_TTL_S, DEFAULT_URL, AsyncClient
+from ._batch_jobs import BatchHandle
 from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
 from .connect import connect
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
@@ -30,6 +32,7 @@ class Client:
     def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
                  redis: redis_py.Redis | None = None) -> None:
         self.redis = redis or connect(url, socket_timeout=10)
+        self.url = url
         self.queue = queue
         self.keys = Keys(prefix)
         self._bounds = Bounds()
@@ -73,6 +76,21 @@ class Client:
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
         return self.submit(prompt, **kwargs).result(timeout=timeout)
+
+    def submit_batch(self, lines: Iterable[Mapping[str, Any]], *, queue: str | None = None,
+                     completion_window: str = "24h", metadata: dict[str, str] | None = None) -> BatchHandle:
+        """Queue many requests as one batch (see `AsyncClient.submit_batch`); batch calls use
+        connections of their own to this client's URL."""
+        async def create() -> str:
+            async with AsyncClient(self.url, queue=self.queue, prefix=self.keys.prefix) as client:
+                return (await client.submit_batch(lines, queue=queue, completion_window=completion_window,
+                                                  metadata=metadata)).id
+
+        return BatchHandle(self.url, self.keys.prefix, asyncio.run(create()))
+
+    def batch(self, batch_id: str) -> BatchHandle:
+        """A batch made earlier, by id."""
+        return BatchHandle(self.url, self.keys.prefix, batch_id)
 
     def cancel(self, request_id: str) -> None:
         """Cancel a request, running or queued; does nothing if it already finished."""

@@ -20,7 +20,7 @@ import redis as redis_py
 import redis.asyncio as aioredis
 
 from .heartbeat import Heartbeat
-from .keys import GROUP, Keys
+from .keys import BATCH_LANE, GROUP, Keys
 from .replies import as_text
 
 RECENT_S = 3600  # workers last seen longer ago than this are left out
@@ -95,7 +95,8 @@ class Fleet:
 def read_fleet(redis: redis_py.Redis, keys: Keys, queues: list[str] | None = None) -> Fleet:
     """The fleet now: workers seen in the last hour, and the streams of their queues and `queues`."""
     fleet = Fleet(workers=read_workers(redis, keys), models=read_hosted_models(redis, keys))
-    named = {(m.queue, lane) for w in fleet.workers for m in w.heartbeat.models for lane in [None, *m.lanes]}
+    named = {(m.queue, lane) for w in fleet.workers for m in w.heartbeat.models for lane in
+             [None, BATCH_LANE, *m.lanes]}
     named |= {(queue, None) for queue in queues or []} | {(m.name, None) for m in fleet.models}
     fleet.streams = [read_stream(redis, keys, queue, lane) for queue, lane in sorted(named, key=_by_name)]
     return fleet

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 GROUP = "workers"
 DEFAULT_PREFIX = "mlxq"
 DEFAULT_QUEUE = "default"
+BATCH_LANE = "batch"  # the low lane of every queue: batches' lines, read after the queue itself
 REPLY_NAME = re.compile(r"[A-Za-z0-9_.:{}\-]{1,128}")  # braces allowed: a Redis Cluster hash tag
 
 
@@ -36,6 +37,11 @@ class Keys:
     def lane(self, queue: str, lane: str) -> str:
         """A priority lane of `queue`: workers configured with it read it before the queue."""
         return f"{self.prefix}:q:{queue}:{lane}"
+
+    def batch_lane(self, queue: str) -> str:
+        """The low lane of `queue`: every worker reads it after the queue itself, and only
+        into free slots, so batches soak up idle capacity behind interactive requests."""
+        return self.lane(queue, BATCH_LANE)
 
     def dead(self, queue: str) -> str:
         """Where entries that cannot be served go, with the reason."""
@@ -115,6 +121,38 @@ class Keys:
     def loading(self, queue: str) -> str:
         """The lease of the one worker loading `queue`'s model for the fleet (its name, with a TTL)."""
         return f"{self.prefix}:loading:{queue}"
+
+    def batch(self, batch_id: str) -> str:
+        """One batch's state (a hash: status, counts, times, its queue and endpoint)."""
+        return f"{self.prefix}:batch:{{{batch_id}}}"
+
+    def batch_part(self, batch_id: str, part: str) -> str:
+        """A batch's other keys, in its slot: `lines` (a list), `results` and `errors` (hashes by
+        line), `lease` (who drives it, with a TTL)."""
+        return f"{self.prefix}:batch:{{{batch_id}}}:{part}"
+
+    def batch_replies(self, batch_id: str) -> str:
+        """The `reply_to` stream of every line of a batch, in the batch's slot."""
+        return self.reply(f"{{{batch_id}}}")
+
+    @property
+    def batches(self) -> str:
+        """Every batch (a sorted set: its id, scored by when it was created)."""
+        return f"{self.prefix}:batches"
+
+    @property
+    def active_batches(self) -> str:
+        """The batches not yet ended (a set), which drivers look for."""
+        return f"{self.prefix}:batches:active"
+
+    def file(self, file_id: str) -> str:
+        """One uploaded file (a hash: its fields and `data`, the content)."""
+        return f"{self.prefix}:file:{{{file_id}}}"
+
+    @property
+    def files(self) -> str:
+        """Every uploaded file (a sorted set: its id, scored by when it was uploaded)."""
+        return f"{self.prefix}:files"
 
     def limits(self, queue: str) -> str:
         """What the workers of `queue` accept (a hash; `max_len`: the most requests waiting

@@ -38,7 +38,7 @@ from redis.exceptions import RedisError
 from client.connect import connect
 from client.fleet import WorkerView, read_stream, read_workers
 from client.heartbeat import ModelLoad, ModelState
-from client.keys import Keys
+from client.keys import BATCH_LANE, Keys
 from client.replies import as_text
 
 from . import host_metrics
@@ -239,7 +239,8 @@ class Host:
     def _demand(self, model: HostedModel) -> tuple[bool, bool, float | None]:
         """Whether its queue (or any of its lanes) has requests unread, and read but
         unfinished, and how long the oldest unread one has waited."""
-        views = [read_stream(self.redis, self.keys, model.queue, lane) for lane in [None, *model.settings.lanes]]
+        views = [read_stream(self.redis, self.keys, model.queue, lane) for lane in
+                 [None, BATCH_LANE, *model.settings.lanes]]
         ages = [v.oldest_waiting_s for v in views if v.oldest_waiting_s is not None]
         return any(v.waiting for v in views), any(v.pending for v in views), max(ages, default=None)
 

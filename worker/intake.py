@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import structlog
@@ -34,6 +35,7 @@ from .totals import Totals
 log = structlog.get_logger("mlxq.worker")
 
 INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
+BATCH_PRIORITY = 1 << 20  # added to a batch line's priority: ~120 days of aging (10 s a level) behind
 OFF_LOOP_FIELDS = ("response_format", *MEDIA_FIELDS.values())  # ... unless they have one of these
 
 
@@ -72,7 +74,9 @@ class Intake:
                 await self._accept(delivery)
 
     async def _read(self, room: int) -> list[Delivery]:
-        read = partial(self.streams.read, room, self.settings.block_ms)
+        # The batch lane only into free slots: read ahead, its lines would make an
+        # interactive request that comes next wait behind them.
+        read = partial(self.streams.read, room, self.settings.block_ms, max(0, room - self.settings.prefetch))
         return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
                 await retrying(read, "reading requests")]
 
@@ -187,6 +191,8 @@ class Intake:
         if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return
+        if route.stream == self.streams.batch_lane:  # behind every interactive request waiting here
+            request = replace(request, priority=request.priority + BATCH_PRIORITY)
         if resume is not None:
             log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
         self.requests.advance(route.id, RequestStatus.ADMITTED)

@@ -12,7 +12,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
-from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from client.keys import BATCH_LANE, DEFAULT_PREFIX, DEFAULT_QUEUE
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
@@ -191,8 +191,9 @@ class WorkerSettings(LayeredSettings):
     @classmethod
     def _lane_names(cls, lanes: list[str]) -> list[str]:
         for lane in lanes:
-            if not re.fullmatch(r"[A-Za-z0-9_.\-]+", lane) or lane == "dead":
-                raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream)")
+            if not re.fullmatch(r"[A-Za-z0-9_.\-]+", lane) or lane in ("dead", BATCH_LANE):
+                raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream, nor "
+                                 f"'{BATCH_LANE}', the batch lane every worker reads last)")
         return lanes
 
     def scheduling(self) -> SchedulingPolicy:

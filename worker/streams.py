@@ -28,8 +28,9 @@ LANE_POLL_MS = 100  # on a cluster with lanes in other slots, the longest a read
 
 
 def request_streams(keys: Keys, queue: str, lanes: list[str] | None = None) -> list[str]:
-    """The streams a queue's workers read, in the order they read them: lanes first."""
-    return [keys.lane(queue, lane) for lane in lanes or []] + [keys.queue(queue)]
+    """The streams a queue's workers read, in the order they read them: lanes first, the
+    batch lane last."""
+    return [keys.lane(queue, lane) for lane in lanes or []] + [keys.queue(queue), keys.batch_lane(queue)]
 
 
 async def ensure_groups(redis: aioredis.Redis, streams: list[str]) -> None:
@@ -64,6 +65,7 @@ class RequestStreams:
         self.redis = redis
         self.keys = keys
         self.queue_stream = keys.queue(queue)
+        self.batch_lane = keys.batch_lane(queue)
         self.request_streams = request_streams(keys, queue, lanes)
         self.dead = keys.dead(queue)
         self.consumer = consumer
@@ -77,25 +79,27 @@ class RequestStreams:
         """Create the streams and their group again (after Redis lost its data)."""
         await ensure_groups(self.redis, self.request_streams)
 
-    async def read(self, count: int, block_ms: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
-        """Up to `count` new entries (stream, id, fields), higher lanes first; recreates the
-        group after a data loss. When every stream is empty it blocks on all of them, taking
-        one entry from each that gets one (so up to one per lane beyond `count`); on a
-        cluster whose lanes lie in other slots, it blocks on the queue's own stream alone,
-        for at most `LANE_POLL_MS`, so that the lanes are looked at again soon."""
+    async def read(self, count: int, block_ms: int, low_count: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
+        """Up to `count` new entries (stream, id, fields), higher lanes first, and at most
+        `low_count` of them from the batch lane; recreates the group after a data loss.
+        When every stream is empty it blocks on all of them, taking one entry from each
+        that gets one (so up to one per lane beyond `count`); on a cluster whose lanes lie
+        in other slots, it blocks on the queue's own stream alone, for at most
+        `LANE_POLL_MS`, so that the lanes are looked at again soon."""
         try:
             entries: list[tuple[str, str, dict[Any, Any] | None]] = []
-            for stream in self.request_streams if len(self.request_streams) > 1 else []:
-                reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=count - len(entries))
-                entries += keyed_stream_entries(reply)
+            for stream in self.request_streams:
+                wanted = count - len(entries) if stream != self.batch_lane else min(count - len(entries), low_count)
+                if wanted > 0:
+                    reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=wanted)
+                    entries += keyed_stream_entries(reply)
                 if len(entries) >= count:
                     return entries
             if entries:
                 return entries
             if self.one_slot:
-                wanted = count if len(self.request_streams) == 1 else 1
-                every: dict[Any, Any] = {stream: ">" for stream in self.request_streams}
-                reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=wanted, block=block_ms)
+                every: dict[Any, Any] = {s: ">" for s in self.request_streams if s != self.batch_lane or low_count > 0}
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=1, block=block_ms)
             else:
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, {self.queue_stream: ">"}, count=count,
                                                     block=min(block_ms, LANE_POLL_MS))

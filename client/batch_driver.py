@@ -1,0 +1,279 @@
+"""Driving batches: feeding their lines to the queue's batch lane and filing each end.
+
+One driver at a time per batch: it holds the batch's lease (`...:lease`, a token with a
+TTL that it renews on every pass). A driver that stops renewing (killed) loses it within
+`lease_s`, and any process that runs a `BatchRunner` (every gateway) or waits on the
+batch (`mlxq batch submit --wait`, a client's `BatchHandle.wait()`) takes over from
+what Redis holds. A takeover repeats nothing and loses nothing: each line's request id
+is fixed (`<batch>-<n>`), so a line fed twice is computed once (the worker's fence and
+done mark); each line's end is filed once under its number; the replies are read on
+from the last entry whose line was filed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
+
+from ._errors import QueueFull, RequestRejected
+from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
+from .keys import BATCH_LANE
+from .protocol import Delta, Done, Error, Event, decode_event
+from .replies import stream_entries
+
+if TYPE_CHECKING:
+    from ._async import AsyncClient
+
+log = logging.getLogger("mlxq.batches")
+
+LEASE_S = 10.0  # a driver that stops renewing its lease is replaced this long after
+WINDOW = 512  # lines fed and not yet ended, at most: the fleet's slots, with room to spare
+READ_BLOCK_MS = 500  # one pass waits this long for replies
+READ_COUNT = 500
+CANCEL_GRACE_S = 30.0  # a cancelled batch waits this long for its running lines to stop
+ONE_DELTA = 2**31 - 1  # stream_interval: a line's text comes in one delta, beside its `done`
+
+# KEYS: the lease. ARGV: our token, the TTL in ms. 1 if we still hold it (renewed), else 0.
+RENEW = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end return 0"
+RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0"
+
+
+class BatchDriver:
+    """Drives one batch while it holds the batch's lease."""
+
+    def __init__(self, client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S, window: int = WINDOW) -> None:
+        self.client = client
+        self.batch_id = batch_id
+        self.store = BatchStore(client.redis, client.keys)
+        self.lease_key = client.keys.batch_part(batch_id, "lease")
+        self.replies = client.keys.batch_replies(batch_id)
+        self.lease_ms = int(lease_s * 1000)
+        self.window = window
+        self.token = uuid.uuid4().hex
+        self._renew = client.redis.register_script(RENEW)
+        self._release = client.redis.register_script(RELEASE)
+        self._cursor: str | None = None  # the last reply entry read
+        self._deltas: dict[int, list[Delta]] = {}  # logprobs of lines whose `done` has not been read yet
+        self._custom_ids: dict[int, str] = {}
+        self._stopping: set[int] | None = None  # lines told to stop (cancel), until their ends are read
+        self._stop_sent_at = 0.0
+
+    async def take(self) -> bool:
+        """Take the lease if nobody holds it."""
+        return bool(await self.client.redis.set(self.lease_key, self.token, nx=True, px=self.lease_ms))
+
+    async def run(self) -> Batch | None:
+        """Drive until the batch ends or the lease is lost; the last state seen."""
+        batch = None
+        try:
+            while await self._renew(keys=[self.lease_key], args=[self.token, self.lease_ms]):
+                batch = await self.store.get(self.batch_id)
+                if batch is None or batch.ended:
+                    return batch
+                try:
+                    await self._pass(batch)
+                except Exception as e:  # noqa: BLE001 - Redis away a moment, or a bug: log, try again
+                    log.warning("batch %s: a pass failed: %r", self.batch_id, e, exc_info=not isinstance(e, RedisError))
+                    await asyncio.sleep(1.0)
+            log.warning("batch %s: lease lost; another driver has it", self.batch_id)
+            return batch
+        finally:
+            try:
+                await self._release(keys=[self.lease_key], args=[self.token])
+            except RedisError:
+                pass  # it expires
+
+    async def _pass(self, batch: Batch) -> None:
+        if batch.status == "validating":
+            await self.store.move(batch.id, "in_progress", came_from=("validating",))
+        elif batch.status == "in_progress":
+            if time.time() >= batch.expires_at:
+                await self._expire(batch)
+                return
+            await self._feed(batch)
+            await self._gather(batch)
+            batch = await self.store.get(batch.id) or batch
+            if batch.completed + batch.failed >= batch.total:
+                await self.store.move(batch.id, "finalizing", came_from=("in_progress",))
+        elif batch.status == "finalizing":
+            await self.store.move(batch.id, "completed", came_from=("finalizing",))
+        elif batch.status == "cancelling":
+            await self._cancel(batch)
+
+    async def _feed(self, batch: Batch) -> None:
+        """Submit lines until `window` are in flight; a full queue waits for the next pass."""
+        fed = batch.fed
+        room = self.window - (fed - batch.completed - batch.failed)
+        if room <= 0 or fed >= batch.total:
+            return
+        for line in await self.store.lines(batch.id, fed, min(batch.total, fed + room)):
+            if not await self._submit(batch, fed, line):
+                break
+            fed += 1
+        await self.store.note(batch.id, fed=fed)
+
+    async def _submit(self, batch: Batch, index: int, line: BatchLine) -> bool:
+        """Feed one line (or file why it cannot run); False if the queue is full."""
+        request_id = line_request_id(batch.id, index)
+        self._custom_ids[index] = line.custom_id
+        if line.error is not None:
+            await self.store.file(batch.id, batch_error(index, line.custom_id, request_id, **line.error))
+            return True
+        body = {k: v for k, v in (line.body or {}).items() if k != "encoding"}
+        body.update(reply_to=self.replies, stream_interval=ONE_DELTA)
+        try:
+            await self.client.submit(id=request_id, queue=batch.queue, lane=BATCH_LANE, **body)
+        except QueueFull:
+            return False
+        except RequestRejected as e:
+            await self.store.file(batch.id, batch_error(index, line.custom_id, request_id, str(e.code), str(e)))
+        return True
+
+    async def _gather(self, batch: Batch) -> None:
+        """File the ends that came since the last pass (waiting up to `READ_BLOCK_MS`)."""
+        if self._cursor is None:
+            self._cursor = batch.cursor
+        reply = await self.client.redis.xread({self.replies: self._cursor}, count=READ_COUNT, block=READ_BLOCK_MS)
+        safe = None
+        for entry_id, fields in stream_entries(reply):
+            self._cursor = entry_id
+            if fields is not None:
+                await self._take(batch, entry_id, fields)
+            if not self._deltas:
+                safe = entry_id  # a driver taking over re-reads from here and misses nothing
+        if safe is not None:
+            await self.store.note(batch.id, cursor=safe)
+            ms, _, seq = safe.partition("-")
+            await self.client.redis.xtrim(self.replies, minid=f"{ms}-{int(seq) + 1}")
+
+    async def _take(self, batch: Batch, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        try:
+            event: Event = decode_event(fields)
+        except Exception:  # noqa: BLE001 - an entry nobody of ours wrote: not a line's
+            return
+        index = line_index(batch.id, event.id)
+        if index is None or index >= batch.total:
+            return
+        if isinstance(event, Delta):
+            if event.logprobs:
+                self._deltas.setdefault(index, []).append(event)
+            return
+        deltas = self._deltas.pop(index, [])
+        if self._stopping is not None and isinstance(event, Done) and event.finish_reason == "cancelled":
+            self._stopping.discard(index)  # the batch's own cancel: the line is dropped, as OpenAI does
+            return
+        if self._stopping is not None:
+            self._stopping.discard(index)
+        if isinstance(event, Done) and event.finish_reason == "cancelled":  # someone cancelled this line alone
+            event = Error(id=event.id, code="cancelled", message="the request was cancelled")
+        await self.store.file(batch.id, LineResult(index, await self._custom_id(batch, index), event, event.id,
+                                                   deltas, entry_id))
+
+    async def _custom_id(self, batch: Batch, index: int) -> str:
+        if index not in self._custom_ids:
+            (line,) = await self.store.lines(batch.id, index, index + 1)
+            self._custom_ids[index] = line.custom_id
+        return self._custom_ids[index]
+
+    async def _stop_running(self, batch: Batch) -> set[int]:
+        """Cancel every line fed and not yet ended; their numbers."""
+        finished = await self.store.finished_lines(batch.id)
+        running = {i for i in range(batch.fed) if i not in finished}
+        for index in running:
+            await self.client.cancel(line_request_id(batch.id, index))
+        return running
+
+    async def _cancel(self, batch: Batch) -> None:
+        """Stop the lines running, file those that end anyway, then end `cancelled`."""
+        if self._stopping is None:
+            self._stopping = await self._stop_running(batch)
+            self._stop_sent_at = time.monotonic()
+        await self._gather(batch)
+        if not self._stopping or time.monotonic() - self._stop_sent_at > CANCEL_GRACE_S:
+            await self.store.move(batch.id, "cancelled", came_from=("cancelling",))
+
+    async def _expire(self, batch: Batch) -> None:
+        """Past its window: stop what runs, file every line not ended as `batch_expired`."""
+        await self._stop_running(batch)
+        finished = await self.store.finished_lines(batch.id)
+        left = [i for i in range(batch.total) if i not in finished]
+        for start in range(0, len(left), 1000):
+            chunk = left[start:start + 1000]
+            lines = await self.store.lines(batch.id, chunk[0], chunk[-1] + 1)
+            for index in chunk:
+                line = lines[index - chunk[0]]
+                await self.store.file(batch.id, batch_error(
+                    index, line.custom_id, line_request_id(batch.id, index), "batch_expired",
+                    f"the batch's completion_window ({batch.completion_window}) ended before this line did"))
+        await self.store.move(batch.id, "expired", came_from=("in_progress",))
+
+
+class BatchRunner:
+    """Drives every active batch that nobody drives (every gateway runs one): looks for
+    them every `poll_s`, and takes each one whose lease is free."""
+
+    def __init__(self, client: AsyncClient, *, lease_s: float = LEASE_S, window: int = WINDOW,
+                 poll_s: float = 1.0) -> None:
+        self.client = client
+        self.lease_s = lease_s
+        self.window = window
+        self.poll_s = poll_s
+        self._driving: dict[str, asyncio.Task[Batch | None]] = {}
+
+    async def run(self) -> None:
+        """Until cancelled."""
+        try:
+            while True:
+                try:
+                    await self._look()
+                except RedisError as e:
+                    log.warning("could not look for batches to drive: %s", e)
+                await asyncio.sleep(self.poll_s)
+        finally:
+            for task in self._driving.values():
+                task.cancel()
+            await asyncio.gather(*self._driving.values(), return_exceptions=True)
+
+    async def _look(self) -> None:
+        for batch_id in [b.decode() if isinstance(b, bytes) else b
+                         for b in await self.client.redis.smembers(self.client.keys.active_batches)]:
+            if batch_id in self._driving:
+                continue
+            driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window)
+            if await driver.take():
+                log.info("driving batch %s", batch_id)
+                task = asyncio.create_task(driver.run())
+                self._driving[batch_id] = task
+                task.add_done_callback(lambda _, b=batch_id: self._driving.pop(b, None))  # type: ignore[misc]
+
+
+async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S,
+                            window: int = WINDOW, poll_s: float = 1.0,
+                            on_progress: Callable[[Batch], None] = lambda _: None) -> Batch:
+    """Wait for a batch to end, driving it whenever nobody else does; `on_progress` sees
+    its state after every look. Raises KeyError for an unknown batch."""
+    store = BatchStore(client.redis, client.keys)
+    while True:
+        batch = await store.get(batch_id)
+        if batch is None:
+            raise KeyError(batch_id)
+        on_progress(batch)
+        if batch.ended:
+            return batch
+        driver = BatchDriver(client, batch_id, lease_s=lease_s, window=window)
+        if await driver.take():
+            task = asyncio.create_task(driver.run())
+            while not task.done():
+                await asyncio.wait([task], timeout=poll_s)
+                batch = await store.get(batch_id)
+                if batch is not None:
+                    on_progress(batch)
+            task.result()
+        else:
+            await asyncio.sleep(poll_s)
