@@ -60,7 +60,7 @@ class BatchDriver:
         self._release = client.redis.register_script(RELEASE)
         self._cursor: str | None = None  # the last reply entry read
         self._deltas: dict[int, list[Delta]] = {}  # logprobs of lines whose `done` has not been read yet
-        self._custom_ids: dict[int, str] = {}
+        self._custom_ids: dict[int, str | None] = {}
         self._stopping: set[int] | None = None  # lines told to stop (cancel), until their ends are read
         self._stop_sent_at = 0.0
 
@@ -175,7 +175,7 @@ class BatchDriver:
         await self.store.file(batch.id, LineResult(index, await self._custom_id(batch, index), event, event.id,
                                                    deltas, entry_id))
 
-    async def _custom_id(self, batch: Batch, index: int) -> str:
+    async def _custom_id(self, batch: Batch, index: int) -> str | None:
         if index not in self._custom_ids:
             (line,) = await self.store.lines(batch.id, index, index + 1)
             self._custom_ids[index] = line.custom_id

@@ -67,7 +67,7 @@ class BatchLine:
     why it was refused; `meta` is what its creator needs to render its result (the
     gateway keeps the OpenAI route and model there)."""
 
-    custom_id: str
+    custom_id: str | None  # None: a line so malformed that it has none
     body: dict[str, Any] | None = None
     error: dict[str, str] | None = None  # {"code", "message"}
     meta: dict[str, Any] = field(default_factory=dict)
@@ -88,7 +88,7 @@ class LineResult:
     as `batch_expired`, is an `Error` too), with the logprobs its deltas carried."""
 
     index: int
-    custom_id: str
+    custom_id: str | None
     event: Done | Error
     request_id: str
     deltas: list[Delta] = field(default_factory=list)
@@ -276,6 +276,6 @@ class BatchStore:
             await self.redis.expire(key, RETENTION_S)
 
 
-def batch_error(index: int, custom_id: str, request_id: str, code: str, message: str) -> LineResult:
+def batch_error(index: int, custom_id: str | None, request_id: str, code: str, message: str) -> LineResult:
     """A line's end that the batch itself decides (refused at creation, expired, cancelled)."""
     return LineResult(index, custom_id, Error(id=request_id, code=code, message=message), request_id)

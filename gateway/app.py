@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions    (streaming or not)
     GET  /v1/models             GET  /v1/models/{model}
+    /v1/files, /v1/batches      OpenAI's Batch API (gateway/batches.py)
     GET  /health                GET  /metrics
 """
 
@@ -24,8 +25,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from client import AsyncClient
+from client.batch_driver import BatchRunner
 from client.diagnose import describe
 
+from .batches import Batches, Files
 from .errors import ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
@@ -52,6 +55,11 @@ class Gateway:
         self.relay = Relay(self.client, self.directory, self.replies, self.metrics,
                            timeout_s=settings.request_timeout_s, keepalive_s=settings.keepalive_s)
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
+        redis, keys = self.client.redis, self.client.keys
+        self.files = Files(redis, keys, max_bytes=settings.max_file_bytes, budget_bytes=settings.files_budget_bytes,
+                           ttl_s=settings.file_ttl_s)
+        self.batches = Batches(redis, keys, self.files, self.directory)
+        self.runner = BatchRunner(self.client, lease_s=settings.batch_lease_s, window=settings.batch_window)
 
     async def close(self) -> None:
         """Stop reading the reply stream and close the Redis connections."""
@@ -101,6 +109,50 @@ class Gateway:
         entry = next((m for m in await self.directory.listing() if m["id"] == name), None)
         return JSONResponse(entry or {"id": name, "object": "model", "created": 0, "owned_by": "mlxq"})
 
+    async def upload(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(await self.files.upload(request))
+
+    async def file(self, request: Request) -> Response:
+        self.authorize(request)
+        file_id = request.path_params["file_id"]
+        made = await self.batches.result_file(file_id)
+        if request.method == "DELETE":
+            return JSONResponse(await self.files.delete(file_id))
+        if made is None:
+            return JSONResponse(await self.files.retrieve(file_id))
+        batch, part = made
+        size = len(await self.batches.render(batch, part))
+        return JSONResponse({"id": file_id, "object": "file", "bytes": size, "created_at": batch.created_at,
+                             "expires_at": None, "filename": f"{batch.id}_{part}.jsonl", "purpose": "batch_output",
+                             "status": "processed", "status_details": None})
+
+    async def file_content(self, request: Request) -> Response:
+        self.authorize(request)
+        file_id = request.path_params["file_id"]
+        made = await self.batches.result_file(file_id)
+        content = await self.files.content(file_id) if made is None else await self.batches.render(*made)
+        return Response(content, media_type="application/octet-stream")
+
+    async def list_files(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(await self.files.listing(*_page_params(request)))
+
+    async def create_batch(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(await self.batches.create(await self._json(request)))
+
+    async def batch(self, request: Request) -> Response:
+        self.authorize(request)
+        batch_id = request.path_params["batch_id"]
+        if request.url.path.endswith("/cancel"):
+            return JSONResponse(await self.batches.cancel(batch_id))
+        return JSONResponse(await self.batches.retrieve(batch_id))
+
+    async def list_batches(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse(await self.batches.listing(*_page_params(request)))
+
     async def health(self, _: Request) -> Response:
         await self.client.redis.ping()
         return JSONResponse({"status": "ok", "models": self.directory.names(), "reply_stream": self.replies.key})
@@ -128,13 +180,24 @@ class Gateway:
         return answer
 
 
+def _page_params(request: Request) -> tuple[str | None, int]:
+    """`after` and `limit` (1-100, default 20) of a list call."""
+    limit = request.query_params.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise ApiError.invalid(f"limit {limit!r}: a number from 1 to 100", param="limit")
+    return request.query_params.get("after"), int(limit)
+
+
 def create_app(settings: GatewaySettings) -> Starlette:
     """The ASGI app of one gateway."""
     gateway = Gateway(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        runner = asyncio.create_task(gateway.runner.run())  # drives the batches nobody drives
         yield
+        runner.cancel()
+        await asyncio.gather(runner, return_exceptions=True)
         try:
             await asyncio.wait_for(gateway.close(), CLOSE_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -148,6 +211,14 @@ def create_app(settings: GatewaySettings) -> Starlette:
               methods=["POST"]),
         Route("/v1/models", gateway.route("models", gateway.models)),
         Route("/v1/models/{model:path}", gateway.route("models", gateway.model)),
+        Route("/v1/files", gateway.route("files", gateway.upload), methods=["POST"]),
+        Route("/v1/files", gateway.route("files", gateway.list_files), methods=["GET"]),
+        Route("/v1/files/{file_id}", gateway.route("files", gateway.file), methods=["GET", "DELETE"]),
+        Route("/v1/files/{file_id}/content", gateway.route("files", gateway.file_content)),
+        Route("/v1/batches", gateway.route("batches", gateway.create_batch), methods=["POST"]),
+        Route("/v1/batches", gateway.route("batches", gateway.list_batches), methods=["GET"]),
+        Route("/v1/batches/{batch_id}", gateway.route("batches", gateway.batch)),
+        Route("/v1/batches/{batch_id}/cancel", gateway.route("batches", gateway.batch), methods=["POST"]),
         Route("/health", gateway.route("health", gateway.health)),
         Route("/metrics", gateway.scrape),
     ]

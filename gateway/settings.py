@@ -38,6 +38,14 @@ class GatewaySettings(LayeredSettings):
                                 "and a gone client is noticed")
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1, description="largest HTTP request body (base64 images "
                                 "included); larger ones are answered 413")
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="largest file /v1/files takes (OpenAI's "
+                                "batch limit: 200 MB); larger ones are answered 413")
+    files_budget_bytes: int = Field(2 * 1024**3, ge=1, description="bytes all uploaded files may hold in Redis "
+                                    "together; an upload past it is answered 413")
+    file_ttl_s: int = Field(7 * 86400, ge=60, description="an uploaded file is deleted this long after upload")
+    batch_lease_s: float = Field(10.0, gt=0, description="a batch whose driver (a gateway, `mlxq batch`) stops "
+                                 "is taken over by another this long after")
+    batch_window: int = Field(512, ge=1, description="a batch's lines in the queue or running at once, at most")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 

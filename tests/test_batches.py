@@ -3,12 +3,18 @@ requests, cancelling, expiry; real Valkey, real workers on the demo model."""
 
 from __future__ import annotations
 
+import io
+import json
+import signal
 import threading
+import time
 import uuid
 from collections import Counter
 
+import openai
 import pytest
-from support import HELD, KEYS, start_worker, wait_for
+import redis
+from support import HELD, HELD_PROMPT, KEYS, start_gateway, start_worker, wait_for
 
 from client import Client, Done, Error, RequestRejected
 from client.replies import as_text
@@ -123,3 +129,143 @@ def test_a_batch_past_its_window_expires_with_what_finished(one_slot):
     kinds = Counter(type(r.event).__name__ for r in results)
     assert kinds == {"Done": 1, "Error": 1}
     assert results[1].custom_id == "slow" and results[1].event.code == "batch_expired"
+
+
+# ---- the OpenAI Batch API through a gateway ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def gateways(valkey, logs_dir, worker):
+    """Two gateways on the same Redis, each driving the batches nobody else drives."""
+    started = [start_gateway(valkey, logs_dir, "--batch-lease-s", "2", "--max-file-bytes", "200000")
+               for _ in range(2)]
+    yield started
+    for gateway in started:
+        gateway.stop()
+
+
+def openai_client(gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+
+
+def chat_line(custom_id: str, model: str, prompt: str, max_tokens: int = 12, **extra) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+                     "temperature": 0, **extra}}
+
+
+def upload(api: openai.OpenAI, lines: list) -> str:
+    content = b"".join((line if isinstance(line, bytes) else json.dumps(line).encode()) + b"\n" for line in lines)
+    return api.files.create(file=("batch.jsonl", io.BytesIO(content)), purpose="batch").id
+
+
+def poll(api: openai.OpenAI, batch_id: str, until=("completed", "failed", "expired", "cancelled"), timeout=120):
+    deadline = time.monotonic() + timeout
+    while (batch := api.batches.retrieve(batch_id)).status not in until:
+        assert time.monotonic() < deadline, f"batch still {batch.status}: {batch}"
+        time.sleep(0.2)
+    return batch
+
+
+def jsonl_of(api: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in api.files.content(file_id).content.splitlines()]
+
+
+def test_the_openai_sdk_runs_a_batch_whose_lines_match_direct_requests(gateways, worker):
+    """Upload, create, poll to `completed`, download: each line's answer is the one the same
+    request gets sent directly; bad lines (malformed, another url, a body the gateway or
+    the worker refuses) are error lines and the rest go on."""
+    api = openai_client(gateways[0])
+    good = [chat_line(f"q{i}", worker.queue, p) for i, p in enumerate(PROMPTS[:3])]
+    lines = [good[0], b"{not json", {**good[1], "url": "/v1/embeddings", "custom_id": "wrong-url"},
+             chat_line("refused-by-gateway", worker.queue, "x", max_tokens=5, n=3),
+             chat_line("refused-by-worker", worker.queue, "x", max_tokens=10**6), *good[1:]]
+    file_id = upload(api, lines)
+    batch = api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h",
+                               metadata={"job": "nightly"})
+    assert batch.status == "validating" and batch.metadata == {"job": "nightly"}
+    batch = poll(api, batch.id)
+    assert batch.status == "completed", batch
+    assert (batch.request_counts.total, batch.request_counts.completed, batch.request_counts.failed) == (7, 3, 4)
+    assert batch.in_progress_at and batch.completed_at and batch.finalizing_at
+    output = jsonl_of(api, batch.output_file_id)
+    direct = [api.chat.completions.create(**line["body"]).choices[0].message.content for line in good]
+    assert [o["custom_id"] for o in output] == ["q0", "q1", "q2"]
+    assert [o["response"]["body"]["choices"][0]["message"]["content"] for o in output] == direct
+    assert all(o["response"]["status_code"] == 200 and o["error"] is None for o in output)
+    assert output[0]["response"]["body"]["usage"]["completion_tokens"] == 12
+    errors = {e["custom_id"]: e for e in jsonl_of(api, batch.error_file_id)}
+    assert set(errors) == {None, "wrong-url", "refused-by-gateway", "refused-by-worker"}
+    assert errors[None]["error"]["code"] == "invalid_json_line"
+    assert "/v1/embeddings" in errors["wrong-url"]["error"]["message"]
+    assert errors["refused-by-worker"]["response"]["status_code"] == 413  # the worker's max_tokens_limit
+    assert "max_tokens" in errors["refused-by-worker"]["error"]["message"]
+    assert api.files.retrieve(batch.output_file_id).bytes == len(api.files.content(batch.output_file_id).content)
+    listed = api.batches.list(limit=100)
+    assert batch.id in [b.id for b in listed.data]
+
+
+def test_bad_batch_requests_are_answered_with_their_reason(gateways, worker):
+    api = openai_client(gateways[0])
+    with pytest.raises(openai.APIStatusError) as too_large:
+        api.files.create(file=("big.jsonl", io.BytesIO(b"x" * 300_000)), purpose="batch")
+    assert too_large.value.status_code == 413 and "200000" in str(too_large.value)
+    with pytest.raises(openai.NotFoundError):
+        api.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    file_id = upload(api, [chat_line("a", "no-such-model", "hi")])
+    failed = api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h")
+    assert failed.status == "failed" and failed.errors.data[0].code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="endpoint"):
+        api.batches.create(input_file_id=file_id, endpoint="/v1/images", completion_window="24h")
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        api.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="never")
+    twice = upload(api, [chat_line("a", worker.queue, "hi"), chat_line("a", worker.queue, "ho")])
+    duplicate = api.batches.create(input_file_id=twice, endpoint="/v1/chat/completions", completion_window="24h")
+    assert duplicate.status == "failed" and duplicate.errors.data[0].code == "duplicate_custom_id"
+    assert api.files.delete(file_id).deleted
+    with pytest.raises(openai.NotFoundError):
+        api.files.retrieve(file_id)
+
+
+def test_cancelling_through_the_sdk_stops_the_batch(gateways, one_slot):
+    api = openai_client(gateways[0])
+    lines = [{"custom_id": f"slow-{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": one_slot.queue, "prompt": HELD_PROMPT, "max_tokens": 2000, "temperature": 0,
+                       "ignore_eos": True}} for i in range(3)]
+    batch = api.batches.create(input_file_id=upload(api, lines), endpoint="/v1/completions",
+                               completion_window="24h")
+    with Client(one_slot.redis_url, queue=one_slot.queue) as client:
+        wait_for(lambda: _running(client, one_slot) == 1, what="a line to run")
+    assert api.batches.cancel(batch.id).status == "cancelling"
+    batch = poll(api, batch.id)
+    assert batch.status == "cancelled" and batch.cancelled_at and batch.output_file_id is None
+
+
+def test_a_killed_gateway_s_batch_is_finished_by_another_with_every_line_once(gateways, worker, valkey, logs_dir):
+    """kill -9 of the gateway driving a batch mid-way: another takes its lease over and every
+    custom_id appears exactly once in the output."""
+    victim = start_gateway(valkey, logs_dir, "--batch-lease-s", "2")
+    stats = redis.Redis.from_url(valkey)
+    served = int(stats.hget(KEYS.stats(worker.consumer), "finished:length") or 0)
+    for gateway in gateways:
+        gateway.signal(signal.SIGSTOP)  # only the victim drives, until it dies
+    try:
+        api = openai_client(victim)
+        lines = [chat_line(f"k{i}", worker.queue, f"Line {i} of the batch", max_tokens=24) for i in range(40)]
+        batch = api.batches.create(input_file_id=upload(api, lines), endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        poll(api, batch.id, until=("in_progress",))
+        wait_for(lambda: 0 < api.batches.retrieve(batch.id).request_counts.completed, what="some lines to finish")
+        victim.signal(signal.SIGKILL)
+        victim.wait()
+    finally:
+        for gateway in gateways:
+            gateway.signal(signal.SIGCONT)
+    api = openai_client(gateways[1])
+    batch = poll(api, batch.id)
+    assert batch.status == "completed" and batch.request_counts.completed == 40
+    output = jsonl_of(api, batch.output_file_id)
+    assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(40))
+    wait_for(lambda: int(stats.hget(KEYS.stats(worker.consumer), "finished:length")) == served + 40,
+             what="the worker's count of finished requests to grow by exactly the 40 lines")

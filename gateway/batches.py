@@ -1,0 +1,262 @@
+"""OpenAI's Files and Batches APIs over Redis, so that any gateway answers for any file
+or batch (state: `client.batches`; who drives a batch: `client.batch_driver`).
+
+    POST /v1/files          GET /v1/files          GET|DELETE /v1/files/{id}     GET /v1/files/{id}/content
+    POST /v1/batches        GET /v1/batches        GET /v1/batches/{id}          POST /v1/batches/{id}/cancel
+
+A batch's output and error files are made from its results when read (`file-<batch>-output`,
+`file-<batch>-errors`), so finishing a batch writes nothing twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import redis.asyncio as aioredis
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+
+from client.batches import Batch, BatchStore, completion_window_s
+from client.keys import Keys
+from client.replies import as_text
+
+from .batch_lines import jsonl, output_line, read_input
+from .errors import ApiError
+from .models import ModelDirectory
+
+MAX_METADATA = 16
+FILE_FIELDS = ("id", "bytes", "created_at", "expires_at", "filename", "purpose")
+RESULT_FILES = {"output": "batch_output", "errors": "batch_output"}
+
+
+def not_found(what: str, name: str) -> ApiError:
+    return ApiError(404, f"No such {what}: {name!r}", "invalid_request_error", f"{what}_not_found")
+
+
+class Files:
+    """Uploaded files, each a hash in Redis, under a byte budget and a TTL."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, *, max_bytes: int, budget_bytes: int, ttl_s: int) -> None:
+        self.redis = redis
+        self.keys = keys
+        self.max_bytes = max_bytes
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+
+    async def upload(self, request: Request) -> dict[str, Any]:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_bytes + 64 * 1024:
+            raise self._too_large(int(declared))
+        form = await request.form(max_files=1, max_fields=8)
+        try:
+            upload, purpose = form.get("file"), form.get("purpose")
+            if not isinstance(upload, UploadFile):
+                raise ApiError.invalid("file: a multipart file part named 'file' is required", param="file")
+            if purpose != "batch":
+                raise ApiError.invalid(f"purpose {purpose!r}: this gateway takes files for 'batch'", param="purpose")
+            data = await upload.read(self.max_bytes + 1)
+            if len(data) > self.max_bytes:
+                raise self._too_large(len(data))
+            await self._check_budget(len(data))
+            return await self._store(upload.filename or "upload.jsonl", data)
+        finally:
+            await form.close()
+
+    def _too_large(self, size: int) -> ApiError:
+        return ApiError(413, f"the file is {size} bytes; this gateway takes files of at most {self.max_bytes} bytes "
+                        "(max_file_bytes)", "invalid_request_error", "too_large")
+
+    async def _check_budget(self, size: int) -> None:
+        held = 0
+        stored: list[bytes] = await self.redis.zrange(self.keys.files, 0, -1)  # type: ignore[assignment]
+        for file_id in stored:
+            size_held = await self.redis.hget(self.keys.file(as_text(file_id)), "bytes")
+            if size_held is None:
+                await self.redis.zrem(self.keys.files, file_id)
+            else:
+                held += int(size_held)
+        if held + size > self.budget_bytes:
+            raise ApiError(413, f"the files stored hold {held} bytes; this one ({size}) would pass the gateway's "
+                           f"files_budget_bytes ({self.budget_bytes}): delete files first", "invalid_request_error",
+                           "too_large")
+
+    async def _store(self, filename: str, data: bytes) -> dict[str, Any]:
+        now = int(time.time())
+        file_id = f"file-{uuid.uuid4().hex}"
+        fields = {"id": file_id, "bytes": len(data), "created_at": now, "expires_at": now + self.ttl_s,
+                  "filename": filename[:255], "purpose": "batch"}
+        key = self.keys.file(file_id)
+        await self.redis.hset(key, mapping={**fields, "data": data})  # type: ignore[arg-type,dict-item]
+        await self.redis.expire(key, self.ttl_s)
+        await self.redis.zadd(self.keys.files, {file_id: now})
+        return _file_object(fields)
+
+    async def retrieve(self, file_id: str) -> dict[str, Any]:
+        values = await self.redis.hmget(self.keys.file(file_id), list(FILE_FIELDS))
+        if values[0] is None:
+            raise not_found("file", file_id)
+        return _file_object(dict(zip(FILE_FIELDS, (as_text(v or "") for v in values), strict=True)))
+
+    async def content(self, file_id: str) -> bytes:
+        data = await self.redis.hget(self.keys.file(file_id), "data")
+        if data is None:
+            raise not_found("file", file_id)
+        return data if isinstance(data, bytes) else data.encode()
+
+    async def delete(self, file_id: str) -> dict[str, Any]:
+        deleted = await self.redis.delete(self.keys.file(file_id))
+        await self.redis.zrem(self.keys.files, file_id)
+        if not deleted:
+            raise not_found("file", file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    async def listing(self, after: str | None, limit: int) -> dict[str, Any]:
+        stored: list[bytes] = await self.redis.zrevrange(self.keys.files, 0, -1)  # type: ignore[assignment]
+        ids = [as_text(i) for i in stored]
+        if after in ids:
+            ids = ids[ids.index(after) + 1:]
+        found: list[dict[str, Any]] = []
+        for file_id in ids:
+            if len(found) > limit:
+                break
+            try:
+                found.append(await self.retrieve(file_id))
+            except ApiError:
+                await self.redis.zrem(self.keys.files, file_id)
+        return _page(found, limit)
+
+
+def _file_object(fields: dict[str, Any]) -> dict[str, Any]:
+    return {"id": fields["id"], "object": "file", "bytes": int(fields["bytes"]),
+            "created_at": int(fields["created_at"]),
+            "expires_at": int(fields["expires_at"]) if fields.get("expires_at") else None,
+            "filename": fields["filename"], "purpose": fields["purpose"], "status": "processed",
+            "status_details": None}
+
+
+def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
+    shown = items[:limit]
+    return {"object": "list", "data": shown, "first_id": shown[0]["id"] if shown else None,
+            "last_id": shown[-1]["id"] if shown else None, "has_more": len(items) > limit}
+
+
+class Batches:
+    """`/v1/batches`, and the files each batch's results make."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, files: Files, directory: ModelDirectory) -> None:
+        self.store = BatchStore(redis, keys)
+        self.files = files
+        self.directory = directory
+
+    async def create(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise ApiError.invalid("the request body must be a JSON object")
+        unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
+        if unknown:
+            raise ApiError.invalid(f"Unrecognized request argument supplied: {', '.join(unknown)}", param=unknown[0])
+        endpoint, window = body.get("endpoint"), body.get("completion_window", "24h")
+        metadata = _metadata(body.get("metadata"))
+        if not isinstance(window, str):
+            raise ApiError.invalid("completion_window: a string such as '24h'", param="completion_window")
+        try:
+            completion_window_s(window)
+        except ValueError as e:
+            raise ApiError.invalid(str(e), param="completion_window") from e
+        file_id = body.get("input_file_id")
+        if not isinstance(file_id, str):
+            raise ApiError.invalid("input_file_id: the id of a file uploaded with purpose 'batch'",
+                                   param="input_file_id")
+        content = await self.files.content(file_id)
+        read = await asyncio.to_thread(read_input, content, str(endpoint))
+        queue, errors, model = "", read.errors, read.model
+        if not errors and model is None:
+            errors = [{"code": "invalid_request", "message": "no line of the file can run (see the error file's "
+                       "reasons): every line failed to read", "param": None, "line": None}]
+            queue = "none"
+        elif not errors and model is not None:
+            try:
+                queue = (await self.directory.resolve(model)).queue
+            except ApiError as e:  # 404, or 503: no live worker serves it now
+                errors = [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
+                           "line": None}]
+        batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
+                                        completion_window=window, model=read.model, metadata=metadata,
+                                        input_file_id=file_id, errors=errors or None)
+        return openai_batch(batch)
+
+    async def retrieve(self, batch_id: str) -> dict[str, Any]:
+        return openai_batch(await self._get(batch_id))
+
+    async def cancel(self, batch_id: str) -> dict[str, Any]:
+        batch = await self._get(batch_id)
+        if batch.status not in ("validating", "in_progress", "cancelling"):
+            raise ApiError(409, f"batch {batch_id} is {batch.status}: it cannot be cancelled",
+                           "invalid_request_error", "batch_not_cancellable")
+        cancelled = await self.store.cancel(batch_id)
+        return openai_batch(cancelled or batch)
+
+    async def listing(self, after: str | None, limit: int) -> dict[str, Any]:
+        batches, more = await self.store.listing(after, limit)
+        page = _page([openai_batch(b) for b in batches], limit)
+        return {**page, "has_more": more}
+
+    async def _get(self, batch_id: str) -> Batch:
+        batch = await self.store.get(batch_id)
+        if batch is None:
+            raise not_found("batch", batch_id)
+        return batch
+
+    async def result_file(self, file_id: str) -> tuple[Batch, str] | None:
+        """The batch and part (`output`, `errors`) a result file's id names, if it does."""
+        for part in RESULT_FILES:
+            if file_id.startswith("file-") and file_id.endswith(f"-{part}"):
+                batch = await self.store.get(file_id[len("file-"):-len(part) - 1])
+                if batch is not None and batch.ended:
+                    return batch, part
+        return None
+
+    async def render(self, batch: Batch, part: str) -> bytes:
+        """A result file's content: one line per result of that kind, in line order."""
+        results = [r for r in await self.store.results(batch.id) if (part == "output") == (r.event.type == "done")]
+        lines = []
+        for result in results:
+            (line,) = await self.store.lines(batch.id, result.index, result.index + 1)
+            lines.append(await output_line(result, line, batch.endpoint, self._tool_call))
+        return jsonl(lines)
+
+    async def _tool_call(self, model: str) -> tuple[str, str] | None:
+        try:
+            return (await self.directory.resolve(model)).tool_call
+        except ApiError:
+            return None
+
+
+def _metadata(raw: Any) -> dict[str, str] | None:
+    if raw is None:
+        return None
+    if (not isinstance(raw, dict) or len(raw) > MAX_METADATA
+            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                       for k, v in raw.items())):
+        raise ApiError.invalid(f"metadata: at most {MAX_METADATA} string pairs (keys up to 64 characters, "
+                               "values up to 512)", param="metadata")
+    return raw
+
+
+def openai_batch(batch: Batch) -> dict[str, Any]:
+    """A batch as OpenAI's API shows it."""
+    ended = batch.ended and batch.status != "failed"
+    return {
+        "id": batch.id, "object": "batch", "endpoint": batch.endpoint,
+        "errors": {"object": "list", "data": batch.errors} if batch.errors else None,
+        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": f"file-{batch.id}-output" if ended and batch.completed else None,
+        "error_file_id": f"file-{batch.id}-errors" if ended and batch.failed else None,
+        "created_at": batch.created_at, "expires_at": batch.expires_at,
+        **{f"{s}_at": batch.times.get(f"{s}_at") for s in
+           ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")},
+        "request_counts": batch.request_counts, "metadata": batch.metadata, "model": batch.model,
+    }
