@@ -1,4 +1,4 @@
-"""The `mlxq` command: worker, submit, status, dead, redis, bench, demo-model.
+"""The `mlxq` command: worker, gateway, submit, batch, status, dead, redis, bench, demo-model.
 
 `submit`, `status`, `dead` and `redis stop` need only the base install (the client);
 the other commands import what they need when they run, and say which extra to install
@@ -76,7 +76,7 @@ class _Formatter(argparse.HelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_worker, _add_gateway, _add_submit, _add_status, _add_dead, _add_redis, _add_bench,
+    for add in (_add_worker, _add_gateway, _add_submit, _add_batch, _add_status, _add_dead, _add_redis, _add_bench,
                 _add_demo_model):
         add(commands)
     return parser
@@ -176,6 +176,37 @@ def _add_submit(commands: Any) -> None:
     submit.add_argument("--timeout", type=float, default=600.0,
                         help="seconds to wait for the result; then the request is cancelled")
     submit.set_defaults(run=client_commands.run_submit)
+
+
+def _add_batch(commands: Any) -> None:
+    """`mlxq batch`: OpenAI Batch API files on a queue."""
+    batch = _command(commands, "batch", "run an OpenAI Batch API file on a queue, follow it, get its results",
+                     "A batch's lines wait behind the queue's interactive requests (its batch lane). `submit` "
+                     "prints the batch id; with --wait it follows (and drives, when no gateway does) the batch "
+                     "to its end. Exit status of submit --wait: 0 completed, 1 failed, expired or cancelled.")
+    batch.add_argument("action", choices=["submit", "status", "results", "cancel", "list"])
+    batch.add_argument("batch", nargs="?", metavar="FILE|ID", help="submit: the JSONL file; others: the batch id")
+    _add_queue(batch)
+    batch.add_argument("--endpoint", default="/v1/chat/completions", choices=["/v1/chat/completions",
+                       "/v1/completions"], help="the url of every line")
+    batch.add_argument("--completion-window", default="24h", help="24h, or a duration such as 30m, 2h")
+    batch.add_argument("--wait", action="store_true", help="submit: follow the batch to its end, with progress")
+    batch.add_argument("-o", "--output", type=Path, help="results: write the lines here (default: stdout)")
+    batch.add_argument("--errors", action="store_true", help="results: the error lines instead of the output")
+    batch.add_argument("--json", action="store_true", help="status: one JSON object")
+    batch.add_argument("--count", type=int, default=20, help="list: how many, newest first")
+    _add_redis_url(batch)
+    batch.set_defaults(run=_run_batch)
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    try:
+        import gateway.batch_lines  # noqa: F401 - OpenAI's line shapes are the gateway's
+
+        from . import batch_command
+    except ImportError as e:
+        return _missing_extra("batch", e, args)
+    return batch_command.run(args)
 
 
 def _add_status(commands: Any) -> None:
@@ -327,8 +358,9 @@ def _flag_type(annotation: Any) -> tuple[type, list[Any] | None]:
 
 
 def _missing_extra(command: str, error: ImportError, args: argparse.Namespace) -> int:
-    extra = GATEWAY_EXTRA if command == "gateway" else WORKER_EXTRA
-    print(f"mlxq {command}: this install lacks the {command} extra ({error.name} is missing): {extra}",
+    needs = "gateway" if command in ("gateway", "batch") else "worker"
+    extra = GATEWAY_EXTRA if needs == "gateway" else WORKER_EXTRA
+    print(f"mlxq {command}: this install lacks the {needs} extra ({error.name} is missing): {extra}",
           file=sys.stderr)
     return 2
 

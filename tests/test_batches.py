@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import pty
 import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -14,7 +17,7 @@ from collections import Counter
 import openai
 import pytest
 import redis
-from support import HELD, HELD_PROMPT, KEYS, start_gateway, start_worker, wait_for
+from support import HELD, HELD_PROMPT, KEYS, MLXQ, ROOT, start_gateway, start_worker, wait_for
 
 from client import Client, Done, Error, RequestRejected
 from client.replies import as_text
@@ -269,3 +272,70 @@ def test_a_killed_gateway_s_batch_is_finished_by_another_with_every_line_once(ga
     assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(40))
     wait_for(lambda: int(stats.hget(KEYS.stats(worker.consumer), "finished:length")) == served + 40,
              what="the worker's count of finished requests to grow by exactly the 40 lines")
+
+
+# ---- mlxq batch ---------------------------------------------------------------------------
+
+def run_on_a_terminal(args: list[str], timeout: float = 120) -> tuple[int, str]:
+    """Run a command with its stdout and stderr on a pseudo-terminal; its exit status and what it wrote."""
+    main, side = pty.openpty()
+    process = subprocess.Popen(args, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=side, stderr=side)
+    os.close(side)
+    written = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = os.read(main, 4096)
+        except OSError:  # the command exited: the terminal is closed
+            break
+        if not chunk:
+            break
+        written += chunk
+    os.close(main)
+    return process.wait(timeout=30), written.decode(errors="replace")
+
+
+def test_mlxq_batch_runs_a_file_with_a_progress_bar_and_writes_the_results(worker, tmp_path):
+    """No gateway runs: `submit --wait` drives the batch itself, drawing its progress on the
+    terminal; `results` writes OpenAI's output lines; `status`, `list` and `cancel` answer."""
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(chat_line(f"c{i}", worker.queue, p)) + "\n" for i, p in enumerate(PROMPTS)))
+    status, shown = run_on_a_terminal([*MLXQ, "batch", "submit", str(source), "--queue", worker.queue, "--wait",
+                                       "--redis-url", worker.redis_url])
+    assert status == 0, shown
+    batch_id = shown.split()[0]
+    assert batch_id.startswith("batch_") and "\r" in shown and "[#" in shown and "tok/s" in shown, shown
+    assert "completed 5 completed, 0 failed of 5" in " ".join(shown.split()), shown
+    out = tmp_path / "out.jsonl"
+    cli = [*MLXQ, "batch", "--redis-url", worker.redis_url]
+    written = subprocess.run([*cli, "results", batch_id, "-o", str(out)], cwd=ROOT, capture_output=True, text=True)
+    assert written.returncode == 0, written.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == [f"c{i}" for i in range(5)]
+    with Client(worker.redis_url, queue=worker.queue) as client:
+        direct = client.generate(messages=[{"role": "user", "content": PROMPTS[0]}], max_tokens=12, temperature=0)
+    assert lines[0]["response"]["body"]["choices"][0]["message"]["content"] == direct.text
+    state = json.loads(subprocess.run([*cli, "status", batch_id, "--json"], cwd=ROOT, capture_output=True,
+                                      text=True, check=True).stdout)
+    assert state["status"] == "completed" and state["request_counts"]["completed"] == 5 and state["tokens"] == 60
+    listed = subprocess.run([*cli, "list"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert batch_id in listed
+    again = subprocess.run([*cli, "cancel", batch_id], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0 and "completed" in again.stdout  # an ended batch stays as it is
+    missing = subprocess.run([*cli, "status", "batch_nope"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode == 1 and "no batch batch_nope" in missing.stderr
+
+
+def test_mlxq_batch_without_a_terminal_prints_plain_lines_and_refuses_a_bad_file(worker, tmp_path):
+    source = tmp_path / "in.jsonl"
+    source.write_text(json.dumps(chat_line("only", worker.queue, "Hi")) + "\n")
+    ran = subprocess.run([*MLXQ, "batch", "submit", str(source), "--queue", worker.queue, "--wait", "--redis-url",
+                          worker.redis_url], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "\r" not in ran.stderr and "1 done, 0 failed / 1" in ran.stderr, ran.stderr
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(json.dumps(chat_line("a", worker.queue, "Hi")) + "\n" + json.dumps(chat_line("a", worker.queue,
+                                                                                                 "Ho")) + "\n")
+    refused = subprocess.run([*MLXQ, "batch", "submit", str(twice), "--queue", worker.queue, "--redis-url",
+                              worker.redis_url], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1 and "line 2" in refused.stderr and "custom_id 'a'" in refused.stderr
