@@ -23,7 +23,8 @@ def sync_client(worker):
 def test_public_names():
     """The package exports exactly its documented API."""
     assert set(client.__all__) == {
-        "DEFAULT_URL", "GROUP", "AsyncClient", "AsyncJob", "Client", "Delta", "Done", "Error", "ErrorCode", "Event",
+        "DEFAULT_URL", "GROUP", "AsyncBatchHandle", "AsyncClient", "AsyncJob", "Batch", "BatchHandle", "Client",
+        "LineResult", "Delta", "Done", "Error", "ErrorCode", "Event",
         "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "RequestRejected", "Timing",
         "TokenLogprob", "TopLogprob", "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
 

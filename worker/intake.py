@@ -69,14 +69,23 @@ class Intake:
             if room <= 0:
                 await self.requests.wait_for_room()
                 continue
-            deliveries = await self._reclaimed(room) or await self._read(room)
+            # The batch lane only into free slots: read ahead, its lines would make an
+            # interactive request that comes next wait behind them.
+            free = max(0, room - self.settings.prefetch)
+            if not free and self.streams.batch_lines_waiting:
+                # Every slot is held and batch lines wait: the next slot to free goes to what
+                # waits then (interactive first), so wait for it rather than block on Redis.
+                deliveries = await self._reclaimed(room) or await self._read(room, 0, 0)
+                if not deliveries:
+                    await self.requests.wait_for_leave(self.settings.block_ms / 1000)
+                    continue
+            else:
+                deliveries = await self._reclaimed(room) or await self._read(room, self.settings.block_ms, free)
             for delivery in deliveries:
                 await self._accept(delivery)
 
-    async def _read(self, room: int) -> list[Delivery]:
-        # The batch lane only into free slots: read ahead, its lines would make an
-        # interactive request that comes next wait behind them.
-        read = partial(self.streams.read, room, self.settings.block_ms, max(0, room - self.settings.prefetch))
+    async def _read(self, room: int, block_ms: int, free: int) -> list[Delivery]:
+        read = partial(self.streams.read, room, block_ms, free)
         return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
                 await retrying(read, "reading requests")]
 

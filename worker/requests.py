@@ -19,6 +19,7 @@ only it tells the engine to drop a request. What crosses to the engine and back 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterator
@@ -101,6 +102,12 @@ class RequestTable:
             return
         self._room.clear()
         await self._room.wait()
+
+    async def wait_for_leave(self, timeout_s: float) -> None:
+        """Return once a request has left the table, or after `timeout_s`."""
+        self._room.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._room.wait(), timeout_s)
 
     def get(self, request_id: str) -> HeldRequest | None:
         return self._held.get(request_id)

@@ -66,6 +66,7 @@ class RequestStreams:
         self.keys = keys
         self.queue_stream = keys.queue(queue)
         self.batch_lane = keys.batch_lane(queue)
+        self.batch_lines_waiting = False  # the last read of the batch lane got all it asked for
         self.request_streams = request_streams(keys, queue, lanes)
         self.dead = keys.dead(queue)
         self.consumer = consumer
@@ -82,20 +83,24 @@ class RequestStreams:
     async def read(self, count: int, block_ms: int, low_count: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
         """Up to `count` new entries (stream, id, fields), higher lanes first, and at most
         `low_count` of them from the batch lane; recreates the group after a data loss.
-        When every stream is empty it blocks on all of them, taking one entry from each
-        that gets one (so up to one per lane beyond `count`); on a cluster whose lanes lie
-        in other slots, it blocks on the queue's own stream alone, for at most
-        `LANE_POLL_MS`, so that the lanes are looked at again soon."""
+        When every stream is empty it blocks (unless `block_ms` is 0) on all of them,
+        taking one entry from each that gets one (so up to one per lane beyond `count`);
+        on a cluster whose lanes lie in other slots, it blocks on the queue's own stream
+        alone, for at most `LANE_POLL_MS`, so that the lanes are looked at again soon."""
         try:
             entries: list[tuple[str, str, dict[Any, Any] | None]] = []
             for stream in self.request_streams:
-                wanted = count - len(entries) if stream != self.batch_lane else min(count - len(entries), low_count)
+                low = stream == self.batch_lane
+                wanted = min(count - len(entries), low_count) if low else count - len(entries)
                 if wanted > 0:
                     reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=wanted)
-                    entries += keyed_stream_entries(reply)
+                    got = keyed_stream_entries(reply)
+                    entries += got
+                    if low:
+                        self.batch_lines_waiting = len(got) == wanted  # all it asked for: more may wait
                 if len(entries) >= count:
                     return entries
-            if entries:
+            if entries or not block_ms:
                 return entries
             if self.one_slot:
                 every: dict[Any, Any] = {s: ">" for s in self.request_streams if s != self.batch_lane or low_count > 0}
