@@ -19,7 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from ._errors import QueueFull, RequestRejected
 from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
@@ -63,6 +63,7 @@ class BatchDriver:
         self._custom_ids: dict[int, str | None] = {}
         self._stopping: set[int] | None = None  # lines told to stop (cancel), until their ends are read
         self._stop_sent_at = 0.0
+        self._trim_refused = False
 
     async def take(self) -> bool:
         """Take the lease if nobody holds it."""
@@ -149,8 +150,20 @@ class BatchDriver:
                 safe = entry_id  # a driver taking over re-reads from here and misses nothing
         if safe is not None:
             await self.store.note(batch.id, cursor=safe)
-            ms, _, seq = safe.partition("-")
+            await self._trim(safe)
+
+    async def _trim(self, upto: str) -> None:
+        """Drop the replies filed (only drivers read them); a Redis that refuses it (an ACL
+        without XTRIM) leaves them to expire with the batch."""
+        if self._trim_refused:
+            return
+        ms, _, seq = upto.partition("-")
+        try:
             await self.client.redis.xtrim(self.replies, minid=f"{ms}-{int(seq) + 1}")
+        except ResponseError as e:
+            self._trim_refused = True
+            log.warning("batch %s: cannot trim its reply stream (%s); it is kept until the batch expires",
+                        self.batch_id, e)
 
     async def _take(self, batch: Batch, entry_id: str, fields: dict[bytes, bytes]) -> None:
         try:
@@ -248,9 +261,19 @@ class BatchRunner:
             driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window)
             if await driver.take():
                 log.info("driving batch %s", batch_id)
-                task = asyncio.create_task(driver.run())
+                task = asyncio.create_task(_logged(driver))
                 self._driving[batch_id] = task
                 task.add_done_callback(lambda _, b=batch_id: self._driving.pop(b, None))  # type: ignore[misc]
+
+
+async def _logged(driver: BatchDriver) -> Batch | None:
+    """Drive; a failure (Redis gone, the lease's script refused) ends this driver only:
+    its lease expires and the batch is taken up again."""
+    try:
+        return await driver.run()
+    except Exception as e:  # noqa: BLE001 - logged; another pass or driver takes the batch up
+        log.warning("batch %s: its driver stopped: %r", driver.batch_id, e)
+        return None
 
 
 async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S,
@@ -268,12 +291,11 @@ async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: floa
             return batch
         driver = BatchDriver(client, batch_id, lease_s=lease_s, window=window)
         if await driver.take():
-            task = asyncio.create_task(driver.run())
+            task = asyncio.create_task(_logged(driver))
             while not task.done():
                 await asyncio.wait([task], timeout=poll_s)
                 batch = await store.get(batch_id)
                 if batch is not None:
                     on_progress(batch)
-            task.result()
         else:
             await asyncio.sleep(poll_s)

@@ -4,6 +4,7 @@ user on a server whose default user is off; the worker and the client over TLS."
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,19 @@ from pathlib import Path
 import openai
 import pytest
 import redis
-from support import ACL_QUEUE, ACL_USERS, HELD, KEYS, MLXQ, ROOT, acl_lines, free_port, start_gateway, start_worker
+from support import (
+    ACL_QUEUE,
+    ACL_USERS,
+    HELD,
+    KEYS,
+    MLXQ,
+    ROOT,
+    acl_lines,
+    free_port,
+    start_gateway,
+    start_worker,
+    wait_for,
+)
 
 from client import Client, JobCancelled
 
@@ -94,6 +107,12 @@ def test_the_gateway_with_its_own_user(secure_worker, acl_server, demo_model, lo
             assert [m.id for m in sdk.models.list()] == [str(demo_model)]
             chunks = list(sdk.completions.create(model=QUEUE, prompt="Hi", max_tokens=4, stream=True))
             assert chunks[-1].choices[0].finish_reason == "length"
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": QUEUE, "prompt": "Hi", "max_tokens": 4}}
+            uploaded = sdk.files.create(file=("in.jsonl", json.dumps(line).encode()), purpose="batch")
+            batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
+            wait_for(lambda: sdk.batches.retrieve(batch.id).status == "completed", what="the batch to complete")
+            assert sdk.files.content(sdk.batches.retrieve(batch.id).output_file_id).content.count(b"\n") == 1
     finally:
         gateway.stop()
     assert "NOPERM" not in gateway.log() and "g-pass" not in gateway.log()
