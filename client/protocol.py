@@ -214,6 +214,7 @@ class RequestBody(BaseModel):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     speculative: bool = True  # False opts out of the worker's speculative decoding
+    count_only: bool = False  # prepare only: `done` with usage.prompt_tokens, nothing generated
 
     @field_validator("prompt_tokens")
     @classmethod
@@ -592,6 +593,7 @@ class Done:
     metadata: dict[str, Any] | None = None
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None  # a thinking model's whole reasoning (the deltas' joined)
+    stop_reason: str | None = None  # the stop string that ended it (vLLM's name); None for a stop token
     type: Literal["done"] = field(default="done", repr=False)
 
     @property
@@ -639,7 +641,7 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
         return {"type": "delta", encoding: _encode(body, encoding)}
     body = asdict(event)
     kind = body.pop("type")
-    for optional in ("logprobs", "tool_calls", "reasoning"):  # only now and then: absent, not null
+    for optional in ("logprobs", "tool_calls", "reasoning", "stop_reason"):  # now and then: absent, not null
         if optional in body and body[optional] is None:
             del body[optional]
     return {"type": kind, encoding: _encode(body, encoding)}
@@ -662,6 +664,8 @@ def decode_event(fields: dict[Any, Any]) -> Event:
     elif kind == "delta" and body.get("logprobs") is not None:
         body["logprobs"] = [TokenLogprob(**{**entry, "top_logprobs": [TopLogprob(**t) for t in entry["top_logprobs"]]})
                             for entry in body["logprobs"]]
+    if kind == "done":  # a newer worker may say more at the end than this reader knows
+        return _known(Done, body)
     return _EVENT_TYPES[kind](**body)
 
 

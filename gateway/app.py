@@ -3,6 +3,7 @@
     POST /v1/chat/completions   POST /v1/completions    (streaming or not)
     GET  /v1/models             GET  /v1/models/{model}
     /v1/files, /v1/batches      OpenAI's Batch API (gateway/batches.py)
+    POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's API, gateway/anthropic.py)
     GET  /health                GET  /metrics
 """
 
@@ -24,12 +25,13 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from client import AsyncClient
+from client import AsyncClient, JobFailed, JobTimeout, QueueFull, RequestRejected
 from client.batch_driver import BatchRunner
 from client.diagnose import describe
 
+from .anthropic import MessageShape, anthropic_error, read_messages
 from .batches import Batches, Files
-from .errors import ApiError
+from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
 from .relay import Relay
@@ -71,6 +73,8 @@ class Gateway:
         if not self._keys:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if "x-api-key" in request.headers:  # Anthropic's SDKs send the key so
+            scheme, given = "bearer", request.headers["x-api-key"]
         if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.encode(), key) for key in self._keys):
             raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with one of the "
                            "gateway's api_keys", "invalid_request_error", "invalid_api_key")
@@ -80,6 +84,27 @@ class Gateway:
         self.authorize(request)
         call = read_call(kind, await self._json(request))
         return await self.relay.serve(request, call, started)
+
+    async def messages(self, request: Request) -> Response:
+        started = time.monotonic()
+        self.authorize(request)
+        _, call = read_messages(await self._json(request))
+        return await self.relay.serve(request, call, started, shape_for=MessageShape)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """The prompt a message would have, counted by a worker of its model (templated,
+        with its tools and images): the gateway has no tokenizer."""
+        self.authorize(request)
+        _, call = read_messages(await self._json(request), counting=True)
+        served = await self.directory.resolve(call.model)
+        try:
+            done = await self.client.generate(queue=served.queue, encoding="msgpack", count_only=True,
+                                              timeout=self.settings.request_timeout_s, **call.body)
+        except (RequestRejected, QueueFull, JobFailed) as e:
+            raise ApiError.from_mlxq(e) from e
+        except JobTimeout as e:
+            raise ApiError.from_code(TIMEOUT, f"no worker counted the tokens within {e}") from e
+        return JSONResponse({"input_tokens": done.usage.prompt_tokens})
 
     async def _json(self, request: Request) -> object:
         declared = request.headers.get("content-length")
@@ -160,21 +185,21 @@ class Gateway:
     async def scrape(self, _: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    def route(self, name: str, handler: Handler) -> Handler:
-        """`handler` with errors in OpenAI's shape, and its answers counted."""
+    def route(self, name: str, handler: Handler, render: Callable[[ApiError], Response] = ApiError.response) -> Handler:
+        """`handler` with errors in OpenAI's shape (or `render`'s), and its answers counted."""
         async def answer(request: Request) -> Response:
             try:
                 response = await handler(request)
             except ApiError as e:
-                response = e.response()
+                response = render(e)
             except (RedisError, OSError) as e:
                 log.warning("Redis unreachable", error=describe(e))
-                response = ApiError(503, f"the queue's Redis cannot be reached: {describe(e)}", "server_error",
-                                    "redis_unavailable", headers={"Retry-After": "5"}).response()
-            except Exception:  # noqa: BLE001 - a bug here answers this request alone, in OpenAI's shape
+                response = render(ApiError(503, f"the queue's Redis cannot be reached: {describe(e)}", "server_error",
+                                           "redis_unavailable", headers={"Retry-After": "5"}))
+            except Exception:  # noqa: BLE001 - a bug here answers this request alone, in its API's shape
                 log.exception("the gateway failed a request", route=name)
-                response = ApiError(500, "the gateway failed this request; its log has the details", "server_error",
-                                    "internal").response()
+                response = render(ApiError(500, "the gateway failed this request; its log has the details",
+                                           "server_error", "internal"))
             self.metrics.answered(name, response.status_code)
             return response
         return answer
@@ -219,6 +244,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/batches", gateway.route("batches", gateway.list_batches), methods=["GET"]),
         Route("/v1/batches/{batch_id}", gateway.route("batches", gateway.batch)),
         Route("/v1/batches/{batch_id}/cancel", gateway.route("batches", gateway.batch), methods=["POST"]),
+        Route("/v1/messages", gateway.route("messages", gateway.messages, anthropic_error), methods=["POST"]),
+        Route("/v1/messages/count_tokens", gateway.route("messages", gateway.count_tokens, anthropic_error),
+              methods=["POST"]),
         Route("/health", gateway.route("health", gateway.health)),
         Route("/metrics", gateway.scrape),
     ]

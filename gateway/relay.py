@@ -14,8 +14,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import structlog
@@ -72,6 +72,47 @@ class Disconnect:
         self._task.cancel()
 
 
+class Shape(Protocol):
+    """How one call's answer is written: a whole response, or a stream's lines."""
+
+    route: str  # the metrics' label
+    keepalive: bytes
+
+    def opening(self) -> list[bytes]: ...
+    def lines(self, event: Event) -> list[bytes]: ...
+    def failure(self, error: ApiError) -> list[bytes]: ...
+    def whole(self, done: Done, logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+
+
+ShapeFor = Callable[[Call, str, "tuple[str, str] | None"], Shape]
+
+
+class OpenAIShape:
+    """OpenAI's chunks and responses (`Shaper`), as SSE lines ending in `data: [DONE]`."""
+
+    keepalive = KEEPALIVE_LINE
+
+    def __init__(self, call: Call, request_id: str, tool_call: tuple[str, str] | None) -> None:
+        self.shaper = Shaper(call, request_id, tool_call)
+        self.route: str = call.kind
+
+    def opening(self) -> list[bytes]:
+        return [sse(chunk) for chunk in self.shaper.opening()]
+
+    def lines(self, event: Event) -> list[bytes]:
+        if isinstance(event, Delta):
+            return [sse(chunk) for chunk in self.shaper.delta(event)]
+        if isinstance(event, Done):
+            return [*(sse(chunk) for chunk in self.shaper.ending(event)), DONE_LINE]
+        return self.failure(ApiError.from_code(event.code, event.message))
+
+    def failure(self, error: ApiError) -> list[bytes]:
+        return [sse(error.body()), DONE_LINE]
+
+    def whole(self, done: Done, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
+        return self.shaper.whole(done, logprobs)
+
+
 class Relay:
     """Serves calls: the one place that submits and follows requests."""
 
@@ -84,8 +125,10 @@ class Relay:
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
 
-    async def serve(self, request: Request, call: Call, started: float) -> Response:
-        """Submit `call` and answer it; raises `ApiError`."""
+    async def serve(self, request: Request, call: Call, started: float,
+                    shape_for: ShapeFor | None = None) -> Response:
+        """Submit `call` and answer it in the shape `shape_for` makes (OpenAI's by default);
+        raises `ApiError`."""
         served = await self.directory.resolve(call.model)
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
         job = self.replies.follow(uuid.uuid4().hex)
@@ -96,25 +139,25 @@ class Relay:
                                          reply_to=self.replies.key, deadline_ms=deadline_ms, **call.body)
             except (RequestRejected, QueueFull) as e:
                 raise ApiError.from_mlxq(e) from e
-            shaper = Shaper(call, job.id, served.tool_call)
+            shape: Shape = (shape_for or OpenAIShape)(call, job.id, served.tool_call)
             if not call.stream:
-                return await self._whole(request, job, shaper, started, call.body.get("logprobs", False))
-            response = await self._stream(request, job, shaper, started)
+                return await self._whole(request, job, shape, started, call.body.get("logprobs", False))
+            response = await self._stream(request, job, shape, started)
             streaming = isinstance(response, StreamingResponse)  # it releases the request when it ends
             return response
         finally:
             if not streaming:
                 self.replies.forget(job.id)
 
-    async def _whole(self, request: Request, job: Followed, shaper: Shaper, started: float,
+    async def _whole(self, request: Request, job: Followed, shape: Shape, started: float,
                      logprobs: bool) -> Response:
         watch = Disconnect(request)
         try:
-            return await self._wait_whole(job, shaper, watch, started, logprobs)
+            return await self._wait_whole(job, shape, watch, started, logprobs)
         finally:
             watch.stop()
 
-    async def _wait_whole(self, job: Followed, shaper: Shaper, watch: Disconnect, started: float,
+    async def _wait_whole(self, job: Followed, shape: Shape, watch: Disconnect, started: float,
                           logprobs: bool) -> Response:
         entries: list[TokenLogprob] | None = [] if logprobs else None
         ends_at = time.monotonic() + self.timeout_s
@@ -126,15 +169,15 @@ class Relay:
                 if isinstance(event, Delta) and entries is not None and event.logprobs:
                     entries += event.logprobs
                 elif isinstance(event, Done):
-                    self.metrics.first_byte(shaper.call.kind, started)
-                    return JSONResponse(shaper.whole(event, entries), headers={"x-request-id": job.id})
+                    self.metrics.first_byte(shape.route, started)
+                    return JSONResponse(shape.whole(event, entries), headers={"x-request-id": job.id})
                 elif isinstance(event, Error):
                     raise ApiError.from_code(event.code, event.message)
             if time.monotonic() >= ends_at:
                 await self._cancel(job)
                 raise self._timed_out(job)
 
-    async def _stream(self, request: Request, job: Followed, shaper: Shaper, started: float) -> Response:
+    async def _stream(self, request: Request, job: Followed, shape: Shape, started: float) -> Response:
         watch = Disconnect(request)
         try:
             first = await self._first_events(job, watch)
@@ -146,7 +189,7 @@ class Relay:
             raise ApiError.from_code(first[0].code, first[0].message)
         headers = {"x-request-id": job.id, "cache-control": "no-cache", "x-accel-buffering": "no"}
         # The task runs after the stream, even one whose client left before it began.
-        return StreamingResponse(self._events(job, shaper, first, started), media_type="text/event-stream",
+        return StreamingResponse(self._events(job, shape, first, started), media_type="text/event-stream",
                                  headers=headers, background=BackgroundTask(self._release, job))
 
     async def _first_events(self, job: Followed, watch: Disconnect) -> list[Event] | None:
@@ -158,31 +201,31 @@ class Relay:
                 return events
         return []
 
-    async def _events(self, job: Followed, shaper: Shaper, first: list[Event], started: float) -> AsyncIterator[bytes]:
+    async def _events(self, job: Followed, shape: Shape, first: list[Event], started: float) -> AsyncIterator[bytes]:
         """The SSE body; Starlette cancels it when the client goes away, and that cancels the request."""
         self.metrics.open_streams.inc()
-        self.metrics.first_byte(shaper.call.kind, started)
+        self.metrics.first_byte(shape.route, started)
         ends_at = started + self.timeout_s
         try:
-            for chunk in shaper.opening():
-                yield sse(chunk)
+            for line in shape.opening():
+                yield line
             events, beat_at = first, time.monotonic() + self.keepalive_s
             while True:
                 for event in events:
-                    for line in self._lines(shaper, event):
+                    for line in shape.lines(event):
                         yield line
                 if job.finished:
                     return
                 if time.monotonic() >= ends_at:
                     await self._cancel(job)
-                    yield sse(self._timed_out(job).body())
-                    yield DONE_LINE
+                    for line in shape.failure(self._timed_out(job)):
+                        yield line
                     return
                 events = await job.read(min(beat_at, ends_at) - time.monotonic())
                 if events:
                     beat_at = time.monotonic() + self.keepalive_s
                 elif time.monotonic() >= beat_at - TIMER_SLACK_S:  # a timer may fire a little early
-                    yield KEEPALIVE_LINE
+                    yield shape.keepalive
                     beat_at = time.monotonic() + self.keepalive_s
         finally:
             self.metrics.open_streams.dec()
@@ -197,14 +240,6 @@ class Relay:
         self.replies.forget(job.id)
         if not job.finished:
             await self._cancel(job)
-
-    @staticmethod
-    def _lines(shaper: Shaper, event: Event) -> list[bytes]:
-        if isinstance(event, Delta):
-            return [sse(chunk) for chunk in shaper.delta(event)]
-        if isinstance(event, Done):
-            return [*(sse(chunk) for chunk in shaper.ending(event)), DONE_LINE]
-        return [sse(ApiError.from_code(event.code, event.message).body()), DONE_LINE]
 
     async def _gone(self, job: Followed) -> Response:
         """The client closed the connection before the answer: cancel, answer nobody."""

@@ -46,6 +46,7 @@ class RequestOutput:
         self.last_token_at: float | None = None
         self.seq = 0
         self.done: Done | None = None
+        self.stop_reason: str | None = None  # the stop string that ended the text
         self._hold = max((len(s) for s in request.stop), default=1) - 1
         if request.resume is not None:
             self._replay(request.resume)
@@ -126,6 +127,7 @@ class RequestOutput:
             metadata=self.request.metadata,
             tool_calls=tool_calls or None,
             reasoning=self.reasoning,
+            stop_reason=self.stop_reason,
         )
         return [*events, self.done]
 
@@ -141,6 +143,7 @@ class RequestOutput:
             return False
         at, end = min(hits)
         self.text = full[:end] if self.request.include_stop else full[:at]
+        self.stop_reason = full[at:end]
         return True
 
     def _held_back(self) -> int:

@@ -89,6 +89,7 @@ class Preparer:
             tools=tools,
             thinking=thinking,
             speculative=body.speculative,
+            count_only=body.count_only,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:
