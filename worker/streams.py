@@ -25,6 +25,7 @@ DEAD_FIELDS = 16  # a dead letter keeps at most this many of the original's fiel
 DEAD_FIELD_BYTES = 1024  # each cut to this size (its full size noted beside it),
 DEAD_BODY_BYTES = 65536  # but the body (json or msgpack) to this: most can be requeued whole
 LANE_POLL_MS = 100  # on a cluster with lanes in other slots, the longest a read blocks on one stream
+BATCH_LANE_LOOK_S = 1.0  # an empty batch lane is read at most this often (a read costs the loop ~80 us)
 
 
 def request_streams(keys: Keys, queue: str, lanes: list[str] | None = None) -> list[str]:
@@ -67,7 +68,9 @@ class RequestStreams:
         self.queue_stream = keys.queue(queue)
         self.batch_lane = keys.batch_lane(queue)
         self.batch_lines_waiting = False  # the last read of the batch lane got all it asked for
+        self._next_batch_look = 0.0  # monotonic time from which an empty batch lane is read again
         self.request_streams = request_streams(keys, queue, lanes)
+        self.interactive_streams = [stream for stream in self.request_streams if stream != self.batch_lane]
         self.dead = keys.dead(queue)
         self.consumer = consumer
         self.dedupe_ttl_s = dedupe_ttl_s
@@ -82,28 +85,24 @@ class RequestStreams:
 
     async def read(self, count: int, block_ms: int, low_count: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
         """Up to `count` new entries (stream, id, fields), higher lanes first, and at most
-        `low_count` of them from the batch lane; recreates the group after a data loss.
-        When every stream is empty it blocks (unless `block_ms` is 0) on all of them,
-        taking one entry from each that gets one (so up to one per lane beyond `count`);
-        on a cluster whose lanes lie in other slots, it blocks on the queue's own stream
-        alone, for at most `LANE_POLL_MS`, so that the lanes are looked at again soon."""
+        `low_count` of them from the batch lane (looked at only every `BATCH_LANE_LOOK_S`
+        while it is empty); recreates the group after a data loss. When every stream is
+        empty it blocks (unless `block_ms` is 0) on all of them, taking one entry from each
+        that gets one (so up to one per lane beyond `count`); on a cluster whose lanes lie
+        in other slots, it blocks on the queue's own stream alone, for at most
+        `LANE_POLL_MS`, so that the lanes are looked at again soon."""
+        low = low_count > 0 and (self.batch_lines_waiting or time.monotonic() >= self._next_batch_look)
+        streams = self.interactive_streams + ([self.batch_lane] if low else [])
         try:
-            entries: list[tuple[str, str, dict[Any, Any] | None]] = []
-            for stream in self.request_streams:
-                low = stream == self.batch_lane
-                wanted = min(count - len(entries), low_count) if low else count - len(entries)
-                if wanted > 0:
-                    reply = await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"}, count=wanted)
-                    got = keyed_stream_entries(reply)
-                    entries += got
-                    if low:
-                        self.batch_lines_waiting = len(got) == wanted  # all it asked for: more may wait
-                if len(entries) >= count:
-                    return entries
+            if len(streams) == 1:  # one round trip, as in a worker without lanes
+                reply = await self.redis.xreadgroup(GROUP, self.consumer, {streams[0]: ">"}, count=count,
+                                                    block=block_ms or None)
+                return keyed_stream_entries(reply)
+            entries = await self._read_each(streams, count, low_count)
             if entries or not block_ms:
                 return entries
             if self.one_slot:
-                every: dict[Any, Any] = {s: ">" for s in self.request_streams if s != self.batch_lane or low_count > 0}
+                every: dict[Any, Any] = {stream: ">" for stream in streams}
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=1, block=block_ms)
             else:
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, {self.queue_stream: ">"}, count=count,
@@ -114,6 +113,24 @@ class RequestStreams:
             await self.ensure_group()
             return []
         return sorted(keyed_stream_entries(reply), key=lambda e: self.request_streams.index(e[0]))
+
+    async def _read_each(self, streams: list[str], count: int,
+                         low_count: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
+        """What `streams` hold now, in order, without blocking."""
+        entries: list[tuple[str, str, dict[Any, Any] | None]] = []
+        for stream in streams:
+            low = stream == self.batch_lane
+            wanted = min(count - len(entries), low_count) if low else count - len(entries)
+            if wanted <= 0:
+                break
+            got = keyed_stream_entries(await self.redis.xreadgroup(GROUP, self.consumer, {stream: ">"},
+                                                                   count=wanted))
+            entries += got
+            if low:
+                self.batch_lines_waiting = len(got) == wanted  # all it asked for: more may wait
+                if not got:
+                    self._next_batch_look = time.monotonic() + BATCH_LANE_LOOK_S
+        return entries
 
     async def settle(self, stream: str, entry_ids: Iterable[str]) -> None:
         """Acknowledge and delete entries that need no output (repeats, deleted entries)."""
