@@ -74,7 +74,18 @@ class ToolResultBlock(_Strict):
     cache_control: CacheControl | None = None
 
 
-Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(_Strict):
+    """An earlier turn's reasoning, sent back by agents: not shown to the model again (as
+    OpenAI's `reasoning_content`)."""
+
+    type: Literal["thinking", "redacted_thinking"]
+    thinking: str | None = None
+    signature: str | None = None
+    data: str | None = None
+
+
+Block = Annotated[TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock,
+                  Field(discriminator="type")]
 
 
 class Message(_Strict):
@@ -100,6 +111,14 @@ class Metadata(_Strict):
     user_id: str | None = None
 
 
+class Thinking(_Strict):
+    """Whether a thinking model reasons first (its chat template's `enable_thinking`);
+    `budget_tokens` is not enforced apart: `max_tokens` bounds reasoning and answer together."""
+
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=1)
+
+
 class MessagesRequest(_Strict):
     """`POST /v1/messages` (and, without `max_tokens`, `count_tokens`)."""
 
@@ -115,6 +134,7 @@ class MessagesRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+    thinking: Thinking | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as vLLM's extra (e.g. enable_thinking)
 
     def to_chat(self) -> dict[str, Any]:
@@ -125,10 +145,13 @@ class MessagesRequest(_Strict):
             messages.append({"role": "system", "content": system})
         for i, message in enumerate(self.messages):
             messages += _chat_messages(i, message)
+        template = dict(self.chat_template_kwargs or {})
+        if self.thinking is not None:
+            template["enable_thinking"] = self.thinking.type != "disabled"
         body: dict[str, Any] = {"model": self.model, "messages": messages, "max_tokens": self.max_tokens,
                                 "stream": self.stream, "temperature": self.temperature, "top_p": self.top_p,
                                 "top_k": self.top_k, "stop": self.stop_sequences,
-                                "chat_template_kwargs": self.chat_template_kwargs,
+                                "chat_template_kwargs": template or None,
                                 "user": self.metadata.user_id if self.metadata else None}
         if self.tools:
             body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description or "",
@@ -159,9 +182,12 @@ def _chat_messages(i: int, message: Message) -> list[dict[str, Any]]:
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(message.content):
         where = f"messages.{i}.content.{j}"
-        wrong = {ToolUseBlock: "user", ToolResultBlock: "assistant", ImageBlock: "assistant"}.get(type(block))
+        wrong = {ToolUseBlock: "user", ToolResultBlock: "assistant", ImageBlock: "assistant",
+                 ThinkingBlock: "user"}.get(type(block))
         if wrong == message.role:
             raise ApiError.invalid(f"{where}: a {block.type} block cannot be in a {message.role} message", param=where)
+        if isinstance(block, ThinkingBlock):
+            continue
         if isinstance(block, ToolUseBlock):
             calls.append({"id": block.id, "type": "function",
                           "function": {"name": block.name, "arguments": json.dumps(block.input)}})
@@ -172,7 +198,8 @@ def _chat_messages(i: int, message: Message) -> list[dict[str, Any]]:
                          else {"type": "text", "text": block.text})
     if message.role == "assistant":
         text = "".join(p["text"] for p in parts)
-        return [{"role": "assistant", "content": text or None, **({"tool_calls": calls} if calls else {})}]
+        content = text or (None if calls else "")  # a turn of thinking alone is an empty answer
+        return [{"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}]
     return results + ([{"role": "user", "content": parts}] if parts else [])
 
 
@@ -216,6 +243,8 @@ def read_messages(raw: Any, counting: bool = False) -> tuple[MessagesRequest, Ca
 def message(done: Done, model: str, message_id: str, tool_call: tuple[str, str] | None) -> dict[str, Any]:
     """The whole answer as an Anthropic `message`."""
     content: list[dict[str, Any]] = []
+    if done.reasoning:
+        content.append({"type": "thinking", "thinking": done.reasoning, "signature": ""})
     text = done.text.split(tool_call[0], 1)[0].strip() if done.tool_calls and tool_call else done.text
     if text:
         content.append({"type": "text", "text": text})
@@ -276,7 +305,7 @@ class MessageShape:
         self.tool_call = tool_call
         self.splitter = ToolCallSplitter(tool_call[0]) if call.offers_tools and tool_call else None
         self.blocks = 0  # blocks opened so far
-        self.text_open = False
+        self.open: str | None = None  # the kind of the block open now: "thinking" or "text"
 
     def whole(self, done: Done, logprobs: Any = None) -> dict[str, Any]:
         return message(done, self.call.model, self.id, self.tool_call if self.call.offers_tools else None)
@@ -293,29 +322,41 @@ class MessageShape:
     def lines(self, event: Event) -> list[bytes]:
         if isinstance(event, Delta):
             text = self.splitter.feed(event.text) if self.splitter else event.text
-            return self._text(text)
+            return self._block("thinking", event.reasoning or "") + self._block("text", text)
         if isinstance(event, Error):
             return self.failure(ApiError.from_code(event.code, event.message))
         return self._ending(event)
 
-    def _text(self, text: str) -> list[bytes]:
+    def _block(self, kind: str, text: str) -> list[bytes]:
+        """`text` for a block of `kind`: the open block's, or a new one (the open one closed)."""
         if not text:
             return []
         lines = []
-        if not self.text_open:
-            lines.append(sse("content_block_start", {"index": self.blocks, "content_block": {"type": "text",
-                                                                                            "text": ""}}))
-            self.text_open = True
+        if self.open != kind:
+            lines += self._close()
+            start = {"type": "thinking", "thinking": "", "signature": ""} if kind == "thinking" else {"type": "text",
+                                                                                                      "text": ""}
+            lines.append(sse("content_block_start", {"index": self.blocks, "content_block": start}))
+            self.open = kind
             self.blocks += 1
-        lines.append(sse("content_block_delta", {"index": self.blocks - 1, "delta": {"type": "text_delta",
-                                                                                    "text": text}}))
+        delta = {"type": "thinking_delta", "thinking": text} if kind == "thinking" else {"type": "text_delta",
+                                                                                         "text": text}
+        lines.append(sse("content_block_delta", {"index": self.blocks - 1, "delta": delta}))
         return lines
+
+    def _close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        lines = []
+        if self.open == "thinking":
+            lines.append(sse("content_block_delta", {"index": self.blocks - 1, "delta": {"type": "signature_delta",
+                                                                                        "signature": ""}}))
+        self.open = None
+        return [*lines, sse("content_block_stop", {"index": self.blocks - 1})]
 
     def _ending(self, done: Done) -> list[bytes]:
         held = self.splitter.flush() if self.splitter else ""
-        lines = [] if done.tool_calls else self._text(held)
-        if self.text_open:
-            lines.append(sse("content_block_stop", {"index": self.blocks - 1}))
+        lines = [*([] if done.tool_calls else self._block("text", held)), *self._close()]
         for call in done.tool_calls or []:
             use = _tool_use(call)
             lines += [sse("content_block_start", {"index": self.blocks, "content_block": {**use, "input": {}}}),

@@ -146,3 +146,31 @@ def test_count_only_prepares_a_request_and_generates_nothing(worker, loaded_demo
     assert events == [] and done.finish_reason == "length" and done.text == ""
     assert done.usage.prompt_tokens == len(tokenizer.encode("Tell me about queues."))
     assert done.usage.completion_tokens == 0
+
+
+def test_a_thinking_model_s_reasoning_comes_as_a_thinking_block(valkey, thinking_model, logs_dir, gateway):
+    """Reasoning goes to a `thinking` block before the text, whole and streamed, as the
+    client's `done.reasoning` and `done.text` say; `thinking: disabled` turns it off; an
+    agent's earlier thinking blocks are accepted and not shown to the model again."""
+    from client import Client
+
+    thinking = start_worker(valkey, thinking_model, f"at{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        ask = [{"role": "user", "content": "Think first."}]
+        with Client(valkey, queue=thinking.queue) as client:
+            done = client.generate(messages=ask, max_tokens=12, timeout=60)
+        claude = anthropic.Anthropic(base_url=gateway.url, api_key="sk-ant-test", max_retries=0)
+        reply = claude.messages.create(model=thinking.queue, max_tokens=12, messages=ask, extra_body=GREEDY,
+                                       thinking={"type": "enabled", "budget_tokens": 1024})
+        with claude.messages.stream(model=thinking.queue, max_tokens=12, messages=ask, extra_body=GREEDY) as stream:
+            streamed = stream.get_final_message()
+        off = claude.messages.create(model=thinking.queue, max_tokens=12, messages=[
+            *ask, {"role": "assistant", "content": reply.content}, {"role": "user", "content": "Again."}],
+            thinking={"type": "disabled"}, extra_body=GREEDY)
+    finally:
+        thinking.stop()
+    assert done.reasoning
+    for message in (reply, streamed):
+        assert message.content[0].type == "thinking" and message.content[0].thinking == done.reasoning
+        assert "".join(b.text for b in message.content if b.type == "text") == done.text
+    assert all(b.type != "thinking" for b in off.content)
