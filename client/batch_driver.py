@@ -37,6 +37,7 @@ WINDOW = 512  # lines fed and not yet ended, at most: the fleet's slots, with ro
 READ_BLOCK_MS = 500  # one pass waits this long for replies
 READ_COUNT = 500
 CANCEL_GRACE_S = 30.0  # a cancelled batch waits this long for its running lines to stop
+RETRY_FAILED_S = 30.0  # a batch whose driver failed is taken up again after this
 ONE_DELTA = 2**31 - 1  # stream_interval: a line's text comes in one delta, beside its `done`
 
 # KEYS: the lease. ARGV: our token, the TTL in ms. 1 if we still hold it (renewed), else 0.
@@ -64,6 +65,7 @@ class BatchDriver:
         self._stopping: set[int] | None = None  # lines told to stop (cancel), until their ends are read
         self._stop_sent_at = 0.0
         self._trim_refused = False
+        self.failed = False  # it stopped on an error of its own (see `_logged`)
 
     async def take(self) -> bool:
         """Take the lease if nobody holds it."""
@@ -238,6 +240,7 @@ class BatchRunner:
         self.window = window
         self.poll_s = poll_s
         self._driving: dict[str, asyncio.Task[Batch | None]] = {}
+        self._resting: dict[str, float] = {}  # batches whose driver failed: not taken again until then
 
     async def run(self) -> None:
         """Until cancelled."""
@@ -256,14 +259,19 @@ class BatchRunner:
     async def _look(self) -> None:
         for batch_id in [b.decode() if isinstance(b, bytes) else b
                          for b in await self.client.redis.smembers(self.client.keys.active_batches)]:
-            if batch_id in self._driving:
+            if batch_id in self._driving or self._resting.get(batch_id, 0.0) > time.monotonic():
                 continue
             driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window)
             if await driver.take():
                 log.info("driving batch %s", batch_id)
                 task = asyncio.create_task(_logged(driver))
                 self._driving[batch_id] = task
-                task.add_done_callback(lambda _, b=batch_id: self._driving.pop(b, None))  # type: ignore[misc]
+                task.add_done_callback(lambda _, d=driver: self._done(d))  # type: ignore[misc]
+
+    def _done(self, driver: BatchDriver) -> None:
+        self._driving.pop(driver.batch_id, None)
+        if driver.failed:  # a batch whose state it could not read is not retried every second
+            self._resting[driver.batch_id] = time.monotonic() + RETRY_FAILED_S
 
 
 async def _logged(driver: BatchDriver) -> Batch | None:
@@ -273,6 +281,7 @@ async def _logged(driver: BatchDriver) -> Batch | None:
         return await driver.run()
     except Exception as e:  # noqa: BLE001 - logged; another pass or driver takes the batch up
         log.warning("batch %s: its driver stopped: %r", driver.batch_id, e)
+        driver.failed = True
         return None
 
 

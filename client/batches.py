@@ -199,6 +199,8 @@ class BatchStore:
         lines_key = self.keys.batch_part(batch_id, "lines")
         for start in range(0, len(lines) if not errors else 0, LINES_PER_CALL):
             await self.redis.rpush(lines_key, *(line.to_json() for line in lines[start:start + LINES_PER_CALL]))
+            if not start:  # a creator that dies before the batch exists leaves nothing for good
+                await self.redis.expire(lines_key, window_s + RETENTION_S)
         await self.redis.hset(self.keys.batch(batch_id), mapping=state)  # type: ignore[arg-type]
         await self.redis.zadd(self.keys.batches, {batch_id: now})
         if errors:

@@ -17,6 +17,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from client.batches import Batch, BatchStore, completion_window_s
@@ -50,7 +52,11 @@ class Files:
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_bytes + 64 * 1024:
             raise self._too_large(int(declared))
-        form = await request.form(max_files=1, max_fields=8)
+        try:
+            form = await request.form(max_files=1, max_fields=8)
+        except (MultiPartException, HTTPException) as e:  # Starlette raises the latter for the former
+            why = e.message if isinstance(e, MultiPartException) else e.detail
+            raise ApiError.invalid(f"the upload is not a form this gateway reads: {why}", param="file") from e
         try:
             upload, purpose = form.get("file"), form.get("purpose")
             if not isinstance(upload, UploadFile):

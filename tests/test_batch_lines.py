@@ -1,12 +1,16 @@
-"""Batch input files read into lines, and the pieces of a batch's state, without Redis."""
+"""Batch input files read into lines, the pieces of a batch's state, and Anthropic bodies read,
+without Redis."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from client.batches import MAX_LINES, BatchLine, completion_window_s, line_index, line_request_id
+from gateway.anthropic import read_messages
 from gateway.batch_lines import read_input
 from gateway.errors import ApiError
 
@@ -57,3 +61,35 @@ def test_a_line_s_request_id_names_its_batch_and_number():
     assert line_index("batch_other", rid) is None and line_index("batch_abc", "batch_abc-x") is None
     stored = BatchLine("c", {"prompt": "x"}, None, {"model": "m"})
     assert BatchLine.from_json(stored.to_json()) == stored
+
+
+scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
+json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
+                           | st.dictionaries(st.text(max_size=12), inner, max_size=4), max_leaves=20)
+chat_bodies = st.fixed_dictionaries({"model": st.just("m"), "messages": json_values})
+line_shapes = st.fixed_dictionaries({}, optional={"custom_id": json_values | st.text(min_size=1, max_size=8),
+                                                  "method": st.sampled_from(["POST", "GET"]) | json_values,
+                                                  "url": st.sampled_from(["/v1/chat/completions"]) | json_values,
+                                                  "body": json_values | chat_bodies})
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(line_shapes | json_values, max_size=6), st.binary(max_size=40))
+def test_no_input_file_breaks_the_reader(lines, junk):
+    """Whatever a file holds, it is read into lines and reasons, never an exception."""
+    content = b"\n".join(json.dumps(line).encode() for line in lines) + b"\n" + junk
+    read = read_input(content, "/v1/chat/completions")
+    assert all((line.body is None) != (line.error is None) for line in read.lines)
+
+
+@settings(max_examples=300, deadline=None)
+@given(json_values | st.fixed_dictionaries({"model": st.just("m"), "max_tokens": st.integers(),
+                                            "messages": st.lists(st.fixed_dictionaries(
+                                                {"role": st.sampled_from(["user", "assistant"]),
+                                                 "content": json_values}), max_size=3)}))
+def test_no_messages_body_breaks_the_anthropic_reader(body):
+    """Whatever a /v1/messages body holds, it is read or refused with a 400."""
+    try:
+        read_messages(body)
+    except ApiError as e:
+        assert e.status == 400

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections import Counter
 
+import httpx
 import openai
 import pytest
 import redis
@@ -229,6 +230,27 @@ def test_bad_batch_requests_are_answered_with_their_reason(gateways, worker):
     assert api.files.delete(file_id).deleted
     with pytest.raises(openai.NotFoundError):
         api.files.retrieve(file_id)
+    not_a_form = httpx.post(f"{gateways[0].url}/v1/files", content=b"x" * 100,
+                            headers={"content-type": "multipart/form-data; boundary=nope"})
+    assert not_a_form.status_code == 400 and "form" in not_a_form.json()["error"]["message"]
+
+
+def test_a_batch_whose_state_is_garbage_harms_no_other(gateways, worker, valkey):
+    """A batch hash Redis returns broken (here: written by hand) is answered as a failure of
+    its own; the gateways go on driving and serving the others."""
+    r = redis.Redis.from_url(valkey)
+    r.hset(KEYS.batch("batch_broken"), mapping={"id": "batch_broken", "status": "in_progress", "total": "many"})
+    r.sadd(KEYS.active_batches, "batch_broken")
+    api = openai_client(gateways[1])
+    try:
+        with pytest.raises(openai.InternalServerError):
+            api.batches.retrieve("batch_broken")
+        batch = api.batches.create(input_file_id=upload(api, [chat_line("ok", worker.queue, "Hi")]),
+                                   endpoint="/v1/chat/completions", completion_window="24h")
+        assert poll(api, batch.id).status == "completed"
+    finally:
+        r.delete(KEYS.batch("batch_broken"))
+        r.srem(KEYS.active_batches, "batch_broken")
 
 
 def test_cancelling_through_the_sdk_stops_the_batch(gateways, one_slot):
