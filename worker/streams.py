@@ -76,8 +76,10 @@ class RequestStreams:
         self.dedupe_ttl_s = dedupe_ttl_s
         self.dead_letter_maxlen = dead_letter_maxlen
         self._scripts = scripts.ScriptRunner(redis)
-        # On a cluster no command may span two slots: lanes are then read one per call.
-        self.one_slot = not is_cluster(redis) or len({key_slot(s.encode()) for s in self.request_streams}) == 1
+        # On a cluster no command may span two slots: lanes are then read one per call (by
+        # whether the batch lane is read too).
+        self.one_slot = {low: not is_cluster(redis) or len({key_slot(s.encode()) for s in streams}) == 1
+                         for low, streams in ((False, self.interactive_streams), (True, self.request_streams))}
 
     async def ensure_group(self) -> None:
         """Create the streams and their group again (after Redis lost its data)."""
@@ -101,7 +103,7 @@ class RequestStreams:
             entries = await self._read_each(streams, count, low_count)
             if entries or not block_ms:
                 return entries
-            if self.one_slot:
+            if self.one_slot[low]:
                 every: dict[Any, Any] = {stream: ">" for stream in streams}
                 reply = await self.redis.xreadgroup(GROUP, self.consumer, every, count=1, block=block_ms)
             else:
