@@ -294,14 +294,16 @@ def test_a_draft_of_another_vocabulary_is_refused(demo_model, tmp_path):
 
 @pytest.fixture(scope="module")
 def workers(redis_url, demo_model, near_draft, logs_dir):
-    """A plain worker, and a speculating one by each method (with its metrics port)."""
+    """A plain worker, and a speculating one by each method (with its metrics port), whose
+    gate always speculates: what speculation does must not hang on this machine's timing."""
     url = worker_url(redis_url)
     plain = start_worker(url, demo_model, "specplain", logs_dir, max_num_seqs=8)
     speculating = {}
     for method, setting in (("ngram", {"prompt_lookup_max": 3}), ("draft_model", {"draft_model": near_draft})):
         port = free_port()
         speculating[method] = (start_worker(url, demo_model, f"spec{method}", logs_dir, max_num_seqs=8,
-                                            metrics_port=port, **setting), port)
+                                            metrics_port=port, env={"MLXQ_TEST_ALWAYS_SPECULATE": "1"}, **setting),
+                               port)
     yield plain, speculating
     for worker in (plain, *(w for w, _ in speculating.values())):
         worker.stop()

@@ -8,6 +8,8 @@ breaks the engine thread itself (not one step), which is fatal for the worker.
 `MLXQ_TEST_SLOW_ON_TOKEN=<id>`: while a request whose prompt starts with that token id
 is in the batch, every step takes at least `SLOW_STEP_S`, so that request cannot reach
 its length on any machine within a test's time; commands (a cancel) still apply at once.
+`MLXQ_TEST_ALWAYS_SPECULATE=1`: speculative decoding's gate always speculates, so that a
+test of what speculation does never depends on which way this machine's timing favours.
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ class Faults:
     exit_on: str | None = None
     fatal_token: int | None = None
     slow_token: int | None = None
+    always_speculate: bool = False
 
     @classmethod
     def from_environment(cls) -> Faults:
         fatal, slow = (os.environ.get(f"MLXQ_TEST_{name}_ON_TOKEN") for name in ("FATAL", "SLOW"))
         return cls(os.environ.get("MLXQ_TEST_EXIT_ON") or None, int(fatal) if fatal else None,
-                   int(slow) if slow else None)
+                   int(slow) if slow else None, os.environ.get("MLXQ_TEST_ALWAYS_SPECULATE") == "1")
 
     def exit_if_marked(self, prompt: str | None) -> None:
         """Exit the process at once if the prompt carries the crash marker."""

@@ -13,6 +13,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
+from ..faults import Faults
 from ..media import PreparedMedia
 from ..prefix_cache import PrefixCache
 from ..sampling import warm_up
@@ -113,7 +114,8 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     speculating = bool(settings.prompt_lookup_max or settings.draft_model)
     draft = load_draft(settings.draft_model, tokenizer, info.vocab_size) if settings.draft_model else None
-    stats, gate = SpeculationStats(), Gate()  # across backends: one is made anew after a failed step
+    # Across backends (one is made anew after a failed step); a test hook can pin it to speculate.
+    stats, gate = SpeculationStats(), Gate(adaptive=not Faults.from_environment().always_speculate)
 
     def make_backend() -> MlxBatchBackend:
         speculative = None
