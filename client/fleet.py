@@ -19,6 +19,7 @@ from typing import Any
 import redis as redis_py
 import redis.asyncio as aioredis
 
+from .batches import Batch
 from .heartbeat import Heartbeat
 from .keys import BATCH_LANE, GROUP, Keys
 from .replies import as_text
@@ -81,6 +82,7 @@ class Fleet:
     workers: list[WorkerView] = field(default_factory=list)
     streams: list[StreamView] = field(default_factory=list)
     models: list[HostedModelView] = field(default_factory=list)  # of the workers of several models
+    batches: list[Batch] = field(default_factory=list)  # those not ended
 
     def serving(self, queue: str) -> list[WorkerView]:
         """Live workers of `queue`."""
@@ -89,17 +91,35 @@ class Fleet:
     def as_json(self) -> dict[str, Any]:
         workers = [{**asdict(w), "heartbeat": w.heartbeat.as_json()} for w in self.workers]
         return {"workers": workers, "streams": [asdict(s) for s in self.streams],
-                "models": [asdict(m) for m in self.models]}
+                "models": [asdict(m) for m in self.models], "batches": [asdict(b) for b in self.batches]}
 
 
 def read_fleet(redis: redis_py.Redis, keys: Keys, queues: list[str] | None = None) -> Fleet:
     """The fleet now: workers seen in the last hour, and the streams of their queues and `queues`."""
-    fleet = Fleet(workers=read_workers(redis, keys), models=read_hosted_models(redis, keys))
+    fleet = Fleet(workers=read_workers(redis, keys), models=read_hosted_models(redis, keys),
+                  batches=read_active_batches(redis, keys))
     named = {(m.queue, lane) for w in fleet.workers for m in w.heartbeat.models for lane in
              [None, BATCH_LANE, *m.lanes]}
     named |= {(queue, None) for queue in queues or []} | {(m.name, None) for m in fleet.models}
     fleet.streams = [read_stream(redis, keys, queue, lane) for queue, lane in sorted(named, key=_by_name)]
     return fleet
+
+
+def read_active_batches(redis: redis_py.Redis, keys: Keys) -> list[Batch]:
+    """The batches not ended, oldest first; one whose state cannot be read is left out."""
+    ids = sorted(as_text(b) for b in redis.smembers(keys.active_batches))  # type: ignore[union-attr]
+    found = []
+    for batch_id in ids:
+        with redis.pipeline(transaction=False) as pipe:
+            pipe.hgetall(keys.batch(batch_id))
+            pipe.hlen(keys.batch_part(batch_id, "results"))
+            pipe.hlen(keys.batch_part(batch_id, "errors"))
+            raw, completed, failed = pipe.execute()
+        try:
+            found.append(Batch.from_hash(raw, completed, failed))
+        except (KeyError, ValueError):
+            continue
+    return sorted(found, key=lambda b: b.created_at)
 
 
 def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModelView]:

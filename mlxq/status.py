@@ -43,6 +43,11 @@ def render(fleet: Fleet) -> str:
         lines.append("")
         lines += _table(["WORKER OF MODELS", "MODEL", "STATE", "PIN", "GB", "PATH"],
                         [_hosted_row(m) for m in fleet.models])
+    if fleet.batches:
+        lines.append("")
+        lines += _table(["BATCH", "STATUS", "QUEUE", "COMPLETED", "FAILED", "TOTAL", "TOKENS", "AGE"],
+                        [[b.id, b.status, b.queue, str(b.completed), str(b.failed), str(b.total), str(b.tokens),
+                          _ago(time.time() - b.created_at)] for b in fleet.batches])
     errors = [f"  {w.name}: {e.get('code')} {e.get('message', '')[:120]!r} ({_ago(time.time() - e['at'])} ago)"
               for w in fleet.workers if (e := w.heartbeat.last_error) and "at" in e]
     if errors:

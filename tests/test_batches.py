@@ -115,6 +115,10 @@ def test_cancelling_a_batch_stops_its_running_lines_and_runs_no_more(one_slot):
         driving = threading.Thread(target=handle.wait, kwargs={"timeout": 120})
         driving.start()
         wait_for(lambda: _running(client, one_slot) == 1, what="a line to run")
+        shown = subprocess.run([*MLXQ, "status", "--json", "--redis-url", one_slot.redis_url], cwd=ROOT,
+                               capture_output=True, text=True, check=True)
+        (listed,) = [b for b in json.loads(shown.stdout)["batches"] if b["id"] == handle.id]
+        assert listed["status"] == "in_progress" and listed["total"] == 3 and listed["queue"] == one_slot.queue
         assert handle.cancel().status == "cancelling"
         driving.join(120)
         batch = handle.progress()
