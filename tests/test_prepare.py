@@ -64,8 +64,10 @@ def test_totals_count_published_events_and_restore_only_their_own_fields():
     assert (fields["generation_tokens"], fields["prompt_tokens"], fields["cached_tokens"]) == (2, 3, 1)
     assert (fields["finished:length"], fields["errors:internal"]) == (1, 1)
     again = Totals()
+    assert again.tok_s(now=100.0) == 0.0  # a heartbeat before the restore
     again.restore({b"generation_tokens": b"7", b"made_up": b"9", b"prompt_tokens": b"many",
                    b"last_error": b"not json"})
+    assert again.tok_s(now=101.0) == 0.0  # the restored tokens were not made in that second
     assert again.as_fields()["generation_tokens"] == 7 and "made_up" not in again.as_fields()
     assert again.as_fields()["prompt_tokens"] == 0 and again.last_error is None
 

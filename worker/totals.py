@@ -40,6 +40,7 @@ class Totals:
         """Continue from the counts an earlier run under this name left in Redis; what is
         not one of our counters, or not a number, is ignored."""
         known = set(field_names())
+        self._samples.clear()  # a rate sampled before would count the restored tokens as made now
         for name, value in stored.items():
             key = name.decode(errors="replace")
             if key in known and value.isdigit():
