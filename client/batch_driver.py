@@ -25,7 +25,7 @@ from ._errors import QueueFull, RequestRejected
 from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
 from .keys import BATCH_LANE
 from .protocol import Delta, Done, Error, Event, decode_event
-from .replies import stream_entries
+from .replies import as_text, stream_entries
 
 if TYPE_CHECKING:
     from ._async import AsyncClient
@@ -214,7 +214,9 @@ class BatchDriver:
             await self.store.move(batch.id, "cancelled", came_from=("cancelling",))
 
     async def _expire(self, batch: Batch) -> None:
-        """Past its window: stop what runs, file every line not ended as `batch_expired`."""
+        """Past its window: file the ends already written, stop what runs, file every line
+        not ended as `batch_expired`."""
+        await self._gather(batch)
         await self._stop_running(batch)
         finished = await self.store.finished_lines(batch.id)
         left = [i for i in range(batch.total) if i not in finished]
@@ -244,12 +246,16 @@ class BatchRunner:
 
     async def run(self) -> None:
         """Until cancelled."""
+        failing = False  # a look that fails is logged once until one succeeds (an ACL without the batch keys)
         try:
             while True:
                 try:
                     await self._look()
+                    failing = False
                 except RedisError as e:
-                    log.warning("could not look for batches to drive: %s", e)
+                    if not failing:
+                        log.warning("could not look for batches to drive (tried again every %g s): %s", self.poll_s, e)
+                    failing = True
                 await asyncio.sleep(self.poll_s)
         finally:
             for task in self._driving.values():
@@ -257,8 +263,7 @@ class BatchRunner:
             await asyncio.gather(*self._driving.values(), return_exceptions=True)
 
     async def _look(self) -> None:
-        for batch_id in [b.decode() if isinstance(b, bytes) else b
-                         for b in await self.client.redis.smembers(self.client.keys.active_batches)]:
+        for batch_id in [as_text(b) for b in await self.client.redis.smembers(self.client.keys.active_batches)]:
             if batch_id in self._driving or self._resting.get(batch_id, 0.0) > time.monotonic():
                 continue
             driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window)

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from client.batches import MAX_LINES, BatchLine, LineResult
-from client.protocol import Done, TokenLogprob
+from client.batches import MAX_LINES, Batch, BatchLine, BatchStore, LineResult
+from client.protocol import Done, TokenLogprob, encode_event
 
 from .errors import ApiError
 from .requests import Call, read_call
@@ -106,6 +106,10 @@ async def output_line(result: LineResult, line: BatchLine, endpoint: str, tool_c
     """The output or error file's line for one result."""
     line_id = f"batch_req_{uuid.uuid5(uuid.NAMESPACE_URL, result.request_id).hex}"
     event = result.event
+    if isinstance(event, Done) and endpoint not in ENDPOINTS:  # a client's batch: mlxq's own `done`
+        body = json.loads(encode_event(event, "json")["json"])
+        return {"id": line_id, "custom_id": result.custom_id,
+                "response": {"status_code": 200, "request_id": result.request_id, "body": body}, "error": None}
     if isinstance(event, Done):
         call = Call(ENDPOINTS[endpoint], line.meta["model"], line.body or {}, False, False, line.meta["created"],
                     line.meta["offers_tools"])
@@ -122,6 +126,14 @@ async def output_line(result: LineResult, line: BatchLine, endpoint: str, tool_c
     failed = ApiError.from_code(event.code, event.message)
     return {"id": line_id, "custom_id": result.custom_id, "error": error,
             "response": {"status_code": failed.status, "request_id": result.request_id, "body": failed.body()}}
+
+
+async def result_file(store: BatchStore, batch: Batch, part: Literal["output", "errors"],
+                      tool_call: ToolMarkers) -> bytes:
+    """A batch's output or error file: a line per result of that kind, in line order."""
+    results = [r for r in await store.results(batch.id) if (part == "output") == isinstance(r.event, Done)]
+    lines = await store.lines(batch.id, 0, batch.total) if results else []
+    return jsonl([await output_line(r, lines[r.index], batch.endpoint, tool_call) for r in results])
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:

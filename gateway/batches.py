@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from starlette.datastructures import UploadFile
@@ -25,13 +25,13 @@ from client.batches import Batch, BatchStore, completion_window_s
 from client.keys import Keys
 from client.replies import as_text
 
-from .batch_lines import jsonl, output_line, read_input
+from .batch_lines import read_input, result_file
 from .errors import ApiError
 from .models import ModelDirectory
 
 MAX_METADATA = 16
 FILE_FIELDS = ("id", "bytes", "created_at", "expires_at", "filename", "purpose")
-RESULT_FILES = {"output": "batch_output", "errors": "batch_output"}
+RESULT_FILES: tuple[Literal["output", "errors"], ...] = ("output", "errors")
 
 
 def not_found(what: str, name: str) -> ApiError:
@@ -215,7 +215,7 @@ class Batches:
             raise not_found("batch", batch_id)
         return batch
 
-    async def result_file(self, file_id: str) -> tuple[Batch, str] | None:
+    async def result_file(self, file_id: str) -> tuple[Batch, Literal["output", "errors"]] | None:
         """The batch and part (`output`, `errors`) a result file's id names, if it does."""
         for part in RESULT_FILES:
             if file_id.startswith("file-") and file_id.endswith(f"-{part}"):
@@ -224,14 +224,9 @@ class Batches:
                     return batch, part
         return None
 
-    async def render(self, batch: Batch, part: str) -> bytes:
-        """A result file's content: one line per result of that kind, in line order."""
-        results = [r for r in await self.store.results(batch.id) if (part == "output") == (r.event.type == "done")]
-        lines = []
-        for result in results:
-            (line,) = await self.store.lines(batch.id, result.index, result.index + 1)
-            lines.append(await output_line(result, line, batch.endpoint, self._tool_call))
-        return jsonl(lines)
+    async def render(self, batch: Batch, part: Literal["output", "errors"]) -> bytes:
+        """A result file's content."""
+        return await result_file(self.store, batch, part, self._tool_call)
 
     async def _tool_call(self, model: str) -> tuple[str, str] | None:
         try:

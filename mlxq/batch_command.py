@@ -27,6 +27,7 @@ from .errors import CommandError
 T = TypeVar("T")
 PLAIN_EVERY_S = 5.0  # without a terminal, a progress line this often (and at every change of status)
 BAR = 30
+NEWLINE = b"\n"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -84,26 +85,19 @@ async def _status(client: AsyncClient, args: argparse.Namespace) -> int:
 
 
 async def _results(client: AsyncClient, args: argparse.Namespace) -> int:
-    from gateway.batch_lines import jsonl, output_line
+    from gateway.batch_lines import result_file
 
-    batch = await _batch(client, args)
-    store = BatchStore(client.redis, client.keys)
-    results = await store.results(batch.id)
-    wanted = [r for r in results if (r.event.type == "done") != args.errors]
-
-    async def no_markers(_: str) -> None:
+    async def no_markers(_: str) -> None:  # no directory here: a text's tool-call markup stays in its content
         return None
 
-    lines = []
-    for result in wanted:
-        (line,) = await store.lines(batch.id, result.index, result.index + 1)
-        lines.append(await output_line(result, line, batch.endpoint, no_markers))
-    content = jsonl(lines)
+    batch = await _batch(client, args)
+    content = await result_file(BatchStore(client.redis, client.keys), batch, "errors" if args.errors else "output",
+                                no_markers)
     if args.output is None:
         sys.stdout.buffer.write(content)
     else:
         args.output.write_bytes(content)
-        print(f"{len(lines)} lines to {args.output} ({batch.status}: {batch.completed} completed, "
+        print(f"{content.count(NEWLINE)} lines to {args.output} ({batch.status}: {batch.completed} completed, "
               f"{batch.failed} failed of {batch.total})", file=sys.stderr)
     return 0
 

@@ -214,6 +214,19 @@ def test_the_openai_sdk_runs_a_batch_whose_lines_match_direct_requests(gateways,
     assert batch.id in [b.id for b in listed.data]
 
 
+def test_a_client_s_batch_reads_through_the_gateway_as_mlxq_s_own_events(gateways, worker):
+    with Client(worker.redis_url, queue=worker.queue) as client:
+        handle = client.submit_batch(lines_of(PROMPTS[:2]))
+        handle.wait(timeout=120)
+        direct = client.generate(**lines_of(PROMPTS[:1])[0]["body"], timeout=60)
+    api = openai_client(gateways[0])
+    batch = api.batches.retrieve(handle.id)
+    assert batch.endpoint == "mlxq" and batch.status == "completed"
+    output = jsonl_of(api, batch.output_file_id)
+    assert [o["custom_id"] for o in output] == ["line-0", "line-1"]
+    assert output[0]["response"]["body"]["text"] == direct.text and output[0]["response"]["body"]["finish_reason"]
+
+
 def test_bad_batch_requests_are_answered_with_their_reason(gateways, worker):
     api = openai_client(gateways[0])
     with pytest.raises(openai.APIStatusError) as too_large:
@@ -273,31 +286,39 @@ def test_cancelling_through_the_sdk_stops_the_batch(gateways, one_slot):
 
 def test_a_killed_gateway_s_batch_is_finished_by_another_with_every_line_once(gateways, worker, valkey, logs_dir):
     """kill -9 of the gateway driving a batch mid-way: another takes its lease over and every
-    custom_id appears exactly once in the output."""
-    victim = start_gateway(valkey, logs_dir, "--batch-lease-s", "2")
+    custom_id appears exactly once. The batch cannot end before the kill, however fast the
+    machine: its first line runs until it is cancelled, after the kill."""
+    victim = start_gateway(valkey, logs_dir, "--batch-lease-s", "2", "--batch-window", "5")
     stats = redis.Redis.from_url(valkey)
     served = int(stats.hget(KEYS.stats(worker.consumer), "finished:length") or 0)
     for gateway in gateways:
         gateway.signal(signal.SIGSTOP)  # only the victim drives, until it dies
     try:
         api = openai_client(victim)
-        lines = [chat_line(f"k{i}", worker.queue, f"Line {i} of the batch", max_tokens=24) for i in range(40)]
-        batch = api.batches.create(input_file_id=upload(api, lines), endpoint="/v1/chat/completions",
+        held = {"custom_id": "k0", "method": "POST", "url": "/v1/completions", "body": {
+            "model": worker.queue, "prompt": HELD_PROMPT, "max_tokens": 2000, "ignore_eos": True}}
+        lines = [held, *({"custom_id": f"k{i}", "method": "POST", "url": "/v1/completions", "body": {
+            "model": worker.queue, "prompt": f"Line {i} of the batch", "max_tokens": 24, "temperature": 0}}
+            for i in range(1, 40))]
+        batch = api.batches.create(input_file_id=upload(api, lines), endpoint="/v1/completions",
                                    completion_window="24h")
-        poll(api, batch.id, until=("in_progress",))
         wait_for(lambda: 0 < api.batches.retrieve(batch.id).request_counts.completed, what="some lines to finish")
         victim.signal(signal.SIGKILL)
         victim.wait()
+        assert stats.hget(KEYS.batch(batch.id), "status") == b"in_progress"
     finally:
         for gateway in gateways:
             gateway.signal(signal.SIGCONT)
+    with Client(worker.redis_url, queue=worker.queue) as client:
+        client.cancel(f"{batch.id}-0")  # the held line ends now, as a line cancelled on its own
     api = openai_client(gateways[1])
     batch = poll(api, batch.id)
-    assert batch.status == "completed" and batch.request_counts.completed == 40
-    output = jsonl_of(api, batch.output_file_id)
-    assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(40))
-    wait_for(lambda: int(stats.hget(KEYS.stats(worker.consumer), "finished:length")) == served + 40,
-             what="the worker's count of finished requests to grow by exactly the 40 lines")
+    assert batch.status == "completed" and (batch.request_counts.completed, batch.request_counts.failed) == (39, 1)
+    output, errors = jsonl_of(api, batch.output_file_id), jsonl_of(api, batch.error_file_id)
+    assert sorted(o["custom_id"] for o in output + errors) == sorted(f"k{i}" for i in range(40))
+    assert [e["custom_id"] for e in errors] == ["k0"] and errors[0]["error"]["code"] == "cancelled"
+    wait_for(lambda: int(stats.hget(KEYS.stats(worker.consumer), "finished:length")) == served + 39,
+             what="the worker's count of finished requests to grow by exactly the 39 lines that ran out")
 
 
 # ---- mlxq batch ---------------------------------------------------------------------------
