@@ -31,6 +31,7 @@ class ModelState:
     lanes: tuple[str, ...] = ()  # the queue's lanes this worker reads too
     tool_call: tuple[str, str] | None = None  # the model's tool-call markers (start, end), when it has a format
     memory_bytes: int | None = None  # what it holds in memory, where counted
+    task: str = "generate"  # what its queue serves: "generate", "embed" or "rerank"
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelState | None:
@@ -40,7 +41,7 @@ class ModelState:
         state = raw.get("state")
         return cls(name if isinstance(name, str) else queue, queue, path,
                    cast(ModelLoad, state if state in get_args(ModelLoad) else "available"), _strings(raw.get("lanes")),
-                   _markers(raw.get("tool_call")), _int(raw.get("memory_bytes")))
+                   _markers(raw.get("tool_call")), _int(raw.get("memory_bytes")), _str(raw.get("task"), "generate"))
 
 
 @dataclass(frozen=True)

@@ -581,9 +581,19 @@ class ToolCall:
 
 
 @dataclass(frozen=True)
+class Ranked:
+    """One document of a rerank request: its place in the request's list, and its score."""
+
+    index: int
+    relevance_score: float
+
+
+@dataclass(frozen=True)
 class Done:
     """The end of a request: the whole text, why it ended, usage and timing; the tool
-    calls parsed from the text when the request offered tools."""
+    calls parsed from the text when the request offered tools. An embedding request's
+    ends with its `embeddings` (one per input, in order: floats, or base64 strings as
+    it asked), a rerank request's with its `results` (best first); their `text` is empty."""
 
     id: str
     finish_reason: FinishReason
@@ -594,6 +604,8 @@ class Done:
     tool_calls: list[ToolCall] | None = None
     reasoning: str | None = None  # a thinking model's whole reasoning (the deltas' joined)
     stop_reason: str | None = None  # the stop string that ended it (vLLM's name); None for a stop token
+    embeddings: list[list[float] | str] | None = None
+    results: list[Ranked] | None = None
     type: Literal["done"] = field(default="done", repr=False)
 
     @property
@@ -641,7 +653,8 @@ def encode_event(event: Event, encoding: Encoding) -> dict[str, bytes | str]:
         return {"type": "delta", encoding: _encode(body, encoding)}
     body = asdict(event)
     kind = body.pop("type")
-    for optional in ("logprobs", "tool_calls", "reasoning", "stop_reason"):  # now and then: absent, not null
+    # Now and then: absent, not null.
+    for optional in ("logprobs", "tool_calls", "reasoning", "stop_reason", "embeddings", "results"):
         if optional in body and body[optional] is None:
             del body[optional]
     return {"type": kind, encoding: _encode(body, encoding)}
@@ -661,6 +674,8 @@ def decode_event(fields: dict[Any, Any]) -> Event:
         if body.get("tool_calls") is not None:
             body["tool_calls"] = [ToolCall(id=c["id"], function=FunctionCall(**c["function"]))
                                   for c in body["tool_calls"]]
+        if body.get("results") is not None:
+            body["results"] = [_known(Ranked, r) for r in body["results"]]
     elif kind == "delta" and body.get("logprobs") is not None:
         body["logprobs"] = [TokenLogprob(**{**entry, "top_logprobs": [TopLogprob(**t) for t in entry["top_logprobs"]]})
                             for entry in body["logprobs"]]

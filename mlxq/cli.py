@@ -322,13 +322,23 @@ def _add_demo_model(commands: Any) -> None:
     demo.add_argument("--thinking", action="store_true",
                       help="a thinking variant: <think> </think> tokens, a template that opens the reasoning "
                            "(enable_thinking: false closes it)")
+    demo.add_argument("--embedding", action="store_true",
+                      help="an embedding model shaped as Qwen3-Embedding (last-token pooling, normalized, any "
+                           "Matryoshka size): its worker serves embeddings")
+    demo.add_argument("--reranker", action="store_true",
+                      help="a reranker shaped as Qwen3-Reranker (serve it with --task rerank)")
     demo.set_defaults(run=_run_demo_model)
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
     if args.family != demo_model.DEFAULT_VISION_FAMILY and not args.vision:
         raise SystemExit("mlxq demo-model: --family goes with --vision")
-    size = "vision" if args.vision else "thinking" if args.thinking else "trained" if args.trained else args.size
+    kinds = {"vision": args.vision, "thinking": args.thinking, "trained": args.trained,
+             "embedding": args.embedding, "reranker": args.reranker}
+    chosen = [kind for kind, wanted in kinds.items() if wanted]
+    if len(chosen) > 1:
+        raise SystemExit(f"mlxq demo-model: choose one of --{' --'.join(chosen)}")
+    size = chosen[0] if chosen else args.size
     path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family)
     print(f"demo model written to {path}")
     return 0

@@ -106,7 +106,8 @@ def ensure(path: Path) -> Path:
 
 def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE,
           family: str = DEFAULT_VISION_FAMILY) -> Path:
-    """Build the demo model (`demo`), the `bench` size, the `thinking` variant, the
+    """Build the demo model (`demo`), the `bench` size, the `thinking` variant, an
+    `embedding` model or a `reranker` (the demo model's shape and tokenizer), the
     `trained` model and its draft (`demo_trained`, minutes) or a `vision` model of
     `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
     a crash leaves nothing half-built. A `vocab` above the default trains the tokenizer
@@ -126,6 +127,10 @@ def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE
             write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
             demo_trained.write(staging, seed, {**MODEL_CONFIG, "vocab_size": VOCAB_SIZE,
                                                "eos_token_id": special_ids(staging, EOS_TOKENS)})
+        elif size in ("embedding", "reranker"):
+            write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
+            _make_pooling(staging, size)
+            _write_model(staging, seed, MODEL_CONFIG)
         elif size == "thinking":
             write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
             _write_model(staging, seed, MODEL_CONFIG)
@@ -188,6 +193,30 @@ def write_tokenizer(out: Path, special_tokens: list[str], chat_template: str, vo
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_ids}))
 
 
+def _make_pooling(out: Path, size: str) -> None:
+    """Make the tokenizer and files of a sentence-transformers embedding model as
+    Qwen3-Embedding's (last-token pooling, the eos appended to every text, Matryoshka
+    sizes), or of a Qwen3-Reranker (whose answer words, "yes" and "no", are single tokens)."""
+    from tokenizers import AddedToken, Tokenizer, processors
+
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    if size == "reranker":
+        tokenizer.add_tokens([AddedToken("yes"), AddedToken("no")])
+    else:
+        eos = ("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))
+        tokenizer.post_processor = processors.TemplateProcessing(single="$A <|endoftext|>",
+                                                                 pair="$A <|endoftext|> $B:1 <|endoftext|>:1",
+                                                                 special_tokens=[eos])
+        (out / "modules.json").write_text(json.dumps([
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}]))
+        (out / "1_Pooling").mkdir()
+        (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": MODEL_CONFIG[
+            "hidden_size"], "pooling_mode_lasttoken": True}))
+    tokenizer.save(str(out / "tokenizer.json"))
+
+
 def special_ids(out: Path, tokens: list[str]) -> list[int]:
     from tokenizers import Tokenizer
 
@@ -201,8 +230,12 @@ def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
     import mlx.core as mx
     from mlx_lm.models import qwen3
 
-    vocab = json.loads((out / "tokenizer.json").read_text())["model"]["vocab"]
-    config = {**shape, "vocab_size": max(VOCAB_SIZE, len(vocab)), "eos_token_id": special_ids(out, EOS_TOKENS)}
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    config = {**shape, "vocab_size": max(VOCAB_SIZE, vocab), "eos_token_id": special_ids(out, EOS_TOKENS)}
+    if (out / "modules.json").exists():  # an embedding model: any size may be cut from its vectors
+        config.update(architectures=["Qwen3Model"], is_matryoshka=True)
     mx.random.seed(seed)
     model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
     save(out, model, model.model.embed_tokens, special_ids(out, SPECIAL_TOKENS), config)

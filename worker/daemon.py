@@ -39,6 +39,7 @@ from .messages import EngineStats, StepOutput
 from .metrics import Metrics
 from .naming import NameTaken
 from .prepare import Preparer
+from .prepare_pooling import PoolingPreparer
 from .publisher import Publisher
 from .recovery import Reclaimer
 from .requests import RequestTable
@@ -116,9 +117,9 @@ class Worker:
             return 1
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
-        tools = ToolFormat.of(info.tokenizer)
+        tools = ToolFormat.of(info.tokenizer) if info.pooling is None else None
         leases = self._leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals,
-                                       self.blas, (tools.start, tools.end) if tools else None)
+                                       self.blas, (tools.start, tools.end) if tools else None, info.task)
         if self._stats is not None:
             leases.update(self._stats)
         try:
@@ -175,7 +176,8 @@ class Worker:
         reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
         return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults), self.engine, publisher.emit, clock_offset_s,
+                      Preparer(info, self.settings, self.faults) if info.pooling is None
+                      else PoolingPreparer(info, self.settings), self.engine, publisher.emit, clock_offset_s,
                       self.totals)
 
     async def _serve(self, intake: Intake, leases: Leases, publisher: Publisher) -> int:

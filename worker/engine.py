@@ -29,10 +29,12 @@ from .messages import (
     EngineRequest,
     EngineStats,
     EngineTime,
+    PoolingRequest,
     Shutdown,
     StepOutput,
     Submit,
 )
+from .pooling_core import PoolingCore
 from .scheduler import SchedulingPolicy
 
 log = structlog.get_logger("mlxq.engine")
@@ -62,7 +64,7 @@ class Engine:
         self._info: ModelInfo | None = None
         self._error: BaseException | None = None
         # Engine-thread state from here on.
-        self._core: EngineCore  # made once the model is loaded
+        self._core: EngineCore | PoolingCore  # made once the model is loaded
         self._drain_until: float | None = None
         self._next_housekeeping = 0.0
         self._time = EngineTime()
@@ -81,7 +83,7 @@ class Engine:
             raise EngineFailed(f"model failed to load: {self._error}") from self._error
         return self._info
 
-    def submit(self, request: EngineRequest) -> None:
+    def submit(self, request: EngineRequest | PoolingRequest) -> None:
         self._commands.put(Submit(request))
 
     def cancel(self, request_id: str) -> None:
@@ -120,7 +122,8 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._load()
-            core = EngineCore(loaded, self._policy, self._time, self._faults)
+            core: EngineCore | PoolingCore = EngineCore(loaded, self._policy, self._time, self._faults) \
+                if loaded.pooler is None else PoolingCore(loaded, self._policy, self._time)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self._error = e
             self._ready.set()
@@ -176,9 +179,7 @@ class Engine:
         caches: dict[str, CacheStats | None] = {"prefix_cache": None if cache is None else cache.stats()}
         caches.update(self._loaded.cache_stats())
         core = self._core
-        self._on_stats(EngineStats(running=len(core.running), waiting=len(core.scheduler),
-                                   memory=self._loaded.memory(), mask_fills=core.guides.fills,
-                                   mask_fill_ms=core.guides.fill_s * 1000, time=replace(self._time),
+        self._on_stats(EngineStats(**core.counts(), memory=self._loaded.memory(), time=replace(self._time),
                                    speculation=None if self._loaded.speculation is None else self._loaded.speculation(),
                                    **caches))  # type: ignore[arg-type]
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from typing import Any
 
 import structlog
 
@@ -21,7 +22,7 @@ from .backends import Coverage, Loaded
 from .constraints import Guides
 from .faults import NONE, Faults
 from .logprobs import token_logprobs
-from .messages import EngineRequest, EngineTime, Outgoing, RequestRef, StepOutput, Thinking
+from .messages import EngineRequest, EngineTime, Outgoing, PoolingRequest, RequestRef, StepOutput, Thinking
 from .output import RequestOutput, deadline_exceeded, failed, not_started, process_step
 from .prefix_cache import PrefixCache
 from .sampling import build_logits_processors, build_sampler
@@ -35,7 +36,7 @@ class EngineCore:
 
     def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE) -> None:
         self.loaded = loaded
-        self.scheduler = Scheduler(policy)
+        self.scheduler: Scheduler[EngineRequest] = Scheduler(policy)
         self.backend = loaded.make_backend()
         self.guides = Guides(loaded.info.vocab_size, policy.max_num_seqs)
         self.clock = clock  # the model's share of the thread's time is counted here
@@ -48,7 +49,13 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
 
-    def submit(self, request: EngineRequest, out: StepOutput) -> None:
+    def counts(self) -> dict[str, Any]:
+        """Its part of `EngineStats`."""
+        return {"running": len(self.running), "waiting": len(self.scheduler), "mask_fills": self.guides.fills,
+                "mask_fill_ms": self.guides.fill_s * 1000}
+
+    def submit(self, request: EngineRequest | PoolingRequest, out: StepOutput) -> None:
+        assert isinstance(request, EngineRequest), "the preparer makes generation requests for a generating model"
         try:
             self.scheduler.add(request)
         except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone

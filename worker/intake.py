@@ -22,9 +22,10 @@ from client.protocol import MEDIA_FIELDS, Envelope, ErrorCode, RequestRejected, 
 from .engine import Engine
 from .fencing import Fencing, take_fence
 from .isolated import DecoderDied
-from .messages import EngineRequest, Outgoing, Resume, Route
+from .messages import EngineRequest, Outgoing, PoolingRequest, Resume, Route
 from .output import failed, not_started
 from .prepare import Preparer
+from .prepare_pooling import PoolingPreparer
 from .recovery import Delivery, Reclaimer
 from .requests import HeldRequest, RequestStatus, RequestTable
 from .retrying import describe, is_permission_error, retrying
@@ -48,7 +49,7 @@ class Intake:
     """Reads the queue as room allows and starts what it reads."""
 
     def __init__(self, settings: WorkerSettings, streams: RequestStreams, marks: RequestMarks, fencing: Fencing,
-                 requests: RequestTable, reclaimer: Reclaimer, preparer: Preparer, engine: Engine,
+                 requests: RequestTable, reclaimer: Reclaimer, preparer: Preparer | PoolingPreparer, engine: Engine,
                  emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals) -> None:
         self.settings = settings
         self.streams = streams
@@ -210,8 +211,9 @@ class Intake:
         self.requests.advance(route.id, RequestStatus.ADMITTED)
         self.engine.submit(request)  # it checks the deadline when it admits the request, before any compute
 
-    async def _prepared(self, delivery: Delivery, route: Route, prepare: Callable[[], EngineRequest], inline: bool,
-                        crashes: int) -> EngineRequest | None:
+    async def _prepared(self, delivery: Delivery, route: Route,
+                        prepare: Callable[[], EngineRequest | PoolingRequest], inline: bool,
+                        crashes: int) -> EngineRequest | PoolingRequest | None:
         """The request, prepared; None once it is answered instead: refused, or
         dead-lettered when a media decoder died on it as often as `max_crashes` allows
         (a decoder's death counts as a crash, beside the workers that died on it)."""

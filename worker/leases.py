@@ -47,13 +47,15 @@ class Leases:
     """Claims a consumer name, then keeps it, the heartbeat and the entries' leases alive."""
 
     def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
-                 model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None) -> None:
+                 model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
+                 task: str = "generate") -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`
         self.requests = requests
         self.model_name = model_name
         self.tool_call = tool_call  # the model's tool-call markers, for readers that split calls from text
+        self.task = task
         self.totals = totals
         self.blas = blas
         self.state: WorkerState = "ready"  # then "draining", then "stopped"
@@ -127,7 +129,7 @@ class Leases:
         """What this worker tells the fleet about itself, under the name `consumer`
         (`mlxq:workers:<consumer>`)."""
         model = ModelState(self.settings.queue, self.settings.queue, self.model_name, "loaded",
-                           tuple(self.settings.lanes), self.tool_call)
+                           tuple(self.settings.lanes), self.tool_call, task=self.task)
         return Heartbeat(
             consumer=consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
             pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),

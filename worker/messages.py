@@ -121,16 +121,52 @@ class EngineRequest:
         return self.ref.id
 
     @property
+    def prompt_size(self) -> int:
+        return len(self.prompt_tokens)
+
+    @property
     def tokens_to_generate(self) -> int:
         """What is left of `max_tokens` after the tokens already streamed."""
         return self.max_tokens - (len(self.resume.tokens) if self.resume else 0)
 
 
 @dataclass(frozen=True)
+class PoolInput:
+    """One sequence of a pooled pass: its tokens, and for a pair encoding each token's segment."""
+
+    tokens: list[int]
+    type_ids: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class PoolingRequest:
+    """A validated, tokenized embedding or rerank request: its sequences, each run once."""
+
+    ref: RequestRef
+    inputs: list[PoolInput]
+    priority: int
+    arrived_at: float  # unix seconds on this host's clock, as `EngineRequest.arrived_at`
+    deadline_at: float | None
+    metadata: dict[str, Any] | None = None
+    dimensions: int | None = None  # embeddings cut to this many, and normalized again
+    base64: bool = False  # embeddings as base64 of little-endian float32, as OpenAI's encoding_format
+    top_n: int | None = None  # a rerank's best documents to return (None: all)
+    count_only: bool = False  # never: only generation requests are counted without running
+
+    @property
+    def id(self) -> str:
+        return self.ref.id
+
+    @property
+    def prompt_size(self) -> int:
+        return sum(len(item.tokens) for item in self.inputs)
+
+
+@dataclass(frozen=True)
 class Submit:
     """Command: queue a request in the engine."""
 
-    request: EngineRequest
+    request: EngineRequest | PoolingRequest
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason, Timing, TokenLogprob, Usage
 
 from .backends import TokenOut
-from .messages import EngineRequest, Outgoing, RequestRef, Resume
+from .messages import EngineRequest, Outgoing, PoolingRequest, RequestRef, Resume
 from .tools import parse_tool_calls
 
 
@@ -205,16 +205,16 @@ def process_step(outputs: dict[int, RequestOutput], tokens: Iterable[TokenOut], 
     return outgoing, finished
 
 
-def not_started(request: EngineRequest, now: float, reason: FinishReason = "cancelled") -> Outgoing:
+def not_started(request: EngineRequest | PoolingRequest, now: float, reason: FinishReason = "cancelled") -> Outgoing:
     """The `done` of a request that ends before it was computed: no deltas, no tokens."""
     waited = _ms(now - request.arrived_at)
     done = Done(id=request.id, finish_reason=reason, text="",
-                usage=Usage(len(request.prompt_tokens), 0),
+                usage=Usage(request.prompt_size, 0),
                 timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.metadata)
     return Outgoing(request.ref, done)
 
 
-def deadline_exceeded(request: EngineRequest) -> Outgoing:
+def deadline_exceeded(request: EngineRequest | PoolingRequest) -> Outgoing:
     """The error of a request whose `deadline_ms` passed before it started."""
     return failed(request.ref, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
 

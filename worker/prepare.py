@@ -58,7 +58,7 @@ class Preparer:
         self._check_token_ids(body)
         tools = self._tool_use(body)
         if body.metadata is not None:
-            self._check_metadata(body.metadata, envelope.encoding)
+            check_metadata(body.metadata, envelope.encoding, self.settings.max_metadata_bytes)
         max_tokens = self._max_tokens(body)
         self._check_prompt_size(body)
         tokens, media = self._tokenize_with_media(body) if body.has_media else (self._tokenize(body), None)
@@ -124,16 +124,6 @@ class Preparer:
         if longest > self.settings.max_stop_length:
             raise RequestRejected(f"stop: a string of {longest} characters is above this worker's max_stop_length "
                                  f"({self.settings.max_stop_length})", code=ErrorCode.TOO_LARGE)
-
-    def _check_metadata(self, metadata: dict[str, object], encoding: Encoding) -> None:
-        """Metadata is echoed in `done`: refuse now what could not be written then."""
-        try:
-            size = len(encode_metadata(metadata, encoding))
-        except (TypeError, ValueError, RecursionError) as e:
-            raise RequestRejected(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
-        if size > self.settings.max_metadata_bytes:
-            raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes "
-                                 f"({self.settings.max_metadata_bytes})", code=ErrorCode.TOO_LARGE)
 
     def _thinking(self, prompt: list[int]) -> Thinking | None:
         """The model's reasoning markers, if it has single-token ones, and whether the
@@ -236,6 +226,17 @@ class Preparer:
         except Exception as e:  # noqa: BLE001 - a template that fails on this request fails the request
             raise RequestRejected(f"messages: the model's chat template failed on them ({ascii(str(e)[:300])})") from e
         return list(tokens)
+
+
+def check_metadata(metadata: dict[str, object], encoding: Encoding, limit: int) -> None:
+    """Metadata is echoed in `done`: refuse now what could not be written then."""
+    try:
+        size = len(encode_metadata(metadata, encoding))
+    except (TypeError, ValueError, RecursionError) as e:
+        raise RequestRejected(f"metadata: cannot be sent back as {encoding} ({ascii(str(e)[:200])})") from e
+    if size > limit:
+        raise RequestRejected(f"metadata: {size} bytes encoded is above this worker's max_metadata_bytes ({limit})",
+                              code=ErrorCode.TOO_LARGE)
 
 
 def template_kwargs(body: RequestBody) -> dict[str, Any]:

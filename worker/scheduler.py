@@ -8,8 +8,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass
-
-from .messages import EngineRequest
+from typing import Generic, Protocol, TypeVar
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
 
@@ -59,7 +58,21 @@ class StepBudget:
         return StepPlan(max(MIN_PREFILL_CHUNK, min(self.prefill_step_size, chunk)), prompts)
 
 
-class Scheduler:
+class Waiting(Protocol):
+    """What ranks a waiting request."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrived_at(self) -> float: ...
+
+
+R = TypeVar("R", bound=Waiting)
+
+
+class Scheduler(Generic[R]):
     """Requests waiting for a slot, and the plan of each step.
 
     Waiting requests go lower `priority` first, first come first served among equals, and
@@ -73,7 +86,7 @@ class Scheduler:
         self.policy = policy
         self.budget = StepBudget(policy.max_step_tokens, policy.prefill_batch_size, policy.prefill_step_size)
         self._heap: list[tuple[float, int, str]] = []
-        self._waiting: dict[str, tuple[int, EngineRequest]] = {}
+        self._waiting: dict[str, tuple[int, R]] = {}
         self._order = itertools.count()
 
     def __len__(self) -> int:
@@ -82,28 +95,28 @@ class Scheduler:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._waiting
 
-    def add(self, request: EngineRequest) -> None:
+    def add(self, request: R) -> None:
         """Queue a request."""
         rank = request.priority + request.arrived_at / self.policy.priority_aging_s  # first: it is what can fail
         order = next(self._order)
         heapq.heappush(self._heap, (rank, order, request.id))
         self._waiting[request.id] = (order, request)
 
-    def remove(self, request_id: str) -> EngineRequest | None:
+    def remove(self, request_id: str) -> R | None:
         """Take a waiting request out (cancelled); None if it is not waiting."""
         entry = self._waiting.pop(request_id, None)
         return None if entry is None else entry[1]
 
-    def admit(self, running: int) -> list[EngineRequest]:
+    def admit(self, running: int) -> list[R]:
         """The requests to start now, best first, into the slots `running` leave free."""
         return self.take(self.policy.max_num_seqs - running)
 
     def plan(self, decoding: int, prefilling: int) -> StepPlan:
         return self.budget.plan(decoding, prefilling)
 
-    def take(self, slots: int) -> list[EngineRequest]:
+    def take(self, slots: int) -> list[R]:
         """Up to `slots` requests to start now, best first."""
-        taken: list[EngineRequest] = []
+        taken: list[R] = []
         while self._heap and len(taken) < slots:
             _, order, request_id = heapq.heappop(self._heap)
             entry = self._waiting.get(request_id)
@@ -112,6 +125,6 @@ class Scheduler:
                 taken.append(entry[1])
         return taken
 
-    def drain(self) -> list[EngineRequest]:
+    def drain(self) -> list[R]:
         """Take every waiting request out, in order."""
         return self.take(len(self._waiting))

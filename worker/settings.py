@@ -43,6 +43,10 @@ class WorkerSettings(LayeredSettings):
     worker_index: int | None = Field(None, ge=0, description="names the worker <host>-<index>; unset: the lowest "
                                      "index no live worker on this host holds")
     model: str | None = Field(None, description="local path or Hugging Face id; unset uses the demo model")
+    task: Literal["auto", "generate", "embed", "rerank"] = Field(
+        "auto", description="what the model's queue serves: generation, embeddings or rerank scores; auto: "
+        "embed for a sentence-transformers model (modules.json), rerank for a sequence classifier, else "
+        "generate (a generative reranker such as Qwen3-Reranker needs rerank)")
     max_num_seqs: int = Field(16, ge=1, description="requests running at once")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
     completion_batch_size: int = Field(32, ge=1, description="sequences decoded together")

@@ -15,12 +15,12 @@ engine thread; this module imports no MLX itself.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from ..messages import CacheStats
+from ..messages import CacheStats, PoolInput
 
 if TYPE_CHECKING:
     from mlx_lm.sample_utils import LogitsProcessor, Sampler
@@ -84,6 +84,22 @@ class BatchBackend(Protocol):
     def close(self) -> None: ...
 
 
+Task = Literal["generate", "embed", "rerank"]
+RerankFormat = Literal["classifier", "qwen3"]
+
+
+@dataclass(frozen=True)
+class PoolingInfo:
+    """What the event loop needs to know of an embedding model or a reranker to prepare its requests."""
+
+    task: Task
+    max_length: int  # tokens of one input (of a query and a document together, for a reranker), at most
+    pad_id: int
+    dimensions: int = 0  # an embedding's length
+    matryoshka: bool | tuple[int, ...] = False  # sizes an embedding may be cut to: any (True), these, or none
+    rerank_format: RerankFormat | None = None
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the event loop may know of the loaded model (the tokenizer only encodes there)."""
@@ -94,6 +110,11 @@ class ModelInfo:
     vocab_size: int
     vision: VisionPrompts | None = None  # on a vision model, what builds image prompts
     logprobs: bool = True  # whether its backend gives each token's log-probability row
+    pooling: PoolingInfo | None = None  # an embedding model's or a reranker's: it serves no generation
+
+    @property
+    def task(self) -> Task:
+        return "generate" if self.pooling is None else self.pooling.task
 
 
 @dataclass
@@ -108,6 +129,7 @@ class Loaded:
     memory: Callable[[], dict[str, int]] = dict  # the framework's memory figures, in bytes
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
     speculation: Callable[[], dict[str, Any]] | None = None  # speculative decoding's counters, where it runs
+    pooler: Callable[[Sequence[PoolInput]], Any] | None = None  # a pooling model's pass: (B, D) vectors or (B,) scores
 
 
 def load_model(settings: WorkerSettings) -> Loaded:
@@ -118,6 +140,13 @@ def load_model(settings: WorkerSettings) -> Loaded:
         from .sim import load_sim
 
         return load_sim(settings.model if settings.unavailable is None else "sim:", name=settings.model)
+    task = task_of(settings)
+    if task != "generate":
+        try:
+            from .pooling import load_pooling_model
+        except ImportError as e:
+            raise RuntimeError(f"{settings.model} serves {task}: {VISION_EXTRA} ({e})") from e
+        return load_pooling_model(settings, task)
     vision = is_vision_model(settings.model)
     needs = mlx_vlm_only(settings)
     if vision or needs:
@@ -140,19 +169,46 @@ def mlx_vlm_only(settings: WorkerSettings) -> str | None:
     return " and ".join(named) or None
 
 
+def task_of(settings: WorkerSettings) -> Task:
+    """The configured task, or the one the model's files say (`WorkerSettings.task`)."""
+    if settings.task != "auto":
+        return settings.task
+    assert settings.model is not None
+    config = json.loads(model_file(settings.model, "config.json").read_text())
+    if any(str(a).endswith("ForSequenceClassification") for a in config.get("architectures") or []):
+        return "rerank"
+    return "embed" if has_model_file(settings.model, "modules.json") else "generate"
+
+
 def is_vision_model(path: str) -> bool:
     """Whether the model's config describes a vision-language model (it has a vision tower)."""
+    return "vision_config" in json.loads(model_file(path, "config.json").read_text())
+
+
+def has_model_file(path: str, name: str) -> bool:
+    """Whether a model directory or Hugging Face repository has this file."""
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return model_file(path, name).exists()
+    except EntryNotFoundError:
+        return False
+
+
+def model_file(path: str, name: str) -> Path:
+    """One file of a model directory, or of a Hugging Face repository (fetched alone)."""
     local = Path(path)
     if local.is_dir():
-        config_file = local / "config.json"
-    else:
-        from huggingface_hub import hf_hub_download
+        return local / name
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
 
-        try:
-            config_file = Path(hf_hub_download(path, "config.json"))
-        except Exception as e:  # noqa: BLE001 - offline, unknown repo, bad id, no access: one message for all
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise RuntimeError(f"model {path!r} is not a local directory, and Hugging Face did not provide it "
-                               f"({type(e).__name__}: {reason}); give a model directory or a Hugging Face id "
-                               "such as mlx-community/Qwen3-0.6B-8bit") from e
-    return "vision_config" in json.loads(config_file.read_text())
+    try:
+        return Path(hf_hub_download(path, name))
+    except EntryNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - offline, unknown repo, bad id, no access: one message for all
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise RuntimeError(f"model {path!r} is not a local directory, and Hugging Face did not provide it "
+                           f"({type(e).__name__}: {reason}); give a model directory or a Hugging Face id "
+                           "such as mlx-community/Qwen3-0.6B-8bit") from e
