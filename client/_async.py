@@ -17,7 +17,8 @@ from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_su
 from .batches import BatchStore, completion_window_s
 from .connect import connect_async
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from .protocol import Delta, Done, Encoding, Event, decode_event
+from .pooling import embeddings_of, ranked_of
+from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
 from .replies import stream_entries
 
 DEFAULT_URL = "redis://127.0.0.1:6390"
@@ -79,6 +80,23 @@ class AsyncClient:
         """Submit and wait for the final output in one call."""
         job = await self.submit(prompt, **kwargs)
         return await job.result(timeout=timeout)
+
+    async def embed(self, input: str | list[str] | list[list[int]], *, dimensions: int | None = None,
+                    truncate: bool = False, queue: str | None = None, timeout: float | None = None,
+                    **params: Any) -> list[list[float]]:
+        """One vector per input, in order, from the embedding model serving `queue` (sent as
+        base64 float32, compact and exact). `params` are the body's other fields (priority,
+        deadline_ms, metadata, ...); `submit(input=...)` gives the whole `done` (usage, timing)."""
+        job = await self.submit(input=input, dimensions=dimensions, truncate=truncate or None,
+                                encoding_format="base64", queue=queue, **params)
+        return embeddings_of(await job.result(timeout=timeout))
+
+    async def rerank(self, query: str, documents: list[str], *, top_n: int | None = None,
+                     queue: str | None = None, timeout: float | None = None, **params: Any) -> list[Ranked]:
+        """The documents' relevance to the query (`index` into `documents`, `relevance_score`),
+        best first, `top_n` of them, from the reranker serving `queue`."""
+        job = await self.submit(query=query, documents=documents, top_n=top_n, queue=queue, **params)
+        return ranked_of(await job.result(timeout=timeout))
 
     async def submit_batch(self, lines: Iterable[Mapping[str, Any]], *, queue: str | None = None,
                            completion_window: str = "24h", metadata: dict[str, str] | None = None) -> AsyncBatchHandle:

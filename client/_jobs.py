@@ -9,6 +9,7 @@ from typing import Any
 
 from ._errors import JobCancelled, JobFailed, JobTimeout, QueueFull, RequestRejected
 from .keys import GROUP, Keys
+from .pooling import validate_any_body
 from .protocol import (
     MAX_NESTING_DEPTH,
     Delta,
@@ -18,7 +19,6 @@ from .protocol import (
     check_values,
     decode_event,
     encode_request,
-    validate_body,
 )
 from .replies import StreamEntry
 
@@ -91,7 +91,7 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
     request_id = request_id or uuid.uuid4().hex
     try:
         check_values(body, MAX_NESTING_DEPTH)
-        validate_body(body)
+        validate_any_body(body)
         fields = encode_request(request_id, body, encoding)
     except RequestRejected:
         raise

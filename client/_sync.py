@@ -17,7 +17,8 @@ from ._batch_jobs import BatchHandle
 from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
 from .connect import connect
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from .protocol import Delta, Done, Encoding, Event, decode_event
+from .pooling import embeddings_of, ranked_of
+from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
 from .replies import stream_entries
 
 
@@ -76,6 +77,23 @@ class Client:
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
         return self.submit(prompt, **kwargs).result(timeout=timeout)
+
+    def embed(self, input: str | list[str] | list[list[int]], *, dimensions: int | None = None,
+              truncate: bool = False, queue: str | None = None, timeout: float | None = None,
+              **params: Any) -> list[list[float]]:
+        """One vector per input, in order, from the embedding model serving `queue` (sent as
+        base64 float32, compact and exact). `params` are the body's other fields (priority,
+        deadline_ms, metadata, ...); `submit(input=...)` gives the whole `done` (usage, timing)."""
+        job = self.submit(input=input, dimensions=dimensions, truncate=truncate or None, encoding_format="base64",
+                          queue=queue, **params)
+        return embeddings_of(job.result(timeout=timeout))
+
+    def rerank(self, query: str, documents: list[str], *, top_n: int | None = None,
+               queue: str | None = None, timeout: float | None = None, **params: Any) -> list[Ranked]:
+        """The documents' relevance to the query (`index` into `documents`, `relevance_score`),
+        best first, `top_n` of them, from the reranker serving `queue`."""
+        job = self.submit(query=query, documents=documents, top_n=top_n, queue=queue, **params)
+        return ranked_of(job.result(timeout=timeout))
 
     def submit_batch(self, lines: Iterable[Mapping[str, Any]], *, queue: str | None = None,
                      completion_window: str = "24h", metadata: dict[str, str] | None = None) -> BatchHandle:

@@ -16,7 +16,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._errors import RequestRejected
-from .protocol import Encoding, describe_validation_error
+from .protocol import Encoding, Ranked, RequestBody, describe_validation_error, validate_body
 
 MAX_INPUTS = 2048  # inputs of one embedding request, as OpenAI's API allows
 MAX_DOCUMENTS = 1024  # documents of one rerank request
@@ -81,6 +81,16 @@ class RerankBody(_PoolingBody):
         return documents
 
 
+def validate_any_body(raw: dict[str, Any]) -> RequestBody | EmbeddingBody | RerankBody:
+    """A generation, embedding or rerank body, told apart by its inputs (`input`; `query`
+    or `documents`; else a prompt), validated as the worker will."""
+    if "input" in raw:
+        return validate_embedding_body(raw)
+    if "query" in raw or "documents" in raw:
+        return validate_rerank_body(raw)
+    return validate_body(raw)
+
+
 def validate_embedding_body(raw: dict[str, Any]) -> EmbeddingBody:
     """Validate a decoded body; raise `RequestRejected` naming each bad field and why."""
     return _validated(EmbeddingBody, raw)
@@ -110,3 +120,17 @@ def decode_vector(value: Sequence[float] | str) -> list[float]:
         raw = base64.b64decode(value)
         return list(struct.unpack(f"<{len(raw) // 4}f", raw))
     return list(value)
+
+
+def embeddings_of(done: Any) -> list[list[float]]:
+    """The vectors of an embedding request's `done`, as floats whichever encoding it asked."""
+    if done.embeddings is None:
+        raise ValueError(f"request {done.id} ended without embeddings (finish_reason {done.finish_reason})")
+    return [decode_vector(v) for v in done.embeddings]
+
+
+def ranked_of(done: Any) -> list[Ranked]:
+    """The results of a rerank request's `done`, best first."""
+    if done.results is None:
+        raise ValueError(f"request {done.id} ended without results (finish_reason {done.finish_reason})")
+    return list(done.results)

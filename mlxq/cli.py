@@ -155,7 +155,8 @@ def _run_gateway(args: argparse.Namespace) -> int:
 def _add_submit(commands: Any) -> None:
     """`mlxq submit`: one request, its text printed."""
     submit = _command(commands, "submit", "submit a request and print its output",
-                      "Submit one request and print the generated text. Exit status: 0 done, 1 failed, "
+                      "Submit one request and print the generated text (or with --embed the embedding, with "
+                      "--rerank the documents' scores). Exit status: 0 done, 1 failed, "
                       "2 bad usage, 75 queue full (retry later), 130 interrupted (the request is cancelled).")
     submit.add_argument("prompt", help="the prompt text")
     submit.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
@@ -170,6 +171,13 @@ def _add_submit(commands: Any) -> None:
     submit.add_argument("--lane", help="submit to this priority lane of the queue (default: the queue itself)")
     submit.add_argument("--image", action="append", type=Path, help="image file sent with the prompt, for a "
                         "vision model's queue (repeatable; sent as raw bytes in msgpack)")
+    submit.add_argument("--embed", action="store_true", help="ask an embedding model's queue for the prompt's "
+                        "embedding, printed as a JSON array")
+    submit.add_argument("--dimensions", type=int, help="with --embed: cut the embedding to this size (a "
+                        "Matryoshka model's)")
+    submit.add_argument("--rerank", action="append", metavar="DOCUMENT", help="ask a reranker's queue how relevant "
+                        "each document (repeatable) is to the prompt, printed best first: index, score, document")
+    submit.add_argument("--top-n", type=int, help="with --rerank: print only the best N")
     submit.add_argument("--id", help="request id (default: random)")
     _add_queue(submit)
     _add_redis_url(submit, prefix=False)

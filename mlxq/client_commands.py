@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import redis as redis_py
 
@@ -15,6 +17,7 @@ from client.connect import connect as redis_for_url
 from client.diagnose import redis_url_problem
 from client.fleet import read_fleet
 from client.keys import Keys
+from client.pooling import embeddings_of, ranked_of
 
 from . import dead, embedded, status
 from .errors import EX_TEMPFAIL, CommandError, on_path
@@ -31,6 +34,8 @@ def connect(args: argparse.Namespace) -> redis_py.Redis:
 
 
 def run_submit(args: argparse.Namespace) -> int:
+    if args.embed or args.rerank:
+        return _run_pooling(args)
     params = {k: v for k, v in {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
         "seed": args.seed, "stop": args.stop, "priority": args.priority}.items() if v is not None}
@@ -66,6 +71,39 @@ def run_submit(args: argparse.Namespace) -> int:
     print(f"[{done.id}] {done.finish_reason}: {done.usage.prompt_tokens} prompt + "
           f"{done.usage.completion_tokens} completion tokens, TTFT {done.timing.ttft_ms} ms, "
           f"{done.decode_tok_s} tok/s, total {done.timing.total_ms} ms", file=sys.stderr)
+    return 0
+
+
+def _run_pooling(args: argparse.Namespace) -> int:
+    """`mlxq submit --embed` / `--rerank`: one embedding or rerank request, its answer printed."""
+    if args.embed and args.rerank:
+        raise CommandError("--embed or --rerank: one of them")
+    generating = [f"--{name.replace('_', '-')}" for name in ("chat", "stream", "max_tokens", "temperature", "top_p",
+                                                             "top_k", "seed", "stop", "image")
+                  if getattr(args, name)]
+    if generating:
+        raise CommandError(f"{', '.join(generating)}: generation options, not for --embed or --rerank")
+    body: dict[str, Any] = {"input": args.prompt, "dimensions": args.dimensions} if args.embed else \
+        {"query": args.prompt, "documents": args.rerank, "top_n": args.top_n}
+    with Client(queue=args.queue, redis=connect(args)) as client:
+        try:
+            job = client.submit(id=args.id, lane=args.lane, priority=args.priority, **body)
+            done = job.result(timeout=args.timeout)
+        except RequestRejected as e:
+            raise CommandError(str(e)) from e
+        except QueueFull as e:
+            raise CommandError(str(e), status=EX_TEMPFAIL) from e
+        except JobTimeout as e:
+            job.cancel()
+            raise CommandError(f"{e}; it was cancelled (a larger --timeout waits longer)") from e
+        except (JobFailed, JobCancelled) as e:
+            raise CommandError(str(e)) from e
+    if args.embed:
+        print(json.dumps(embeddings_of(done)[0]))
+    else:
+        for ranked in ranked_of(done):
+            print(f"{ranked.index}\t{ranked.relevance_score:.6f}\t{args.rerank[ranked.index]}")
+    print(f"[{done.id}] {done.usage.prompt_tokens} tokens, total {done.timing.total_ms} ms", file=sys.stderr)
     return 0
 
 

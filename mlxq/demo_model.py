@@ -229,7 +229,6 @@ def special_ids(out: Path, tokens: list[str]) -> list[int]:
 def _write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
     import mlx.core as mx
     from mlx_lm.models import qwen3
-
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)

@@ -47,7 +47,13 @@ class Preparer:
         if self.settings.unavailable is not None:
             raise RequestRejected(self.settings.unavailable, code=ErrorCode.MODEL_UNAVAILABLE)
         assert envelope.raw is not None
-        body = validate_body(envelope.raw)
+        try:
+            body = validate_body(envelope.raw)
+        except RequestRejected as e:
+            if not {"input", "query", "documents"} & set(envelope.raw):
+                raise
+            raise RequestRejected(f"this queue's model ({self.info.name}) generates text; embeddings and rerank "
+                                  f"go to the queue of an embedding model or a reranker ({e})") from e
         self.faults.exit_if_marked(body.prompt)
         problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
         if problem:

@@ -53,7 +53,14 @@ class PoolingPreparer:
             raise envelope.error
         assert envelope.raw is not None
         task = self.pooling.task
-        body = validate_embedding_body(envelope.raw) if task == "embed" else validate_rerank_body(envelope.raw)
+        try:
+            body = validate_embedding_body(envelope.raw) if task == "embed" else validate_rerank_body(envelope.raw)
+        except RequestRejected as e:
+            if not {"prompt", "messages", "prompt_tokens"} & set(envelope.raw):
+                raise
+            wanted = "input" if task == "embed" else "query and documents"
+            raise RequestRejected(f"this queue's model ({self.name}) serves {task}, not generation: send {wanted} "
+                                  f"({e})") from e
         problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
         if problem:
             raise RequestRejected(problem)
