@@ -34,6 +34,7 @@ from .batches import Batches, Files
 from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
+from .pooling import PoolingKind, PoolingShape, read_pooling_call
 from .relay import Relay
 from .replies import ReplyStream
 from .requests import read_call
@@ -84,6 +85,12 @@ class Gateway:
         self.authorize(request)
         call = read_call(kind, await self._json(request))
         return await self.relay.serve(request, call, started)
+
+    async def pooling(self, request: Request, kind: PoolingKind) -> Response:
+        started = time.monotonic()
+        self.authorize(request)
+        call = read_pooling_call(kind, await self._json(request))
+        return await self.relay.serve(request, call, started, shape_for=PoolingShape)
 
     async def messages(self, request: Request) -> Response:
         started = time.monotonic()
@@ -234,6 +241,9 @@ def create_app(settings: GatewaySettings) -> Starlette:
               methods=["POST"]),
         Route("/v1/completions", gateway.route("completion", lambda r: gateway.completions(r, "completion")),
               methods=["POST"]),
+        Route("/v1/embeddings", gateway.route("embeddings", lambda r: gateway.pooling(r, "embeddings")),
+              methods=["POST"]),
+        Route("/v1/rerank", gateway.route("rerank", lambda r: gateway.pooling(r, "rerank")), methods=["POST"]),
         Route("/v1/models", gateway.route("models", gateway.models)),
         Route("/v1/models/{model:path}", gateway.route("models", gateway.model)),
         Route("/v1/files", gateway.route("files", gateway.upload), methods=["POST"]),

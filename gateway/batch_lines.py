@@ -13,10 +13,12 @@ from client.batches import MAX_LINES, Batch, BatchLine, BatchStore, LineResult
 from client.protocol import Done, TokenLogprob, encode_event
 
 from .errors import ApiError
+from .pooling import embeddings_response, read_pooling_call
 from .requests import Call, read_call
 from .responses import Shaper
 
-ENDPOINTS: dict[str, Literal["chat", "completion"]] = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+ENDPOINTS: dict[str, Literal["chat", "completion", "embeddings"]] = {
+    "/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/embeddings": "embeddings"}
 MAX_CUSTOM_ID = 512
 
 
@@ -91,8 +93,9 @@ def _read_line(raw: str, endpoint: str) -> BatchLine:
            else None)
     if why is not None:
         return BatchLine(custom_id, error={"code": "invalid_request", "message": why})
+    kind = ENDPOINTS[endpoint]
     try:
-        call = read_call(ENDPOINTS[endpoint], line.get("body"))
+        call = read_pooling_call(kind, line.get("body")) if kind == "embeddings" else read_call(kind, line.get("body"))
     except ApiError as e:
         return BatchLine(custom_id, error={"code": e.code or "invalid_request", "message": e.message})
     return BatchLine(custom_id, body=call.body, meta={"model": call.model, "created": call.created,
@@ -113,11 +116,14 @@ async def output_line(result: LineResult, line: BatchLine, endpoint: str, tool_c
     if isinstance(event, Done):
         call = Call(ENDPOINTS[endpoint], line.meta["model"], line.body or {}, False, False, line.meta["created"],
                     line.meta["offers_tools"])
-        markers = await tool_call(call.model) if call.offers_tools else None
-        logprobs: list[TokenLogprob] | None = None
-        if call.body.get("logprobs"):
-            logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
-        body = Shaper(call, result.request_id, markers).whole(event, logprobs)
+        if call.kind == "embeddings":
+            body = embeddings_response(call, event)
+        else:
+            markers = await tool_call(call.model) if call.offers_tools else None
+            logprobs: list[TokenLogprob] | None = None
+            if call.body.get("logprobs"):
+                logprobs = [entry for delta in result.deltas for entry in delta.logprobs or []]
+            body = Shaper(call, result.request_id, markers).whole(event, logprobs)
         return {"id": line_id, "custom_id": result.custom_id,
                 "response": {"status_code": 200, "request_id": result.request_id, "body": body}, "error": None}
     error = {"code": event.code, "message": event.message}

@@ -184,10 +184,15 @@ class Batches:
             queue = "none"
         elif not errors and model is not None:
             try:
-                queue = (await self.directory.resolve(model)).queue
+                served = await self.directory.resolve(model)
             except ApiError as e:  # 404, or 503: no live worker serves it now
                 errors = [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
                            "line": None}]
+            else:
+                queue, wanted = served.queue, "embed" if endpoint == "/v1/embeddings" else "generate"
+                if served.task is not None and served.task != wanted:
+                    errors = [{"code": "invalid_request", "message": f"model {model!r} serves {served.task}; "
+                               f"{endpoint} needs a model that serves {wanted}", "param": "body.model", "line": None}]
         batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
                                         completion_window=window, model=read.model, metadata=metadata,
                                         input_file_id=file_id, errors=errors or None)

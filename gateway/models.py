@@ -32,6 +32,7 @@ class Served:
     queue: str
     since: int  # when its longest-running worker started (unix seconds)
     tool_call: tuple[str, str] | None  # how its model marks a tool call (start, end), when it has a format
+    task: str | None = None  # generate, embed or rerank; None until a worker has loaded it
 
 
 class ModelDirectory:
@@ -94,5 +95,5 @@ def _served(heartbeats: list[Heartbeat], loadable: list[HostedModelView]) -> lis
             since = int(beat.started_at)
             known = found.get((model.path, model.queue))
             if known is None or known.since == 0 or since < known.since:
-                found[(model.path, model.queue)] = Served(model.path, model.queue, since, model.tool_call)
+                found[(model.path, model.queue)] = Served(model.path, model.queue, since, model.tool_call, model.task)
     return sorted(found.values(), key=lambda s: s.queue)

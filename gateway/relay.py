@@ -130,6 +130,9 @@ class Relay:
         """Submit `call` and answer it in the shape `shape_for` makes (OpenAI's by default);
         raises `ApiError`."""
         served = await self.directory.resolve(call.model)
+        if served.task is not None and served.task != call.task:
+            raise ApiError.invalid(f"model {call.model!r} serves {served.task}; this endpoint needs a model that "
+                                   f"serves {call.task}", param="model")
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
         job = self.replies.follow(uuid.uuid4().hex)
         streaming = False

@@ -279,13 +279,19 @@ def _data_url(where: str, part: ImageUrl | VideoUrl | None, kind: str) -> bytes:
 class Call:
     """One HTTP request, read: what to submit and how to answer."""
 
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "embeddings", "rerank"]
     model: str
     body: dict[str, Any]
     stream: bool
     include_usage: bool
     created: int
     offers_tools: bool
+    returns_documents: bool = False  # a rerank call's response repeats each document
+
+    @property
+    def task(self) -> str:
+        """What the serving model must do: the `task` its workers' heartbeats name."""
+        return {"embeddings": "embed", "rerank": "rerank"}.get(self.kind, "generate")
 
 
 def read_call(kind: Literal["chat", "completion"], raw: Any) -> Call:
@@ -296,13 +302,13 @@ def read_call(kind: Literal["chat", "completion"], raw: Any) -> Call:
     try:
         request = model_type.model_validate(raw)
     except ValidationError as e:
-        raise ApiError.invalid(*_describe(e)) from e
+        raise ApiError.invalid(*describe(e)) from e
     body = {k: v for k, v in request.to_body().items() if v is not None}
     offers_tools = isinstance(request, ChatRequest) and bool(request.tools) and request.tool_choice != "none"
     return Call(kind, request.model, body, request.stream, request.include_usage, int(time.time()), offers_tools)
 
 
-def _describe(error: ValidationError) -> tuple[str, str | None]:
+def describe(error: ValidationError) -> tuple[str, str | None]:
     """One line for every problem, OpenAI's wording for an unknown field; and the first field's name."""
     problems = error.errors(include_url=False)
     parts = []
