@@ -183,20 +183,25 @@ class Batches:
                        "reasons): every line failed to read", "param": None, "line": None}]
             queue = "none"
         elif not errors and model is not None:
-            try:
-                served = await self.directory.resolve(model)
-            except ApiError as e:  # 404, or 503: no live worker serves it now
-                errors = [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
-                           "line": None}]
-            else:
-                queue, wanted = served.queue, "embed" if endpoint == "/v1/embeddings" else "generate"
-                if served.task is not None and served.task != wanted:
-                    errors = [{"code": "invalid_request", "message": f"model {model!r} serves {served.task}; "
-                               f"{endpoint} needs a model that serves {wanted}", "param": "body.model", "line": None}]
+            queue, errors = await self._queue_for(model, str(endpoint))
         batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
                                         completion_window=window, model=read.model, metadata=metadata,
                                         input_file_id=file_id, errors=errors or None)
         return openai_batch(batch)
+
+    async def _queue_for(self, model: str, endpoint: str) -> tuple[str, list[dict[str, Any]]]:
+        """The queue serving `model`, or why the batch cannot run: no live worker serves it
+        (404, 503), or it serves another task than the endpoint's."""
+        try:
+            served = await self.directory.resolve(model)
+        except ApiError as e:
+            return "", [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
+                         "line": None}]
+        wanted = "embed" if endpoint == "/v1/embeddings" else "generate"
+        if served.task is not None and served.task != wanted:
+            return "", [{"code": "invalid_request", "message": f"model {model!r} serves {served.task}; {endpoint} "
+                         f"needs a model that serves {wanted}", "param": "body.model", "line": None}]
+        return served.queue, []
 
     async def retrieve(self, batch_id: str) -> dict[str, Any]:
         return openai_batch(await self._get(batch_id))
