@@ -129,7 +129,9 @@ class BatchDriver:
             await self.store.file(batch.id, batch_error(index, line.custom_id, request_id, **line.error))
             return True
         body = {k: v for k, v in (line.body or {}).items() if k != "encoding"}
-        body.update(reply_to=self.replies, stream_interval=ONE_DELTA)
+        body["reply_to"] = self.replies
+        if "input" not in body and "query" not in body:  # a generation: its text in one delta (a pooling one has none)
+            body["stream_interval"] = ONE_DELTA
         try:
             await self.client.submit(id=request_id, queue=batch.queue, lane=BATCH_LANE, **body)
         except QueueFull:

@@ -15,6 +15,8 @@ from .errors import ApiError
 from .requests import Call, describe
 
 PoolingKind = Literal["embeddings", "rerank"]
+SHAPES = {"input": "input: a string, a list of strings, a list of token ids, or a list of lists of token ids",
+          "documents": "documents: a list of strings or of {\"text\": string} objects"}
 
 
 class _Strict(BaseModel):
@@ -68,6 +70,9 @@ def read_pooling_call(kind: PoolingKind, raw: Any) -> Call:
     try:
         request = (EmbeddingsRequest if kind == "embeddings" else RerankRequest).model_validate(raw)
     except ValidationError as e:
+        shape = next((SHAPES[p["loc"][0]] for p in e.errors(include_url=False) if p["loc"][0] in SHAPES), None)
+        if shape is not None:  # a union's every branch failed: say what it takes, once
+            raise ApiError.invalid(shape, param=shape.split(":")[0]) from e
         raise ApiError.invalid(*describe(e)) from e
     body = {k: v for k, v in request.to_body().items() if v is not None}
     returns_documents = isinstance(request, RerankRequest) and request.return_documents
