@@ -25,7 +25,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 # `process`, and `make test-fast` (pytest -m "not process") leaves it out. (`served`:
 # support.on_text_and_vision's model; `family_model`: each vision family's demo model.)
 PROCESS_FIXTURES = {"valkey", "cluster", "redis_url", "demo_model", "vision_model", "family_model", "thinking_model",
-                    "acl_server", "tls_server", "sentinel_deployment", "served"}
+                    "acl_server", "tls_server", "sentinel_deployment", "served", "pooling_model"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

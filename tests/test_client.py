@@ -25,7 +25,8 @@ def test_public_names():
     assert set(client.__all__) == {
         "DEFAULT_URL", "GROUP", "AsyncBatchHandle", "AsyncClient", "AsyncJob", "Batch", "BatchHandle", "Client",
         "LineResult", "Delta", "Done", "Error", "ErrorCode", "Event",
-        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "RequestRejected", "Timing",
+        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "Ranked", "RequestRejected",
+        "Timing",
         "TokenLogprob", "TopLogprob", "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
 
 

@@ -28,7 +28,7 @@ def test_the_written_shape_keeps_the_flat_keys_and_the_engine_figures_at_the_top
     assert (raw["running"], raw["waiting"], raw["memory"]) == (2, 1, {"active": 10})
     assert raw["models"][0] == {"name": "chat", "queue": "chat", "path": "mlx-community/Qwen3-0.6B-8bit",
                                 "state": "loaded", "lanes": ["urgent"], "tool_call": ["<tool_call>", "</tool_call>"],
-                                "memory_bytes": None}
+                                "memory_bytes": None, "task": "generate"}
 
 
 def test_a_heartbeat_of_the_earlier_shape_reads_its_one_model_from_the_flat_keys():

@@ -21,7 +21,7 @@ from worker.settings import WorkerSettings
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory):
+def pooling_model(tmp_path_factory):
     path = build_demo_model(tmp_path_factory.mktemp("model") / "embedding", "--embedding")
     return load_model(WorkerSettings(model=str(path)))
 
@@ -43,10 +43,10 @@ def request(name: str, lengths: list[int], priority: int = 0, **fields) -> Pooli
     return PoolingRequest(RequestRef(name, "0-1"), inputs, priority, time.time(), None, **fields)
 
 
-def core_of(loaded, max_num_seqs: int = 8, prefill_batch_size: int = 8, prefill_step_size: int = 512):
-    counting = Counting(loaded.pooler)
+def core_of(pooling_model, max_num_seqs: int = 8, prefill_batch_size: int = 8, prefill_step_size: int = 512):
+    counting = Counting(pooling_model.pooler)
     policy = SchedulingPolicy(max_num_seqs, prefill_batch_size=prefill_batch_size, prefill_step_size=prefill_step_size)
-    core = PoolingCore(replace(loaded, pooler=counting), policy, EngineTime())
+    core = PoolingCore(replace(pooling_model, pooler=counting), policy, EngineTime())
     return core, counting
 
 
@@ -59,12 +59,12 @@ def run(core: PoolingCore) -> list[Done | Error]:
     return ended
 
 
-def alone(loaded, item: PoolInput) -> list[float]:
-    return loaded.pooler([item])[0].tolist()
+def alone(pooling_model, item: PoolInput) -> list[float]:
+    return pooling_model.pooler([item])[0].tolist()
 
 
-def test_inputs_of_many_requests_share_passes_by_length_bucket(loaded):
-    core, counting = core_of(loaded)
+def test_inputs_of_many_requests_share_passes_by_length_bucket(pooling_model):
+    core, counting = core_of(pooling_model)
     requests = [request("a", [5, 40]), request("b", [9, 12, 33]), request("c", [3]), request("d", [60, 70])]
     for r in requests:
         core.submit(r, StepOutput())
@@ -74,40 +74,40 @@ def test_inputs_of_many_requests_share_passes_by_length_bucket(loaded):
         done = ended[r.id]
         assert isinstance(done, Done) and done.usage.prompt_tokens == sum(len(i.tokens) for i in r.inputs)
         for item, vector in zip(r.inputs, done.embeddings, strict=True):
-            assert max(abs(x - y) for x, y in zip(vector, alone(loaded, item), strict=True)) < 1e-5
+            assert max(abs(x - y) for x, y in zip(vector, alone(pooling_model, item), strict=True)) < 1e-5
 
 
-def test_a_pass_holds_at_most_max_num_seqs_inputs_and_the_token_budget(loaded):
-    core, counting = core_of(loaded, max_num_seqs=3, prefill_batch_size=1, prefill_step_size=100)
+def test_a_pass_holds_at_most_max_num_seqs_inputs_and_the_token_budget(pooling_model):
+    core, counting = core_of(pooling_model, max_num_seqs=3, prefill_batch_size=1, prefill_step_size=100)
     core.submit(request("many", [10] * 7), StepOutput())
     core.submit(request("wide", [40, 40, 40, 200]), StepOutput())
     run(core)
     assert counting.passes == [[10, 10, 10], [10, 10, 10], [10], [40, 40], [40], [200]]
 
 
-def test_a_better_ranked_request_s_inputs_go_first(loaded):
-    core, counting = core_of(loaded, max_num_seqs=2)
+def test_a_better_ranked_request_s_inputs_go_first(pooling_model):
+    core, counting = core_of(pooling_model, max_num_seqs=2)
     core.submit(request("late", [100, 100]), StepOutput())
     core.submit(request("urgent", [8], priority=-1), StepOutput())
     ended = [e.id for e in run(core)]
     assert ended == ["urgent", "late"] and counting.passes == [[8], [100, 100]]
 
 
-def test_dimensions_cut_and_renormalize_and_base64_round_trips(loaded):
+def test_dimensions_cut_and_renormalize_and_base64_round_trips(pooling_model):
     from client.pooling import decode_vector
 
-    core, _ = core_of(loaded)
+    core, _ = core_of(pooling_model)
     core.submit(request("cut", [6], dimensions=16), StepOutput())
     core.submit(request("b64", [6], base64=True), StepOutput())
     ended = {e.id: e for e in run(core)}
-    full = alone(loaded, request("x", [6]).inputs[0])
+    full = alone(pooling_model, request("x", [6]).inputs[0])
     norm = math.sqrt(sum(x * x for x in full[:16]))
     assert max(abs(a - b / norm) for a, b in zip(ended["cut"].embeddings[0], full[:16], strict=True)) < 1e-6
     assert max(abs(a - b) for a, b in zip(decode_vector(ended["b64"].embeddings[0]), full, strict=True)) < 1e-6
 
 
-def test_cancel_and_deadline(loaded):
-    core, counting = core_of(loaded)
+def test_cancel_and_deadline(pooling_model):
+    core, counting = core_of(pooling_model)
     out = StepOutput()
     core.submit(request("gone", [5]), out)
     core.submit(replace(request("late", [5]), deadline_at=time.time() - 1), out)
@@ -121,16 +121,16 @@ def envelope(raw) -> Envelope:
     return Envelope("r", raw, "json", None)
 
 
-def preparer(loaded, **pooling) -> PoolingPreparer:
-    info = replace(loaded.info, pooling=replace(loaded.info.pooling, **pooling))
+def preparer(pooling_model, **pooling) -> PoolingPreparer:
+    info = replace(pooling_model.info, pooling=replace(pooling_model.info.pooling, **pooling))
     return PoolingPreparer(info, WorkerSettings(model="sim:x"))
 
 
 @pytest.mark.parametrize(("matryoshka", "asked", "problem"), [
     (False, 16, "not trained to be cut"), ((16, 32), 20, "can be cut to 16, 32 only"), (True, 65, "more than"),
     ((16, 32), 32, None), (True, 5, None), (False, 64, None)])
-def test_dimensions_are_allowed_only_where_the_model_says(loaded, matryoshka, asked, problem):
-    prepare = preparer(loaded, matryoshka=matryoshka).prepare
+def test_dimensions_are_allowed_only_where_the_model_says(pooling_model, matryoshka, asked, problem):
+    prepare = preparer(pooling_model, matryoshka=matryoshka).prepare
     if problem is None:
         made = prepare(envelope({"input": "hi", "dimensions": asked}), RequestRef("r", "0-1"), time.time(), 0.0)
         assert made.dimensions == (None if asked == 64 else asked)
@@ -139,5 +139,5 @@ def test_dimensions_are_allowed_only_where_the_model_says(loaded, matryoshka, as
             prepare(envelope({"input": "hi", "dimensions": asked}), RequestRef("r", "0-1"), time.time(), 0.0)
 
 
-def test_pooling_info_of_the_demo_embedding_model(loaded):
-    assert loaded.info.pooling == PoolingInfo("embed", 2048, loaded.info.pooling.pad_id, 64, True, None)
+def test_pooling_info_of_the_demo_embedding_model(pooling_model):
+    assert pooling_model.info.pooling == PoolingInfo("embed", 2048, pooling_model.info.pooling.pad_id, 64, True, None)
