@@ -72,7 +72,8 @@ def _worker_row(w: WorkerView) -> list[str]:
                       if name.startswith("errors:") and n) or "-"
     stats, model = beat.stats, beat.model
     running = f"{stats.get('running', '-')}/{stats.get('waiting', '-')}" if w.alive else "-"
-    return [w.name, w.state, beat.host, model.queue if model else "?", _model(model.path if model else None),
+    served = _model(model.path if model else None) + (f" ({model.task})" if model and model.task != "generate" else "")
+    return [w.name, w.state, beat.host, model.queue if model else "?", served,
             running, str(beat.tok_s if beat.tok_s is not None else "-") if w.alive else "-", str(requests),
             str(totals.get("generation_tokens", 0)), errors, _rate(stats.get("prefix_cache")),
             _rate(stats.get("vision_cache")), _bytes((stats.get("memory") or {}).get("active")),
