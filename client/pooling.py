@@ -107,13 +107,6 @@ def _validated(kind: type[EmbeddingBody] | type[RerankBody], raw: dict[str, Any]
         raise RequestRejected(describe_validation_error(e)) from e
 
 
-def encode_vector(vector: Sequence[float], encoding_format: EncodingFormat) -> list[float] | str:
-    """A vector as it travels: floats, or base64 of its little-endian float32 bytes (OpenAI's)."""
-    if encoding_format == "base64":
-        return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
-    return list(vector)
-
-
 def decode_vector(value: Sequence[float] | str) -> list[float]:
     """The floats of a vector in either encoding."""
     if isinstance(value, str):

@@ -12,14 +12,14 @@ threads or Redis; a pass that raises fails only the requests it held inputs of.
 from __future__ import annotations
 
 import time
+from base64 import b64encode
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.core as mx
+import numpy as np
 import structlog
 
-from client.pooling import encode_vector
 from client.protocol import Done, ErrorCode, Ranked, Timing, Usage
 
 from .backends import Loaded
@@ -39,14 +39,15 @@ class Pooling:
     request: PoolingRequest
     admitted_at: float
     pending: list[int]  # indexes of inputs not run yet, in order
-    values: dict[int, Any] = field(default_factory=dict)  # by input index: a vector (list) or a score
+    values: dict[int, Any] = field(default_factory=dict)  # by input index: a float32 vector (numpy) or a score
 
     def done(self, now: float) -> Done:
         request = self.request
         ordered = [self.values[i] for i in range(len(request.inputs))]
-        embeddings = results = None
-        if isinstance(ordered[0], list):
-            embeddings = [encode_vector(v, "base64" if request.base64 else "float") for v in ordered]
+        embeddings: list[list[float] | str] | None = None
+        results = None
+        if isinstance(ordered[0], np.ndarray):
+            embeddings = [_encoded(v, request.base64) for v in ordered]
         else:
             best = sorted(range(len(ordered)), key=lambda i: -ordered[i])[: request.top_n]
             results = [Ranked(i, ordered[i]) for i in best]
@@ -165,17 +166,13 @@ class PoolingCore:
         values = self.pool([pooling.request.inputs[index] for pooling, index in taken])
         if values.ndim == 1:
             return list(values.tolist())
-        rows: list[Any] = [None] * len(taken)
-        by_size: dict[int | None, list[int]] = {}
+        vectors = np.array(values, dtype=np.float32)  # kept compact until their request ends
+        rows: list[Any] = list(vectors)
         for row, (pooling, _) in enumerate(taken):
-            by_size.setdefault(pooling.request.dimensions, []).append(row)
-        for size, where in by_size.items():
-            picked = values[mx.array(where)]
+            size = pooling.request.dimensions
             if size is not None:  # a Matryoshka cut: the model's vectors are unit length, and so are these
-                picked = picked[:, :size]
-                picked = picked / mx.maximum(mx.linalg.norm(picked, axis=-1, keepdims=True), 1e-12)
-            for row, vector in zip(where, picked.tolist(), strict=True):
-                rows[row] = vector
+                cut = vectors[row, :size]
+                rows[row] = cut / max(float(np.linalg.norm(cut)), 1e-12)
         return rows
 
     def _fail(self, taken: Sequence[tuple[Pooling, int]], error: Exception, out: StepOutput) -> None:
@@ -183,6 +180,13 @@ class PoolingCore:
         for pooling in {id(p): p for p, _ in taken}.values():
             self.running.pop(pooling.request.id, None)
             out.outgoing.append(failed(pooling.request.ref, ErrorCode.INTERNAL, f"the model's pass failed: {error}"))
+
+
+def _encoded(vector: np.ndarray, base64: bool) -> list[float] | str:
+    """A vector as it travels: floats, or base64 of its little-endian float32 bytes (OpenAI's)."""
+    if base64:
+        return b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()  # type: ignore[no-any-return]
 
 
 def _bucket(length: int) -> int:
