@@ -335,6 +335,8 @@ def _add_demo_model(commands: Any) -> None:
                            "Matryoshka size): its worker serves embeddings")
     demo.add_argument("--reranker", action="store_true",
                       help="a reranker shaped as Qwen3-Reranker (serve it with --task rerank)")
+    demo.add_argument("--cross-encoder", action="store_true",
+                      help="a reranker shaped as a BERT cross-encoder (BertForSequenceClassification)")
     demo.set_defaults(run=_run_demo_model)
 
 
@@ -342,7 +344,7 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     if args.family != demo_model.DEFAULT_VISION_FAMILY and not args.vision:
         raise SystemExit("mlxq demo-model: --family goes with --vision")
     kinds = {"vision": args.vision, "thinking": args.thinking, "trained": args.trained,
-             "embedding": args.embedding, "reranker": args.reranker}
+             "embedding": args.embedding, "reranker": args.reranker, "cross-encoder": args.cross_encoder}
     chosen = [kind for kind, wanted in kinds.items() if wanted]
     if len(chosen) > 1:
         raise SystemExit(f"mlxq demo-model: choose one of --{' --'.join(chosen)}")

@@ -131,6 +131,8 @@ def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE
             write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
             _make_pooling(staging, size)
             _write_model(staging, seed, MODEL_CONFIG)
+        elif size == "cross-encoder":
+            _write_cross_encoder(staging, seed)
         elif size == "thinking":
             write_tokenizer(staging, SPECIAL_TOKENS + THINK_TOKENS, THINKING_CHAT_TEMPLATE)
             _write_model(staging, seed, MODEL_CONFIG)
@@ -215,6 +217,37 @@ def _make_pooling(out: Path, size: str) -> None:
         (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": MODEL_CONFIG[
             "hidden_size"], "pooling_mode_lasttoken": True}))
     tokenizer.save(str(out / "tokenizer.json"))
+
+
+def _write_cross_encoder(out: Path, seed: int) -> None:
+    """A BERT cross-encoder (`BertForSequenceClassification`, one relevance logit) with the
+    demo tokenizer made BERT's: [CLS] query [SEP] document [SEP], segment ids 0 then 1."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_vlm.models.bert import bert
+    from mlx_vlm.models.bert.config import ModelConfig
+    from tokenizers import Tokenizer, processors
+
+    special = ["[PAD]", "[CLS]", "[SEP]", *SPECIAL_TOKENS]
+    write_tokenizer(out, special, CHAT_TEMPLATE)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    cls, sep = (("[CLS]", tokenizer.token_to_id("[CLS]")), ("[SEP]", tokenizer.token_to_id("[SEP]")))
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[cls, sep])
+    tokenizer.save(str(out / "tokenizer.json"))
+    settings = json.loads((out / "tokenizer_config.json").read_text())
+    settings.update(pad_token="[PAD]", model_input_names=["input_ids", "token_type_ids", "attention_mask"],
+                    model_max_length=512)
+    (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+    config = {"model_type": "bert", "architectures": ["BertForSequenceClassification"], "num_labels": 1,
+              "vocab_size": max(VOCAB_SIZE, tokenizer.get_vocab_size()), "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 512,
+              "type_vocab_size": 2, "pad_token_id": tokenizer.token_to_id("[PAD]")}
+    mx.random.seed(seed)
+    model = bert.SequenceClassificationModel(ModelConfig.from_dict(config))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def special_ids(out: Path, tokens: list[str]) -> list[int]:

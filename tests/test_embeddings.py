@@ -56,6 +56,16 @@ def reranker(valkey, reranker_model, logs_dir):
 
 
 @pytest.fixture(scope="module")
+def cross_encoder(valkey, tmp_path_factory, logs_dir):
+    """A BERT cross-encoder, its task read from its config (auto)."""
+    model = build_demo_model(tmp_path_factory.mktemp("model") / "cross-encoder", "--cross-encoder")
+    process = start_worker(valkey, model, f"ce{uuid.uuid4().hex[:6]}", logs_dir)
+    process.model = model
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="module")
 def gateway(valkey, embedder, reranker, logs_dir):
     process = start_gateway(valkey, logs_dir)
     yield process
@@ -171,6 +181,32 @@ def test_rerank_orders_documents_by_the_model_s_scores(gateway, reranker, scores
     with Client(reranker.redis_url, queue=reranker.queue) as client:
         ranked = client.rerank(QUERY, DOCUMENTS, timeout=60)
     assert [(r.index, round(r.relevance_score, 5)) for r in ranked] == [(i, round(s, 5)) for i, s in expected]
+
+
+def test_a_cross_encoder_scores_each_pair_as_it_does_alone(cross_encoder):
+    """Query and document as one pair encoding (segments 0 and 1), right-padded in a
+    shared pass: each score equals the model's on that pair alone."""
+    import mlx.core as mx
+    from mlx_vlm.reranker_loader import load_reranker
+
+    model, tokenizer = load_reranker(str(cross_encoder.model))
+
+    def alone(document: str) -> float:
+        pair = tokenizer(QUERY, document)
+        logits = model(mx.array([pair["input_ids"]]), token_type_ids=mx.array([pair["token_type_ids"]])).logits
+        return float(mx.sigmoid(logits.reshape(-1))[0].item())
+
+    expected = sorted(((i, alone(d)) for i, d in enumerate(DOCUMENTS)), key=lambda p: -p[1])
+    with Client(cross_encoder.redis_url, queue=cross_encoder.queue) as client:
+        ranked = client.rerank(QUERY, DOCUMENTS, timeout=60)
+        long = client.rerank(QUERY, ["queue " * 600, "json"], truncate=True, timeout=60)
+        with pytest.raises(JobFailed, match="cross-encoder; it takes none"):
+            client.rerank(QUERY, DOCUMENTS, instruction="judge", timeout=60)
+        with pytest.raises(JobFailed, match="documents 0: with the query, .* tokens is above"):
+            client.rerank(QUERY, ["queue " * 600], timeout=60)
+    assert [r.index for r in ranked] == [i for i, _ in expected]
+    assert all(abs(r.relevance_score - s) <= TOLERANCE for r, (_, s) in zip(ranked, expected, strict=True))
+    assert sorted(r.index for r in long) == [0, 1]
 
 
 def test_the_client_and_mlxq_submit_embed(embedder, in_process):
