@@ -315,7 +315,8 @@ def _add_demo_model(commands: Any) -> None:
     demo.add_argument("path", type=Path, nargs="?", default=demo_model.default_path(),
                       help=f"output directory (default: {demo_model.default_path()})")
     demo.add_argument("--size", choices=sorted(demo_model.SIZES), default="demo",
-                      help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks)")
+                      help="demo: ~150k parameters (tests); bench: ~25M parameters (benchmarks); also the shape "
+                           "of --embedding and --reranker")
     demo.add_argument("--vision", action="store_true",
                       help="a tiny vision model instead (~200k parameters, served through mlx-vlm)")
     demo.add_argument("--family", choices=sorted(demo_vision.FAMILIES), default=demo_model.DEFAULT_VISION_FAMILY,
@@ -349,7 +350,7 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     if len(chosen) > 1:
         raise SystemExit(f"mlxq demo-model: choose one of --{' --'.join(chosen)}")
     size = chosen[0] if chosen else args.size
-    path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family)
+    path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family, shape=args.size)
     print(f"demo model written to {path}")
     return 0
 

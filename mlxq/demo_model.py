@@ -105,9 +105,10 @@ def ensure(path: Path) -> Path:
 
 
 def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE,
-          family: str = DEFAULT_VISION_FAMILY) -> Path:
+          family: str = DEFAULT_VISION_FAMILY, shape: str = "demo") -> Path:
     """Build the demo model (`demo`), the `bench` size, the `thinking` variant, an
-    `embedding` model or a `reranker` (the demo model's shape and tokenizer), the
+    `embedding` model or a `reranker` (the demo tokenizer; `shape`: demo or bench), a BERT
+    `cross-encoder`, the
     `trained` model and its draft (`demo_trained`, minutes) or a `vision` model of
     `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
     a crash leaves nothing half-built. A `vocab` above the default trains the tokenizer
@@ -130,7 +131,7 @@ def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE
         elif size in ("embedding", "reranker"):
             write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE)
             _make_pooling(staging, size)
-            _write_model(staging, seed, MODEL_CONFIG)
+            _write_model(staging, seed, SIZES[shape])
         elif size == "cross-encoder":
             _write_cross_encoder(staging, seed)
         elif size == "thinking":
