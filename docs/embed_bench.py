@@ -8,7 +8,8 @@ sentence-transformers model). For each size B, alternated `--pairs` times:
 
 - in process: mlx-vlm's embedding model called as its own server calls it (the tokenizer
   pads B texts, one forward pass, `.tolist()`), over `--inputs` texts of ~`--length` tokens;
-- through the queue: an `mlxq worker --max-num-seqs B` on a Valkey of its own, sent the
+- through the queue: an `mlxq worker --max-num-seqs B` (its pass budget, `prefill_batch_size`
+  x `prefill_step_size`, B x 512 tokens, so that a pass holds B inputs) on a Valkey of its own, sent the
   same texts as requests of `--per-request` inputs each (0: B, so each request is one
   pass; 1: one input per request, which the worker batches) all at once, base64 answers.
 
@@ -68,7 +69,8 @@ def through_queue(model_path: str, inputs: list[str], size: int, per_request: in
         log = Path(logs) / "worker.log"
         worker = subprocess.Popen([*on_model, sys.executable, "-m", "mlxq", "worker", "--model", model_path,
                                    "--queue", queue, "--redis-url", f"redis://127.0.0.1:{port}", "--max-num-seqs",
-                                   str(size), "--log-format", "json"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
+                                   str(size), "--prefill-batch-size", str(size), "--prefill-step-size", "512",
+                                   "--log-format", "json"], stdout=log.open("wb"), stderr=subprocess.STDOUT)
         try:
             with Client(f"redis://127.0.0.1:{port}", queue=queue) as client:
                 while b'"worker ready"' not in log.read_bytes():

@@ -18,14 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-import structlog
 
 from ..messages import PoolInput
 from ..settings import WorkerSettings
 from . import Loaded, ModelInfo, PoolingInfo, RerankFormat, Task
 from .mlx_lm import mlx_memory
-
-log = structlog.get_logger()
 
 FALLBACK_MAX_LENGTH = 512  # an input's tokens when neither the model nor its tokenizer says
 
@@ -86,7 +83,7 @@ def load_pooling_model(settings: WorkerSettings, task: Task) -> Loaded:
         rerank_format = "classifier" if any(str(a).endswith("ForSequenceClassification")
                                             for a in config.get("architectures") or []) else "qwen3"
     info = PoolingInfo(task, _max_length(config, tokenizer), _pad_id(tokenizer),
-                       dimensions=_dimensions(model, config) if task == "embed" else 0,
+                       dimensions=_dimensions(model) if task == "embed" else 0,
                        matryoshka=_matryoshka(config), rerank_format=rerank_format)
     yes_no = _yes_no(tokenizer) if rerank_format == "qwen3" else None
     pooler = Pooler(model, info, yes_no)
@@ -144,7 +141,8 @@ def _pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def _dimensions(model: Any, config: dict[str, Any]) -> int:
+def _dimensions(model: Any) -> int:
+    """An embedding's length: the model's answer to one token."""
     probe = model(mx.array([[0]]), attention_mask=mx.array([[1]])).text_embeds
     return int(probe.shape[-1])
 
