@@ -243,7 +243,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
               methods=["POST"]),
         Route("/v1/embeddings", gateway.route("embeddings", lambda r: gateway.pooling(r, "embeddings")),
               methods=["POST"]),
-        Route("/v1/rerank", gateway.route("rerank", lambda r: gateway.pooling(r, "rerank")), methods=["POST"]),
+        *(Route(path, gateway.route("rerank", lambda r: gateway.pooling(r, "rerank")), methods=["POST"])
+          for path in ("/v1/rerank", "/v2/rerank", "/rerank")),  # Jina's, Cohere's v2, vLLM's bare path
         Route("/v1/models", gateway.route("models", gateway.models)),
         Route("/v1/models/{model:path}", gateway.route("models", gateway.model)),
         Route("/v1/files", gateway.route("files", gateway.upload), methods=["POST"]),

@@ -284,9 +284,10 @@ def test_the_gateway_refuses_bad_bodies_and_the_wrong_kind_of_model(gateway, emb
             sdk.embeddings.create(model=embedder.queue, input="hi", dimensions=100_000)
     reply = httpx.post(f"{gateway.url}/v1/embeddings", json={"model": embedder.queue, "input": {"a": 1}}, timeout=60)
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "input"
-    reply = httpx.post(f"{gateway.url}/v1/rerank", json={"model": reranker.queue, "query": "q", "documents": []},
-                       timeout=60)
-    assert reply.status_code == 400 and "documents" in reply.json()["error"]["message"]
+    for path in ("/v1/rerank", "/v2/rerank", "/rerank"):
+        reply = httpx.post(f"{gateway.url}{path}", json={"model": reranker.queue, "query": "q", "documents": []},
+                           timeout=60)
+        assert reply.status_code == 400 and "documents" in reply.json()["error"]["message"]
 
 
 def test_a_batch_of_embedding_lines(gateway, embedder, in_process):
