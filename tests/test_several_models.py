@@ -403,3 +403,34 @@ def test_a_model_seen_larger_than_the_room_left_is_answered_with_why(redis_url, 
         assert "more than the" in ended.message and "memory_budget_gb leaves beside the pinned models" in ended.message
     finally:
         assert host.stop() == 0, host.log()
+
+
+@pytest.fixture(scope="module")
+def embedding_model(tmp_path_factory):
+    from support import build_demo_model
+
+    return build_demo_model(tmp_path_factory.mktemp("model") / "embedding", "--embedding")
+
+
+def test_a_generating_model_and_an_embedding_model_on_one_host(redis_url, demo_model, embedding_model, tmp_path, r,
+                                                              outputs):
+    """What a retrieval service runs on one Mac: a chat model and an embedding model, each
+    loaded on demand in its own worker process, each answering its own kind of request
+    (and refusing the other kind with why)."""
+    tag = uuid.uuid4().hex[:6]
+    chat, embed = f"chat{tag}", f"embed{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(chat, demo_model), model(embed, embedding_model)],
+                      memory_budget_gb=2.5)
+    try:
+        vector = f"mm-{uuid.uuid4().hex[:8]}"
+        xadd_json(r, embed, vector, {"input": ["a query", "a document"], "dimensions": 8})
+        (text,) = submit(r, chat)
+        (wrong,) = submit(r, embed)  # a generation body on the embedding model's queue
+        embedded, generated, refused = finished(outputs, [vector, text, wrong])
+        assert isinstance(embedded, Done) and [len(v) for v in embedded.embeddings] == [8, 8]
+        assert isinstance(generated, Done) and generated.text
+        assert isinstance(refused, Error) and "serves embed, not generation" in refused.message
+        wait_for(lambda: states(r, host.name) == {chat: "loaded", embed: "loaded"}, timeout=30,
+                 what="the host to see both models loaded")
+    finally:
+        assert host.stop() == 0, host.log()
