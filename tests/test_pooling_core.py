@@ -93,6 +93,18 @@ def test_a_better_ranked_request_s_inputs_go_first(pooling_model):
     assert ended == ["urgent", "late"] and counting.passes == [[8], [100, 100]]
 
 
+def test_an_urgent_request_admitted_later_goes_before_a_large_one_admitted_first(pooling_model):
+    """A batch line's 6 inputs are running when an interactive request comes: its input
+    runs in the next pass, not after the line's."""
+    core, counting = core_of(pooling_model, max_num_seqs=2)
+    core.submit(request("line", [30] * 6, priority=2**20), StepOutput())
+    first = StepOutput()
+    core.step(first)
+    core.submit(request("urgent", [50]), StepOutput())
+    ended = [e.id for e in run(core)]
+    assert counting.passes == [[30, 30], [50], [30, 30], [30, 30]] and ended == ["urgent", "line"]
+
+
 def test_dimensions_cut_and_renormalize_and_base64_round_trips(pooling_model):
     from client.pooling import decode_vector
 

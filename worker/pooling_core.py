@@ -2,10 +2,11 @@
 run in padded passes, one `done` per request once all its inputs have run.
 
 A pass takes up to `max_num_seqs` inputs whose lengths fall in one bucket (a power of
-two), first the best-ranked request's next input and then whatever else waits in its
-bucket, at most `prefill_batch_size * prefill_step_size` tokens with the padding (an
-input longer than that runs alone), so inputs of many requests share a pass and a
-short one is not padded to a long one's length. Like `EngineCore`, it knows nothing of
+two): first the best-ranked request's next input (ranked as the scheduler ranks, so a
+batch line admitted earlier never holds back an interactive request), then whatever else
+waits in its bucket, best-ranked first; at most `prefill_batch_size * prefill_step_size`
+tokens with the padding (an input longer than that runs alone). So inputs of many
+requests share a pass, and a short one is not padded to a long one's length. Like `EngineCore`, it knows nothing of
 threads or Redis; a pass that raises fails only the requests it held inputs of.
 """
 
@@ -38,6 +39,7 @@ class Pooling:
 
     request: PoolingRequest
     admitted_at: float
+    rank: float  # the scheduler's: lower runs first, whenever it was admitted
     pending: list[int]  # indexes of inputs not run yet, in order
     values: dict[int, Any] = field(default_factory=dict)  # by input index: a float32 vector (numpy) or a score
 
@@ -65,8 +67,9 @@ class PoolingCore:
         assert loaded.pooler is not None
         self.pool = loaded.pooler
         self.scheduler: Scheduler[PoolingRequest] = Scheduler(policy)
-        self.running: dict[str, Pooling] = {}  # by request id, best-ranked first (admission order)
+        self.running: dict[str, Pooling] = {}  # by request id
         self.clock = clock
+        self.aging_s = policy.priority_aging_s
         self.max_inputs = policy.max_num_seqs
         self.max_tokens = policy.prefill_batch_size * policy.prefill_step_size
 
@@ -112,7 +115,8 @@ class PoolingCore:
             if request.deadline_at is not None and now > request.deadline_at:
                 out.outgoing.append(deadline_exceeded(request))
             else:
-                self.running[request.id] = Pooling(request, now, list(range(len(request.inputs))))
+                rank = request.priority + request.arrived_at / self.aging_s  # as the scheduler ranks
+                self.running[request.id] = Pooling(request, now, rank, list(range(len(request.inputs))))
         taken = self._next_pass()
         if not taken:
             return
@@ -131,17 +135,18 @@ class PoolingCore:
         for pooling in {id(p): p for p, _ in taken}.values():
             if not pooling.pending:
                 del self.running[pooling.request.id]
-                out.outgoing.append(Outgoing(pooling.request.ref, pooling.done(now)))
+                out.outgoing.append(_ending(pooling, now))
 
     def _next_pass(self) -> list[tuple[Pooling, int]]:
         """The inputs of the next pass: the best-ranked request's next, and the others of its bucket."""
-        head = next((p for p in self.running.values() if p.pending), None)
-        if head is None:
+        ranked = sorted((p for p in self.running.values() if p.pending), key=lambda p: p.rank)
+        if not ranked:
             return []
+        head = ranked[0]
         bucket = _bucket(len(head.request.inputs[head.pending[0]].tokens))
         taken: list[tuple[Pooling, int]] = []
         width = 0
-        for pooling in self.running.values():
+        for pooling in ranked:
             for index in pooling.pending:
                 length = len(pooling.request.inputs[index].tokens)
                 if _bucket(length) != bucket:
@@ -180,6 +185,15 @@ class PoolingCore:
         for pooling in {id(p): p for p, _ in taken}.values():
             self.running.pop(pooling.request.id, None)
             out.outgoing.append(failed(pooling.request.ref, ErrorCode.INTERNAL, f"the model's pass failed: {error}"))
+
+
+def _ending(pooling: Pooling, now: float) -> Outgoing:
+    """The request's `done`, or its error if that cannot be made."""
+    try:
+        return Outgoing(pooling.request.ref, pooling.done(now))
+    except Exception as e:  # noqa: BLE001 - this request alone fails
+        log.error("could not make a pooled request's answer", request_id=pooling.request.id, error=repr(e))
+        return failed(pooling.request.ref, ErrorCode.INTERNAL, f"could not make the answer: {e!r}")
 
 
 def _encoded(vector: np.ndarray, base64: bool) -> list[float] | str:
