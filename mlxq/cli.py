@@ -359,7 +359,7 @@ def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any, env_pre
     kind, choices = _flag_type(field.annotation)
     default = field.get_default(call_default_factory=True)
     default = "unset" if default is None else default
-    several = get_origin(field.annotation) in (list, dict)
+    several = any(get_origin(a) in (list, dict) for a in (field.annotation, *get_args(field.annotation)))
     parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
                         nargs="+" if several else None, metavar="NAME=QUEUE" if get_origin(field.annotation) is dict
                         else None,

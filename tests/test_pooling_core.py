@@ -153,3 +153,14 @@ def test_dimensions_are_allowed_only_where_the_model_says(pooling_model, matryos
 
 def test_pooling_info_of_the_demo_embedding_model(pooling_model):
     assert pooling_model.info.pooling == PoolingInfo("embed", 2048, pooling_model.info.pooling.pad_id, 64, True, None)
+
+
+def test_the_worker_s_matryoshka_setting_overrides_the_config(pooling_model):
+    from pydantic import ValidationError
+
+    path = pooling_model.info.name
+    assert load_model(WorkerSettings(model=path, matryoshka_dimensions=[16, 8])).info.pooling.matryoshka == (8, 16)
+    assert load_model(WorkerSettings(model=path, matryoshka_dimensions=[0])).info.pooling.matryoshka is True
+    for bad in ([], [-1], [0, 8]):
+        with pytest.raises(ValidationError, match="0 alone for any size"):
+            WorkerSettings(model=path, matryoshka_dimensions=bad)

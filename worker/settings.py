@@ -47,6 +47,10 @@ class WorkerSettings(LayeredSettings):
         "auto", description="what the model's queue serves: generation, embeddings or rerank scores; auto: "
         "embed for a sentence-transformers model (modules.json), rerank for a sequence classifier, else "
         "generate (a generative reranker such as Qwen3-Reranker needs rerank)")
+    matryoshka_dimensions: list[int] | None = Field(
+        None, description="sizes an embedding model's vectors may be cut to with a request's dimensions (0: any "
+        "size up to its own), for a model trained for it whose config does not say so (Qwen3-Embedding); unset: "
+        "its config's is_matryoshka or matryoshka_dimensions, else none")
     max_num_seqs: int = Field(16, ge=1, description="requests running at once")
     prefill_batch_size: int = Field(8, ge=1, description="prompts prefilled together")
     completion_batch_size: int = Field(32, ge=1, description="sequences decoded together")
@@ -190,6 +194,13 @@ class WorkerSettings(LayeredSettings):
         if self.prompt_lookup_max and self.draft_model is not None:
             raise ValueError("prompt_lookup_max and draft_model: choose one way to draft (one of them unset)")
         return self
+
+    @field_validator("matryoshka_dimensions")
+    @classmethod
+    def _sizes_positive(cls, sizes: list[int] | None) -> list[int] | None:
+        if sizes is not None and (not sizes or any(size < 0 for size in sizes) or (0 in sizes and len(sizes) > 1)):
+            raise ValueError("sizes of 1 or more, or 0 alone for any size")
+        return sizes
 
     @field_validator("lanes")
     @classmethod

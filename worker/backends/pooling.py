@@ -84,7 +84,7 @@ def load_pooling_model(settings: WorkerSettings, task: Task) -> Loaded:
                                             for a in config.get("architectures") or []) else "qwen3"
     info = PoolingInfo(task, _max_length(config, tokenizer), _pad_id(tokenizer),
                        dimensions=_dimensions(model) if task == "embed" else 0,
-                       matryoshka=_matryoshka(config), rerank_format=rerank_format)
+                       matryoshka=_matryoshka(config, settings.matryoshka_dimensions), rerank_format=rerank_format)
     yes_no = _yes_no(tokenizer) if rerank_format == "qwen3" else None
     pooler = Pooler(model, info, yes_no)
     pooler([PoolInput([info.pad_id])])  # compiles what a first request would wait on
@@ -147,9 +147,11 @@ def _dimensions(model: Any) -> int:
     return int(probe.shape[-1])
 
 
-def _matryoshka(config: dict[str, Any]) -> bool | tuple[int, ...]:
-    """The sizes an embedding may be cut to, as vLLM reads them from the config:
-    `matryoshka_dimensions` (these), or `is_matryoshka` (any)."""
+def _matryoshka(config: dict[str, Any], configured: list[int] | None) -> bool | tuple[int, ...]:
+    """The sizes an embedding may be cut to: the worker's setting (`[0]`: any), else as vLLM
+    reads them from the config: `matryoshka_dimensions` (these), or `is_matryoshka` (any)."""
+    if configured is not None:
+        return True if configured == [0] else tuple(sorted(configured))
     sizes = config.get("matryoshka_dimensions")
     if isinstance(sizes, list) and all(isinstance(s, int) and s > 0 for s in sizes):
         return tuple(sorted(sizes))
