@@ -24,6 +24,7 @@ from redis.exceptions import RedisError, ResponseError
 from ._errors import QueueFull, RequestRejected
 from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
 from .keys import BATCH_LANE
+from .pooling import pooling_kind
 from .protocol import Delta, Done, Error, Event, decode_event
 from .replies import as_text, stream_entries
 
@@ -130,7 +131,7 @@ class BatchDriver:
             return True
         body = {k: v for k, v in (line.body or {}).items() if k != "encoding"}
         body["reply_to"] = self.replies
-        if "input" not in body and "query" not in body:  # a generation: its text in one delta (a pooling one has none)
+        if pooling_kind(body) is None:  # a generation: its text in one delta (a pooling request has no deltas)
             body["stream_interval"] = ONE_DELTA
         try:
             await self.client.submit(id=request_id, queue=batch.queue, lane=BATCH_LANE, **body)

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from ._errors import RequestRejected
-from .protocol import Encoding, Ranked, RequestBody, describe_validation_error, validate_body
+from ._errors import JobFailed, RequestRejected
+from .protocol import Done, Encoding, Ranked, RequestBody, describe_validation_error, validate_body
 
 MAX_INPUTS = 2048  # inputs of one embedding request, as OpenAI's API allows
 MAX_DOCUMENTS = 1024  # documents of one rerank request
@@ -81,14 +81,20 @@ class RerankBody(_PoolingBody):
         return documents
 
 
-def validate_any_body(raw: dict[str, Any]) -> RequestBody | EmbeddingBody | RerankBody:
-    """A generation, embedding or rerank body, told apart by its inputs (`input`; `query`
-    or `documents`; else a prompt), validated as the worker will."""
+def pooling_kind(raw: dict[str, Any]) -> Literal["embed", "rerank"] | None:
+    """Which kind of pooling request a body is, by its inputs (`input`; `query` or
+    `documents`); None for a generation request."""
     if "input" in raw:
+        return "embed"
+    return "rerank" if "query" in raw or "documents" in raw else None
+
+
+def validate_any_body(raw: dict[str, Any]) -> RequestBody | EmbeddingBody | RerankBody:
+    """A generation, embedding or rerank body (`pooling_kind`), validated as the worker will."""
+    kind = pooling_kind(raw)
+    if kind == "embed":
         return validate_embedding_body(raw)
-    if "query" in raw or "documents" in raw:
-        return validate_rerank_body(raw)
-    return validate_body(raw)
+    return validate_rerank_body(raw) if kind == "rerank" else validate_body(raw)
 
 
 def validate_embedding_body(raw: dict[str, Any]) -> EmbeddingBody:
@@ -115,15 +121,16 @@ def decode_vector(value: Sequence[float] | str) -> list[float]:
     return list(value)
 
 
-def embeddings_of(done: Any) -> list[list[float]]:
-    """The vectors of an embedding request's `done`, as floats whichever encoding it asked."""
+def embeddings_of(done: Done) -> list[list[float]]:
+    """The vectors of an embedding request's `done`, as floats whichever encoding it asked;
+    `JobFailed` if it has none (a worker of an older version answered)."""
     if done.embeddings is None:
-        raise ValueError(f"request {done.id} ended without embeddings (finish_reason {done.finish_reason})")
+        raise JobFailed(done.id, "internal", "the request ended without embeddings")
     return [decode_vector(v) for v in done.embeddings]
 
 
-def ranked_of(done: Any) -> list[Ranked]:
-    """The results of a rerank request's `done`, best first."""
+def ranked_of(done: Done) -> list[Ranked]:
+    """The results of a rerank request's `done`, best first (`JobFailed` if it has none)."""
     if done.results is None:
-        raise ValueError(f"request {done.id} ended without results (finish_reason {done.finish_reason})")
+        raise JobFailed(done.id, "internal", "the request ended without results")
     return list(done.results)

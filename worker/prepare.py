@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 
 from client.keys import Keys
+from client.pooling import pooling_kind
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
 
 from .backends import ModelInfo
@@ -50,7 +51,7 @@ class Preparer:
         try:
             body = validate_body(envelope.raw)
         except RequestRejected as e:
-            if not {"input", "query", "documents"} & set(envelope.raw):
+            if pooling_kind(envelope.raw) is None:
                 raise
             raise RequestRejected(f"this queue's model ({self.info.name}) generates text; embeddings and rerank "
                                   f"go to the queue of an embedding model or a reranker ({e})") from e
