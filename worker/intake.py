@@ -201,7 +201,7 @@ class Intake:
         if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return
-        if request.count_only:  # its prompt, templated and tokenized, is the answer
+        if isinstance(request, EngineRequest) and request.count_only:  # its templated, tokenized prompt: the answer
             self._answer(not_started(request, time.time(), "length"))
             return
         if route.stream == self.streams.batch_lane:  # behind every interactive request waiting here

@@ -151,7 +151,6 @@ class PoolingRequest:
     dimensions: int | None = None  # embeddings cut to this many, and normalized again
     base64: bool = False  # embeddings as base64 of little-endian float32, as OpenAI's encoding_format
     top_n: int | None = None  # a rerank's best documents to return (None: all)
-    count_only: bool = False  # never: only generation requests are counted without running
 
     @property
     def id(self) -> str:
