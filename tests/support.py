@@ -272,12 +272,14 @@ ON_EACH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster"
                                   indirect=True)
 
 
-def worker_fixture(**settings: Any) -> Any:
-    """A module-scoped fixture running one worker with `settings` on its own queue."""
+def worker_fixture(model: str = "demo_model", **settings: Any) -> Any:
+    """A module-scoped fixture running one worker with `settings` on its own queue, on the
+    model the fixture named `model` builds."""
 
     @pytest.fixture(scope="module")
-    def fixture(redis_url: str, demo_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
-        worker = start_worker(worker_url(redis_url), demo_model, f"q{uuid.uuid4().hex[:8]}", logs_dir, **settings)
+    def fixture(redis_url: str, logs_dir: Path, request: pytest.FixtureRequest) -> Iterator[WorkerProcess]:
+        worker = start_worker(worker_url(redis_url), request.getfixturevalue(model), f"q{uuid.uuid4().hex[:8]}",
+                              logs_dir, **settings)
         yield worker
         worker.stop()
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"

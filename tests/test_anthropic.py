@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from support import start_gateway, start_worker
+from support import start_gateway, start_worker, worker_fixture
 
 ASK = [{"role": "user", "content": "Tell me about queues."}]
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
@@ -22,16 +22,12 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 GREEDY = {"temperature": 0}  # anthropic 2.x takes temperature only through extra_body
 
 
-@pytest.fixture(scope="module")
-def worker(valkey, demo_model, logs_dir):
-    process = start_worker(valkey, demo_model, f"an{uuid.uuid4().hex[:6]}", logs_dir)
-    yield process
-    process.stop()
+worker = worker_fixture()
 
 
 @pytest.fixture(scope="module")
-def gateway(valkey, worker, logs_dir):
-    process = start_gateway(valkey, logs_dir, "--api-keys", "sk-ant-test")
+def gateway(redis_url, worker, logs_dir):
+    process = start_gateway(redis_url, logs_dir, "--api-keys", "sk-ant-test")
     yield process
     process.stop()
 

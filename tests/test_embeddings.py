@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 import redis
-from support import KEYS, MLXQ, ROOT, Outputs, build_demo_model, start_gateway, start_worker, xadd_json
+from support import KEYS, MLXQ, ROOT, Outputs, build_demo_model, start_gateway, worker_fixture, xadd_json
 
 from client import Client, Done, Error, JobFailed, RequestRejected
 
@@ -42,32 +42,18 @@ def reranker_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def embedder(valkey, embedding_model, logs_dir):
-    process = start_worker(valkey, embedding_model, f"em{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=8)
-    yield process
-    process.stop()
+def cross_encoder_model(tmp_path_factory):
+    return build_demo_model(tmp_path_factory.mktemp("model") / "cross-encoder", "--cross-encoder")
+
+
+embedder = worker_fixture("embedding_model", max_num_seqs=8)
+reranker = worker_fixture("reranker_model", task="rerank")
+cross_encoder = worker_fixture("cross_encoder_model")  # its task read from its config (auto)
 
 
 @pytest.fixture(scope="module")
-def reranker(valkey, reranker_model, logs_dir):
-    process = start_worker(valkey, reranker_model, f"rr{uuid.uuid4().hex[:6]}", logs_dir, task="rerank")
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def cross_encoder(valkey, tmp_path_factory, logs_dir):
-    """A BERT cross-encoder, its task read from its config (auto)."""
-    model = build_demo_model(tmp_path_factory.mktemp("model") / "cross-encoder", "--cross-encoder")
-    process = start_worker(valkey, model, f"ce{uuid.uuid4().hex[:6]}", logs_dir)
-    process.model = model
-    yield process
-    process.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway(valkey, embedder, reranker, logs_dir):
-    process = start_gateway(valkey, logs_dir)
+def gateway(redis_url, embedder, reranker, logs_dir):
+    process = start_gateway(redis_url, logs_dir)
     yield process
     process.stop()
 
@@ -183,13 +169,13 @@ def test_rerank_orders_documents_by_the_model_s_scores(gateway, reranker, scores
     assert [(r.index, round(r.relevance_score, 5)) for r in ranked] == [(i, round(s, 5)) for i, s in expected]
 
 
-def test_a_cross_encoder_scores_each_pair_as_it_does_alone(cross_encoder):
+def test_a_cross_encoder_scores_each_pair_as_it_does_alone(cross_encoder, cross_encoder_model):
     """Query and document as one pair encoding (segments 0 and 1), right-padded in a
     shared pass: each score equals the model's on that pair alone."""
     import mlx.core as mx
     from mlx_vlm.reranker_loader import load_reranker
 
-    model, tokenizer = load_reranker(str(cross_encoder.model))
+    model, tokenizer = load_reranker(str(cross_encoder_model))
 
     def alone(document: str) -> float:
         pair = tokenizer(QUERY, document)
