@@ -164,3 +164,17 @@ def test_the_worker_s_matryoshka_setting_overrides_the_config(pooling_model):
     for bad in ([], [-1], [0, 8]):
         with pytest.raises(ValidationError, match="0 alone for any size"):
             WorkerSettings(model=path, matryoshka_dimensions=bad)
+
+
+@pytest.mark.parametrize(("config", "tokenizer_limit", "longest"), [
+    ({"model_type": "xlm-roberta", "max_position_embeddings": 514}, 512, 512),  # BGE-reranker: 2 positions pad's
+    ({"model_type": "xlm-roberta", "max_position_embeddings": 8194}, None, 8192),  # BGE-M3
+    ({"model_type": "qwen3", "max_position_embeddings": 32768}, 8192, 8192),  # the tokenizer's limit is lower
+    ({"model_type": "bert"}, None, 512),  # neither says: the fallback
+])
+def test_the_longest_input_is_the_model_s_and_its_tokenizer_s(config, tokenizer_limit, longest):
+    from types import SimpleNamespace
+
+    from worker.backends.pooling import _max_length
+
+    assert _max_length(config, SimpleNamespace(model_max_length=tokenizer_limit)) == longest

@@ -125,11 +125,13 @@ def _text(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _max_length(config: dict[str, Any], tokenizer: Any) -> int:
-    """The longest input: the model's positions, and its tokenizer's limit where it sets one."""
-    limits = [v for v in (_text(config).get("max_position_embeddings"), getattr(tokenizer, "model_max_length", None))
+    """The longest input: the model's positions (RoBERTa's start after the pad's, so two
+    fewer), and its tokenizer's limit where it sets one."""
+    positions = _text(config).get("max_position_embeddings")
+    if isinstance(positions, int) and config.get("model_type") in ("xlm-roberta", "roberta", "camembert"):
+        positions -= 2
+    limits = [v for v in (positions, getattr(tokenizer, "model_max_length", None))
               if isinstance(v, int) and 0 < v < 1_000_000]
-    if config.get("model_type") in ("xlm-roberta", "roberta", "camembert"):  # positions start after the pad's
-        limits = [min(limits or [FALLBACK_MAX_LENGTH + 2]) - 2]
     return min(limits) if limits else FALLBACK_MAX_LENGTH
 
 
