@@ -2,12 +2,14 @@
 and how long greedy output agrees with the unquantized cache, by `kv_bits`.
 
     python -m mlxq.blas .venv/bin/python docs/kv_quant.py MODEL [--prompts 16] [--input-len 100] [--output-len 128]
-        [--group 64] [--code]
+        [--group 64] [--code] [--start N]
 
 Runs mlx-vlm's BatchGenerator (the one a worker with `kv_bits` runs) in this process on
 the model's language model, the prompts inserted together, greedy, no stops; the first
 pass of each setting warms up and is not counted. Random prompts over the vocabulary,
 or with `--code` windows of the standard library's sources (for `mlxq demo-model --trained`).
+With `--start N`, each quantized setting again with `quantized_kv_start` N (the batch runs
+dense and the worker's `QuantizeFrom` switches it between steps, as in a worker).
 """
 
 from __future__ import annotations
@@ -34,11 +36,14 @@ class NoStops:
 
 
 def run(model: Any, processor: Any, prompts: list[list[int]], new_tokens: int, bits: int | None,
-        group: int) -> tuple[list[list[int]], float, float]:
+        group: int, start: int = 0) -> tuple[list[list[int]], float, float]:
     """Each prompt's tokens, the batch's tok/s, and its KV bytes per token of one sequence."""
     from mlx_vlm.generate.ar import BatchGenerator
 
-    quantized = {} if bits is None else {"kv_bits": bits, "kv_group_size": group}
+    from worker.backends.kv_start import QuantizeFrom
+
+    quantized = {} if bits is None or start else {"kv_bits": bits, "kv_group_size": group}
+    switch = QuantizeFrom(start, bits, group) if bits is not None and start else None
     batch = BatchGenerator(model.language_model, processor, compute_logprobs=False, completion_batch_size=64,
                            prefill_batch_size=len(prompts), prefill_step_size=4096, **quantized)
     embeddings = [{k: v for k, v in model.get_input_embeddings(mx.array([p])).to_dict().items() if v is not None}
@@ -50,6 +55,8 @@ def run(model: Any, processor: Any, prompts: list[list[int]], new_tokens: int, b
     while any(len(made) < new_tokens for made in tokens.values()):
         for response in batch.next()[1]:
             tokens[response.uid].append(response.token)
+        if switch is not None:
+            switch.after_step(batch._generation_batch)
         if all(len(made) == new_tokens - 1 for made in tokens.values()):  # the cache at its fullest
             per_token = kv_bytes_per_token(batch, len(prompts[0]) + new_tokens - 1, len(prompts))
     elapsed = time.perf_counter() - start
@@ -86,6 +93,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--code", action="store_true", help="prompts cut from the standard library's sources "
                         "(what the trained demo model learnt) instead of random tokens")
+    parser.add_argument("--start", type=int, default=0, help="also each kv_bits with this quantized_kv_start")
     args = parser.parse_args()
     model, processor = load(args.model)
     (processor.tokenizer if hasattr(processor, "tokenizer") else processor).stopping_criteria = NoStops()
@@ -102,12 +110,14 @@ def main() -> None:
     else:
         prompts = [[rng.randrange(3, vocab) for _ in range(args.input_len)] for _ in range(args.prompts)]
     results = {}
-    for bits in (None, 8, 4):
-        run(model, processor, prompts[:2], 8, bits, args.group)  # warm-up
-        tokens, rate, per_token = run(model, processor, prompts, args.output_len, bits, args.group)
-        results[bits] = tokens
-        same = sorted(agreement(results[None], tokens))
-        print(json.dumps({"kv_bits": bits, "tok_s": round(rate), "kv_bytes_per_token": round(per_token),
+    settings = [(None, 0), (8, 0), (4, 0)] + ([(8, args.start), (4, args.start)] if args.start else [])
+    for bits, start in settings:
+        run(model, processor, prompts[:2], 8, bits, args.group, start)  # warm-up
+        tokens, rate, per_token = run(model, processor, prompts, args.output_len, bits, args.group, start)
+        results[bits, start] = tokens
+        same = sorted(agreement(results[None, 0], tokens))
+        print(json.dumps({"kv_bits": bits, "quantized_kv_start": start, "tok_s": round(rate),
+                          "kv_bytes_per_token": round(per_token),
                           "kv_mb_per_2k_token_sequence": round(per_token * 2048 / 2**20, 2),
                           "agree_tokens_median": same[len(same) // 2], "agree_tokens_min": same[0],
                           "identical_sequences": sum(s == args.output_len for s in same)}), flush=True)

@@ -1,7 +1,9 @@
 """`kv_bits`: a text model's sequences keep their keys and values quantized, in mlx-vlm's
 batch (mlx-lm's has no quantized cache), decoded in the shared batch exactly as mlx-vlm's
 own batch decodes them, and resumed after a kill to the same text; refused at start
-where it cannot be served."""
+where it cannot be served. `quantized_kv_start`: dense until the batch is that long, then
+quantized as a sequence decoded alone and switched at that length is, rows joining after
+quantized as they join."""
 
 from __future__ import annotations
 
@@ -96,7 +98,8 @@ def test_a_window_with_quantization_is_refused(demo_model):
         load_model(load_settings(model=str(demo_model), kv_bits=8, max_kv_size=64))
 
 
-@pytest.mark.parametrize(("setting", "value"), [("kv_bits", 3), ("kv_bits", 16), ("kv_group_size", 48)])
+@pytest.mark.parametrize(("setting", "value"), [("kv_bits", 3), ("kv_bits", 16), ("kv_group_size", 48),
+                                              ("quantized_kv_start", -1)])
 def test_hostile_settings_are_refused(setting, value):
     from pydantic import ValidationError
 
@@ -104,6 +107,117 @@ def test_hostile_settings_are_refused(setting, value):
 
     with pytest.raises(ValidationError, match=setting):
         load_settings(**{setting: value})
+
+
+def test_a_start_without_bits_is_refused():
+    from pydantic import ValidationError
+
+    from worker.settings import load_settings
+
+    with pytest.raises(ValidationError, match="quantized_kv_start is where KV quantization starts: set kv_bits"):
+        load_settings(quantized_kv_start=100)
+
+
+START = 40  # past the first prompt (20 tokens), reached while it decodes
+STARTED_BITS = 4  # parts from the unquantized output within a few tokens: a test can tell
+
+
+@pytest.fixture(scope="module")
+def alone():
+    """The oracle: one sequence decoded greedily by mlx-vlm's language model with a cache
+    per layer, whose quantizable layers switch (`KVCache.to_quantized`) before the first
+    step that finds `start` positions in them: mlx-lm's single-sequence rule."""
+    import functools
+
+    import mlx.core as mx
+    from mlx_vlm import load
+    from mlx_vlm.models.cache import KVCache, make_prompt_cache, should_quantize_kv_layer
+
+    @functools.cache
+    def language_model(path):
+        return load(str(path))[0].language_model
+
+    def decode(model, prompt: list[int], tokens: int, start: int, group: int = 64) -> list[int]:
+        language = language_model(model)
+        caches = make_prompt_cache(language)
+        out = []
+        logits = language(mx.array([prompt]), cache=caches).logits[:, -1]
+        while len(out) < tokens:
+            out.append(int(mx.argmax(logits, axis=-1).item()))
+            for index, layer in enumerate(caches):
+                if type(layer) is KVCache and should_quantize_kv_layer(index, len(caches)) and layer.offset >= start:
+                    caches[index] = layer.to_quantized(group_size=group, bits=STARTED_BITS)
+            logits = language(mx.array([out[-1:]]), cache=caches).logits[:, -1]
+        return out
+
+    return decode
+
+
+def backend_decode(model, prompts: list[list[int]], tokens: int, joining: list[int] | None = None,
+                   **settings) -> tuple[list[list[int]], set[str]]:
+    """The worker's backend in process: `prompts` inserted together, `joining` once the first
+    has made half its tokens; each one's tokens, and the running batch's cache types then."""
+    from worker.backends import load_model
+    from worker.messages import SamplingParams
+    from worker.sampling import build_logits_processors, build_sampler
+    from worker.scheduler import StepPlan
+    from worker.settings import WorkerSettings
+
+    backend = load_model(WorkerSettings(model=str(model), cache_memory_mb=0, **settings)).make_backend()
+    greedy = SamplingParams()
+
+    def insert(prompt: list[int]) -> int:
+        return backend.insert(prompt, tokens, build_sampler(greedy), build_logits_processors(greedy))
+
+    uids = [insert(p) for p in prompts]
+    made: dict[int, list[int]] = {uid: [] for uid in uids}
+    types: set[str] = set()
+    while any(len(m) < tokens for m in made.values()):
+        for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
+            made[out.uid].append(out.token)
+        if joining is not None and len(made[uids[0]]) >= tokens // 2:
+            types = {type(c).__name__ for c in backend._generator._generation_batch.prompt_cache}
+            made[insert(joining)], joining = [], None
+    backend.close()
+    return list(made.values()), types
+
+
+def test_a_batch_shorter_than_the_start_decodes_unquantized(bench_model, reference):
+    made, _ = backend_decode(bench_model, PROMPTS, NEW_TOKENS, kv_bits=STARTED_BITS, quantized_kv_start=200)
+    assert made == reference(None)
+
+
+def test_a_sequence_is_quantized_from_the_start_on(redis_url, bench_model, logs_dir, r, outputs, new_id, alone):
+    prompt, tokens = PROMPTS[0], 60
+    expected, unquantized = alone(bench_model, prompt, tokens, START), alone(bench_model, prompt, tokens, 10**9)
+    first_quantized = START - len(prompt)  # the first token drawn after a quantized step
+    assert expected[:first_quantized] == unquantized[:first_quantized]
+    assert expected != unquantized, "quantizing must change the output, or this test could not tell"
+    worker = start_worker(worker_url(redis_url), bench_model, f"kvs{uuid.uuid4().hex[:6]}", logs_dir,
+                          kv_bits=STARTED_BITS, quantized_kv_start=START)
+    try:
+        rid = new_id("kvs")
+        xadd_json(r, worker.queue, rid, {"prompt_tokens": prompt, "max_tokens": tokens, "ignore_eos": True})
+        assert tokens_of(outputs.of(rid)) == expected
+    finally:
+        worker.stop()
+
+
+@pytest.mark.parametrize(("model_fixture", "group", "layer_types"), [
+    ("bench_model", 64, {"JoiningQuantizedKVCache", "BatchKVCache"}),  # six layers: the last stays dense
+    ("mistral3_model", 32, {"JoiningQuantizedKVCache"}),  # two; its lone row runs on KVCaches until another joins
+])
+def test_a_row_joining_a_quantized_batch_is_quantized_as_it_joins(request, alone, model_fixture, group, layer_types):
+    """The batch is past the start when the second prompt joins: its rows are quantized from
+    its prefill on (decoded alone: switched at its prompt's length); the first row goes on
+    as if alone."""
+    model = request.getfixturevalue(model_fixture)
+    first, joining = [min(t, 150) for t in PROMPTS[0]], [min(t, 150) for t in PROMPTS[1]]  # in both vocabularies
+    made, types = backend_decode(model, [first], 60, joining=joining, kv_bits=STARTED_BITS, kv_group_size=group,
+                                 quantized_kv_start=START)
+    assert types == layer_types
+    assert made == [alone(model, first, 60, START, group), alone(model, joining, 60, len(joining), group)]
+    assert made[1] != alone(model, joining, 60, 10**9, group)
 
 
 STORIES = [f"Story number {i}:" for i in range(3)]

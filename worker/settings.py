@@ -71,6 +71,10 @@ class WorkerSettings(LayeredSettings):
                                           "too; unset: the model's dtype")
     kv_group_size: Literal[32, 64, 128] = Field(64, description="values sharing one scale and bias in the "
                                                 "quantized KV cache; must divide the model's head dimension")
+    quantized_kv_start: int = Field(0, ge=0, description="with kv_bits: the running batch keeps keys and values "
+                                    "in the model's dtype until its longest sequence holds this many positions, "
+                                    "then all its rows (and rows joining it) are quantized; short conversations "
+                                    "keep full precision; 0: quantized from the first token")
     prompt_lookup_max: int = Field(0, ge=0, le=32, description="speculative decoding by prompt lookup (vLLM's "
                                    "ngram): a greedy request's draft is what followed the last earlier match of "
                                    "its last n tokens (n up to this) in its prompt and output, verified in the "
@@ -193,6 +197,13 @@ class WorkerSettings(LayeredSettings):
     def _one_speculative_method(self) -> WorkerSettings:
         if self.prompt_lookup_max and self.draft_model is not None:
             raise ValueError("prompt_lookup_max and draft_model: choose one way to draft (one of them unset)")
+        return self
+
+    @model_validator(mode="after")
+    def _start_needs_bits(self) -> WorkerSettings:
+        if self.quantized_kv_start and self.kv_bits is None:
+            raise ValueError("quantized_kv_start is where KV quantization starts: set kv_bits (4 or 8) too, or "
+                             "unset quantized_kv_start")
         return self
 
     @field_validator("matryoshka_dimensions")

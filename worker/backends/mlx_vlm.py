@@ -29,6 +29,7 @@ from ..settings import WorkerSettings
 from ..vision_cache import VisionCache
 from ..vision_prompts import MediaLimits, VisionPrompts
 from . import Coverage, Loaded, ModelInfo, TokenOut
+from .kv_start import QuantizeFrom
 from .mlx_lm import mlx_memory, upcoming_tokens
 from .vision_features import Encoder, encoder_for, not_cached_because
 
@@ -101,15 +102,21 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
 
 
 def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, Any]:
-    """mlx-vlm's batch arguments for the configured KV quantization ({} for none), checked
-    against the model: `mx.quantize` groups each key's and value's last axis, the head."""
+    """The configured KV quantization ({} for none): bits, group_size, quantized_kv_start,
+    checked against the model: `mx.quantize` groups each key's and value's last axis, the head."""
     if settings.kv_bits is None:
         return {}
     head_dim = _head_dim(text_config)
     if head_dim % settings.kv_group_size:
         raise ValueError(f"{settings.model}: kv_group_size {settings.kv_group_size} does not divide the model's "
                          f"head dimension {head_dim}; mx.quantize groups along it (sizes 32, 64, 128)")
-    return {"kv_bits": settings.kv_bits, "kv_group_size": settings.kv_group_size}
+    return {"bits": settings.kv_bits, "group_size": settings.kv_group_size,
+            "quantized_kv_start": settings.quantized_kv_start}
+
+
+def _generator_arguments(quantization: dict[str, Any]) -> dict[str, Any]:
+    """mlx-vlm's batch arguments for quantizing from the first position."""
+    return {"kv_bits": quantization["bits"], "kv_group_size": quantization["group_size"]} if quantization else {}
 
 
 def _head_dim(config: Any) -> int:
@@ -215,11 +222,15 @@ class VisionBatchBackend:
         # mlx-vlm prefills only when `completion_batch_size - running >= prefill_batch_size`
         # (and never when completion < prefill). The engine admits at most max_num_seqs,
         # so this size never holds back a request the engine has admitted.
+        quantization = dict(kv_quantization or {})
+        start = quantization.pop("quantized_kv_start", 0)
+        # From a later position, the batch runs dense and is switched between steps.
+        self._quantize_from = QuantizeFrom(start, **quantization) if start else None
         self._generator = BatchGenerator(model.language_model, processor, compute_logprobs=False,
                                          completion_batch_size=max_num_seqs + prefill_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, apc_manager=prefix_cache,
-                                         **(kv_quantization or {}))
+                                         **({} if start else _generator_arguments(quantization)))
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
@@ -249,6 +260,8 @@ class VisionBatchBackend:
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._follow(plan)
         prefilled, generated = self._generator.next()
+        if self._quantize_from is not None:
+            self._quantize_from.after_step(self._generator._generation_batch)
         self._cached_tokens.update((p.uid, p.cached_tokens) for p in prefilled)
         self._media_uids.difference_update(p.uid for p in prefilled)
         return [TokenOut(r.uid, r.token, r.finish_reason, cached_tokens=self._cached_tokens.pop(r.uid, None),

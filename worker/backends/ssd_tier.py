@@ -43,8 +43,9 @@ def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dic
     for damaged in damaged_files(slot):
         damaged.unlink(missing_ok=True)
     namespace = apc_disk_namespace(model_dir.name[:64], weights_fingerprint=weights_fingerprint(model_dir),
-                                   kv_bits=kv_quantization.get("kv_bits"),
-                                   kv_group_size=kv_quantization.get("kv_group_size"))
+                                   kv_bits=kv_quantization.get("bits"),
+                                   kv_group_size=kv_quantization.get("group_size"),
+                                   quantized_kv_start=kv_quantization.get("quantized_kv_start") or None)
     return DiskBlockStore(slot, namespace=namespace, max_bytes=max_bytes)
 
 
