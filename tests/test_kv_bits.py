@@ -220,6 +220,42 @@ def test_a_row_joining_a_quantized_batch_is_quantized_as_it_joins(request, alone
     assert made[1] != alone(model, joining, 60, 10**9, group)
 
 
+
+def test_a_prefix_cache_hit_joins_a_quantized_batch(bench_model, alone):
+    """A prompt whose start the prefix cache holds (dense blocks) joins a batch already
+    switched: its warm rows are quantized as they join, and it decodes as alone."""
+    from worker.backends import load_model
+    from worker.messages import SamplingParams
+    from worker.sampling import build_logits_processors, build_sampler
+    from worker.scheduler import StepPlan
+    from worker.settings import WorkerSettings
+
+    loaded = load_model(WorkerSettings(model=str(bench_model), cache_memory_mb=64, kv_bits=STARTED_BITS,
+                                       quantized_kv_start=START))
+    backend, greedy = loaded.make_backend(), SamplingParams()
+    shared = random.Random(1).choices(range(10, 1000), k=64)
+    made: dict[int, list] = {}
+
+    def run(prompt: list[int], tokens: int) -> int:
+        uid = backend.insert(prompt, tokens, build_sampler(greedy), build_logits_processors(greedy))
+        made[uid] = []
+        return uid
+
+    def step_until(done) -> None:
+        while not done():
+            for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
+                made[out.uid].append(out)
+
+    first = run([*shared, 5, 6, 7], 4)
+    step_until(lambda: len(made[first]) == 4)
+    running = run(PROMPTS[0], 80)
+    step_until(lambda: len(made[running]) >= 30)  # 20 + 30 positions: switched
+    warm = run([*shared, 11, 12, 13], 20)
+    step_until(lambda: len(made[warm]) == 20)
+    assert made[warm][0].cached_tokens == 64
+    assert [out.token for out in made[warm]] == alone(bench_model, [*shared, 11, 12, 13], 20, 67)
+    backend.close()
+
 STORIES = [f"Story number {i}:" for i in range(3)]
 LONG = 120
 
