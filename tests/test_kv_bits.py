@@ -256,6 +256,33 @@ def test_a_prefix_cache_hit_joins_a_quantized_batch(bench_model, alone):
     assert [out.token for out in made[warm]] == alone(bench_model, [*shared, 11, 12, 13], 20, 67)
     backend.close()
 
+
+def test_from_a_start_a_prefix_cache_hit_decodes_as_its_cold_run(bench_model):
+    """The prefix cache keeps dense blocks. Quantizing from the first token, mlx-vlm's batch
+    stores its quantized keys dequantized and quantizes them again on a hit, which does not
+    give back the same codes; from a start the blocks are the dense prefill's, which the
+    switch quantizes as the cold run's did, so a repeated prompt's hit changes nothing."""
+    from worker.backends import load_model
+    from worker.messages import SamplingParams
+    from worker.sampling import build_logits_processors, build_sampler
+    from worker.scheduler import StepPlan
+    from worker.settings import WorkerSettings
+
+    loaded = load_model(WorkerSettings(model=str(bench_model), cache_memory_mb=64, kv_bits=STARTED_BITS,
+                                       quantized_kv_start=1))
+    backend, greedy = loaded.make_backend(), SamplingParams()
+    prompt = random.Random(1).choices(range(10, 1000), k=99)
+    runs = []
+    for _ in range(2):
+        uid = backend.insert(prompt, NEW_TOKENS, build_sampler(greedy), build_logits_processors(greedy))
+        made = []
+        while len(made) < NEW_TOKENS:
+            made += [out for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)) if out.uid == uid]
+        runs.append(made)
+    assert [run[0].cached_tokens for run in runs] == [0, 96]
+    assert [out.token for out in runs[1]] == [out.token for out in runs[0]]
+    backend.close()
+
 STORIES = [f"Story number {i}:" for i in range(3)]
 LONG = 120
 
