@@ -153,38 +153,49 @@ def alone():
     return decode
 
 
-def backend_decode(model, prompts: list[list[int]], tokens: int, joining: list[int] | None = None,
-                   **settings) -> tuple[list[list[int]], set[str]]:
-    """The worker's backend in process: `prompts` inserted together, `joining` once the first
-    has made half its tokens; each one's tokens, and the running batch's cache types then."""
-    from worker.backends import load_model
-    from worker.messages import SamplingParams
-    from worker.sampling import build_logits_processors, build_sampler
-    from worker.scheduler import StepPlan
-    from worker.settings import WorkerSettings
+class GreedyBackend:
+    """The worker's backend for `model` in process (`settings` as a worker's), greedy."""
 
-    backend = load_model(WorkerSettings(model=str(model), cache_memory_mb=0, **settings)).make_backend()
-    greedy = SamplingParams()
+    def __init__(self, model, **settings) -> None:
+        from worker.backends import load_model
+        from worker.messages import SamplingParams
+        from worker.settings import WorkerSettings
 
-    def insert(prompt: list[int]) -> int:
-        return backend.insert(prompt, tokens, build_sampler(greedy), build_logits_processors(greedy))
+        self.backend = load_model(WorkerSettings(model=str(model), **settings)).make_backend()
+        self.greedy = SamplingParams()
+        self.made: dict[int, list] = {}  # each inserted sequence's TokenOuts
 
-    uids = [insert(p) for p in prompts]
-    made: dict[int, list[int]] = {uid: [] for uid in uids}
-    types: set[str] = set()
-    while any(len(m) < tokens for m in made.values()):
-        for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
-            made[out.uid].append(out.token)
-        if joining is not None and len(made[uids[0]]) >= tokens // 2:
-            types = {type(c).__name__ for c in backend._generator._generation_batch.prompt_cache}
-            made[insert(joining)], joining = [], None
-    backend.close()
-    return list(made.values()), types
+    def insert(self, prompt: list[int], tokens: int) -> int:
+        from worker.sampling import build_logits_processors, build_sampler
+
+        uid = self.backend.insert(prompt, tokens, build_sampler(self.greedy), build_logits_processors(self.greedy))
+        self.made[uid] = []
+        return uid
+
+    def step_until(self, done) -> None:
+        from worker.scheduler import StepPlan
+
+        while not done():
+            for out in self.backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
+                self.made[out.uid].append(out)
+
+    def tokens(self, uid: int) -> list[int]:
+        return [out.token for out in self.made[uid]]
+
+    def layer_types(self) -> set[str]:
+        """The running batch's cache classes."""
+        return {type(c).__name__ for c in self.backend._generator._generation_batch.prompt_cache}
+
+    def close(self) -> None:
+        self.backend.close()
 
 
 def test_a_batch_shorter_than_the_start_decodes_unquantized(bench_model, reference):
-    made, _ = backend_decode(bench_model, PROMPTS, NEW_TOKENS, kv_bits=STARTED_BITS, quantized_kv_start=200)
-    assert made == reference(None)
+    batch = GreedyBackend(bench_model, cache_memory_mb=0, kv_bits=STARTED_BITS, quantized_kv_start=200)
+    uids = [batch.insert(prompt, NEW_TOKENS) for prompt in PROMPTS]
+    batch.step_until(lambda: all(len(batch.made[uid]) == NEW_TOKENS for uid in uids))
+    batch.close()
+    assert [batch.tokens(uid) for uid in uids] == reference(None)
 
 
 def test_a_sequence_is_quantized_from_the_start_on(redis_url, bench_model, logs_dir, r, outputs, new_id, alone):
@@ -213,48 +224,34 @@ def test_a_row_joining_a_quantized_batch_is_quantized_as_it_joins(request, alone
     as if alone."""
     model = request.getfixturevalue(model_fixture)
     first, joining = [min(t, 150) for t in PROMPTS[0]], [min(t, 150) for t in PROMPTS[1]]  # in both vocabularies
-    made, types = backend_decode(model, [first], 60, joining=joining, kv_bits=STARTED_BITS, kv_group_size=group,
-                                 quantized_kv_start=START)
-    assert types == layer_types
-    assert made == [alone(model, first, 60, START, group), alone(model, joining, 60, len(joining), group)]
-    assert made[1] != alone(model, joining, 60, 10**9, group)
-
+    batch = GreedyBackend(model, cache_memory_mb=0, kv_bits=STARTED_BITS, kv_group_size=group,
+                          quantized_kv_start=START)
+    running = batch.insert(first, 60)
+    batch.step_until(lambda: len(batch.made[running]) == 30)  # 20 + 30 positions: switched
+    assert batch.layer_types() == layer_types
+    joined = batch.insert(joining, 60)
+    batch.step_until(lambda: len(batch.made[joined]) == 60)
+    batch.close()
+    assert [batch.tokens(running), batch.tokens(joined)] == [alone(model, first, 60, START, group),
+                                                             alone(model, joining, 60, len(joining), group)]
+    assert batch.tokens(joined) != alone(model, joining, 60, 10**9, group)
 
 
 def test_a_prefix_cache_hit_joins_a_quantized_batch(bench_model, alone):
     """A prompt whose start the prefix cache holds (dense blocks) joins a batch already
     switched: its warm rows are quantized as they join, and it decodes as alone."""
-    from worker.backends import load_model
-    from worker.messages import SamplingParams
-    from worker.sampling import build_logits_processors, build_sampler
-    from worker.scheduler import StepPlan
-    from worker.settings import WorkerSettings
-
-    loaded = load_model(WorkerSettings(model=str(bench_model), cache_memory_mb=64, kv_bits=STARTED_BITS,
-                                       quantized_kv_start=START))
-    backend, greedy = loaded.make_backend(), SamplingParams()
+    batch = GreedyBackend(bench_model, cache_memory_mb=64, kv_bits=STARTED_BITS, quantized_kv_start=START)
     shared = random.Random(1).choices(range(10, 1000), k=64)
-    made: dict[int, list] = {}
-
-    def run(prompt: list[int], tokens: int) -> int:
-        uid = backend.insert(prompt, tokens, build_sampler(greedy), build_logits_processors(greedy))
-        made[uid] = []
-        return uid
-
-    def step_until(done) -> None:
-        while not done():
-            for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
-                made[out.uid].append(out)
-
-    first = run([*shared, 5, 6, 7], 4)
-    step_until(lambda: len(made[first]) == 4)
-    running = run(PROMPTS[0], 80)
-    step_until(lambda: len(made[running]) >= 30)  # 20 + 30 positions: switched
-    warm = run([*shared, 11, 12, 13], 20)
-    step_until(lambda: len(made[warm]) == 20)
-    assert made[warm][0].cached_tokens == 64
-    assert [out.token for out in made[warm]] == alone(bench_model, [*shared, 11, 12, 13], 20, 67)
-    backend.close()
+    first = batch.insert([*shared, 5, 6, 7], 4)
+    batch.step_until(lambda: len(batch.made[first]) == 4)
+    running = batch.insert(PROMPTS[0], 80)
+    batch.step_until(lambda: len(batch.made[running]) == 30)  # 20 + 30 positions: switched
+    assert "JoiningQuantizedKVCache" in batch.layer_types()
+    warm = batch.insert([*shared, 11, 12, 13], 20)
+    batch.step_until(lambda: len(batch.made[warm]) == 20)
+    batch.close()
+    assert batch.made[warm][0].cached_tokens == 64
+    assert batch.tokens(warm) == alone(bench_model, [*shared, 11, 12, 13], 20, 67)
 
 
 def test_from_a_start_a_prefix_cache_hit_decodes_as_its_cold_run(bench_model):
@@ -262,26 +259,16 @@ def test_from_a_start_a_prefix_cache_hit_decodes_as_its_cold_run(bench_model):
     stores its quantized keys dequantized and quantizes them again on a hit, which does not
     give back the same codes; from a start the blocks are the dense prefill's, which the
     switch quantizes as the cold run's did, so a repeated prompt's hit changes nothing."""
-    from worker.backends import load_model
-    from worker.messages import SamplingParams
-    from worker.sampling import build_logits_processors, build_sampler
-    from worker.scheduler import StepPlan
-    from worker.settings import WorkerSettings
-
-    loaded = load_model(WorkerSettings(model=str(bench_model), cache_memory_mb=64, kv_bits=STARTED_BITS,
-                                       quantized_kv_start=1))
-    backend, greedy = loaded.make_backend(), SamplingParams()
+    batch = GreedyBackend(bench_model, cache_memory_mb=64, kv_bits=STARTED_BITS, quantized_kv_start=1)
     prompt = random.Random(1).choices(range(10, 1000), k=99)
-    runs = []
-    for _ in range(2):
-        uid = backend.insert(prompt, NEW_TOKENS, build_sampler(greedy), build_logits_processors(greedy))
-        made = []
-        while len(made) < NEW_TOKENS:
-            made += [out for out in backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)) if out.uid == uid]
-        runs.append(made)
-    assert [run[0].cached_tokens for run in runs] == [0, 96]
-    assert [out.token for out in runs[1]] == [out.token for out in runs[0]]
-    backend.close()
+    cold = batch.insert(prompt, NEW_TOKENS)
+    batch.step_until(lambda: len(batch.made[cold]) == NEW_TOKENS)
+    hit = batch.insert(prompt, NEW_TOKENS)
+    batch.step_until(lambda: len(batch.made[hit]) == NEW_TOKENS)
+    batch.close()
+    assert [batch.made[cold][0].cached_tokens, batch.made[hit][0].cached_tokens] == [0, 96]
+    assert batch.tokens(hit) == batch.tokens(cold)
+
 
 STORIES = [f"Story number {i}:" for i in range(3)]
 LONG = 120
