@@ -23,9 +23,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 # A test that needs one of these starts a Valkey server or loads a model: it is marked
 # `process`, and `make test-fast` (pytest -m "not process") leaves it out. (`served`:
-# support.on_text_and_vision's model; `family_model`: each vision family's demo model.)
+# support.on_text_and_vision's model; `family_model`: each vision family's demo model; `alone`:
+# test_kv_bits' oracle, which loads the models it is given.)
 PROCESS_FIXTURES = {"valkey", "cluster", "redis_url", "demo_model", "vision_model", "family_model", "thinking_model",
-                    "acl_server", "tls_server", "sentinel_deployment", "served", "pooling_model"}
+                    "acl_server", "tls_server", "sentinel_deployment", "served", "pooling_model", "bench_model",
+                    "mistral3_model", "alone"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
