@@ -142,7 +142,6 @@ def test_without_a_memory_tier_it_is_refused(demo_model, tmp_path):
         load_model(load_settings(model=str(demo_model), ssd_cache_dir=tmp_path, cache_memory_mb=0))
 
 
-
 def test_files_are_keyed_by_the_kv_quantization_too(demo_model, tmp_path):
     """Blocks stored under one quantization are another model's to a worker with another:
     other bits, group or quantized_kv_start never read them (a start of 0 keys as before it
@@ -156,6 +155,7 @@ def test_files_are_keyed_by_the_kv_quantization_too(demo_model, tmp_path):
     assert len({plain, eight, namespace(bits=4, group_size=64), namespace(bits=8, group_size=32),
                 namespace(bits=8, group_size=64, quantized_kv_start=100)}) == 5
     assert namespace(bits=8, group_size=64, quantized_kv_start=0) == eight
+
 
 def test_damaged_files_are_told_from_whole_ones_whatever_their_header_says(tmp_path):
     import json

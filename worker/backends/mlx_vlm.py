@@ -114,11 +114,6 @@ def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, 
             "quantized_kv_start": settings.quantized_kv_start}
 
 
-def _generator_arguments(quantization: dict[str, Any]) -> dict[str, Any]:
-    """mlx-vlm's batch arguments for quantizing from the first position."""
-    return {"kv_bits": quantization["bits"], "kv_group_size": quantization["group_size"]} if quantization else {}
-
-
 def _head_dim(config: Any) -> int:
     return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
@@ -224,13 +219,16 @@ class VisionBatchBackend:
         # so this size never holds back a request the engine has admitted.
         quantization = dict(kv_quantization or {})
         start = quantization.pop("quantized_kv_start", 0)
-        # From a later position, the batch runs dense and is switched between steps.
+        # From the first position mlx-vlm's batch quantizes; from a later one it runs dense
+        # and is switched between steps.
         self._quantize_from = QuantizeFrom(start, **quantization) if start else None
+        native = {} if start or not quantization else {"kv_bits": quantization["bits"],
+                                                       "kv_group_size": quantization["group_size"]}
         self._generator = BatchGenerator(model.language_model, processor, compute_logprobs=False,
                                          completion_batch_size=max_num_seqs + prefill_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, apc_manager=prefix_cache,
-                                         **({} if start else _generator_arguments(quantization)))
+                                         **native)
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
