@@ -254,20 +254,59 @@ def test_a_prefix_cache_hit_joins_a_quantized_batch(bench_model, alone):
     assert batch.tokens(warm) == alone(bench_model, [*shared, 11, 12, 13], 20, 67)
 
 
-def test_from_a_start_a_prefix_cache_hit_decodes_as_its_cold_run(bench_model):
-    """The prefix cache keeps dense blocks. Quantizing from the first token, mlx-vlm's batch
-    stores its quantized keys dequantized and quantizes them again on a hit, which does not
-    give back the same codes; from a start the blocks are the dense prefill's, which the
-    switch quantizes as the cold run's did, so a repeated prompt's hit changes nothing."""
-    batch = GreedyBackend(bench_model, cache_memory_mb=64, kv_bits=STARTED_BITS, quantized_kv_start=1)
-    prompt = random.Random(1).choices(range(10, 1000), k=99)
+@pytest.mark.parametrize(("model_fixture", "group", "start", "entries"), [
+    ("bench_model", 64, 0, "uint32"), ("bench_model", 64, 1, "float32"),
+    ("mistral3_model", 32, 0, "uint32"),  # a lone row on mlx-vlm's single-sequence quantized caches
+])
+def test_a_prefix_cache_hit_decodes_as_its_cold_run(request, model_fixture, group, start, entries):
+    """From the first token the prefix cache keeps the batch's own codes (packed, one uint32
+    array a block), which a hit puts back as they were; from a start it keeps the dense
+    prefill's blocks, which the switch quantizes as the cold run's did. Either way a
+    repeated prompt's hit, beside a cold neighbour, decodes exactly as its cold run (mlx-vlm
+    keeps dequantized blocks and quantizes them again, which moves values by up to a step)."""
+    batch = GreedyBackend(request.getfixturevalue(model_fixture), cache_memory_mb=64, kv_bits=STARTED_BITS,
+                          kv_group_size=group, quantized_kv_start=start)
+    prompt, other = ([min(t, 150) for t in tokens] for tokens in (random.Random(1).choices(range(10, 1000), k=99),
+                                                                   PROMPTS[1]))  # in both vocabularies
     cold = batch.insert(prompt, NEW_TOKENS)
     batch.step_until(lambda: len(batch.made[cold]) == NEW_TOKENS)
-    hit = batch.insert(prompt, NEW_TOKENS)
-    batch.step_until(lambda: len(batch.made[hit]) == NEW_TOKENS)
+    hit, neighbour = batch.insert(prompt, NEW_TOKENS), batch.insert(other, NEW_TOKENS)
+    batch.step_until(lambda: len(batch.made[hit]) == len(batch.made[neighbour]) == NEW_TOKENS)
+    blocks = [block for block in batch.backend._generator.apc_manager.pool if block.block_hash is not None]
     batch.close()
-    assert [batch.made[cold][0].cached_tokens, batch.made[hit][0].cached_tokens] == [0, 96]
+    assert [batch.made[uid][0].cached_tokens for uid in (cold, hit, neighbour)] == [0, 96, 0]
     assert batch.tokens(hit) == batch.tokens(cold)
+    assert {str(block.keys[0].dtype) for block in blocks} == {f"mlx.core.{entries}"}  # a quantized layer's
+
+
+@pytest.mark.parametrize(("start", "cached"), [(0, 96), (1, 0)])
+def test_packed_entries_hold_more_prompts_in_the_same_budget(bench_model, start, cached):
+    """1 MB holds five of the bench model's dense blocks (80 tokens: float32, 4 heads of 64,
+    6 layers), seventeen packed at 4 bits (its last layer stays dense): two prompts of 99
+    tokens both stay packed, while the second evicts the first's dense blocks."""
+    batch = GreedyBackend(bench_model, cache_memory_mb=1, kv_bits=STARTED_BITS, quantized_kv_start=start)
+    first, second = (random.Random(seed).choices(range(10, 1000), k=99) for seed in (1, 2))
+    for prompt in (first, second, first):
+        uid = batch.insert(prompt, 4)
+        batch.step_until(lambda: len(batch.made[uid]) == 4)  # noqa: B023 (run before the loop moves on)
+    held = sum(block.resident_bytes() for block in batch.backend._generator.apc_manager.pool)
+    batch.close()
+    assert batch.made[uid][0].cached_tokens == cached
+    assert 0 < held <= 1 << 20
+
+
+@pytest.mark.parametrize(("bits", "group", "dtype"), [(4, 64, "float32"), (8, 32, "bfloat16"), (8, 128, "float16")])
+def test_packed_codes_unpack_to_what_was_packed(bits, group, dtype):
+    import mlx.core as mx
+
+    from worker.backends.packed_prefix import pack, unpack
+
+    keys = mx.random.normal((2, 4, 5, 128)).astype(getattr(mx, dtype))
+    parts = mx.quantize(keys, group_size=group, bits=bits)
+    packed = pack(parts)
+    assert packed.dtype == mx.uint32 and packed.shape[:3] == (2, 4, 5)
+    again = unpack(packed[:, :, 1:3], bits, group, getattr(mx, dtype))  # a slice of its tokens: of each part
+    assert all(mx.array_equal(a, b[:, :, 1:3]).item() and a.dtype == b.dtype for a, b in zip(again, parts, strict=True))
 
 
 STORIES = [f"Story number {i}:" for i in range(3)]

@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from support import check_stream, heartbeat_stats, start_worker, wait_for, worker_url, xadd_json
+from support import build_demo_model, check_stream, heartbeat_stats, start_worker, wait_for, worker_url, xadd_json
 
 from client import Delta, Done
 
@@ -39,9 +39,9 @@ def shards(tier: Path) -> list[Path]:
     return sorted(tier.glob("slot-*/*/*.safetensors"))
 
 
-def warm(redis_url, model, tier, logs_dir, r, outputs) -> list[int]:
+def warm(redis_url, model, tier, logs_dir, r, outputs, **settings) -> list[int]:
     """Serve LONG once and stop when its blocks are on disk; its tokens."""
-    worker = serve(redis_url, model, tier, logs_dir)
+    worker = serve(redis_url, model, tier, logs_dir, **settings)
     tokens, cached = ask(worker, r, outputs, LONG)
     assert cached == 0
     wait_for(lambda: shards(tier), what="the prompt's blocks on disk")
@@ -59,6 +59,23 @@ def test_a_restarted_worker_reads_the_prompt_from_disk(redis_url, demo_model, tm
         tier = wait_for(lambda: (heartbeat_stats(r, worker.consumer).get("ssd_cache") or {}).get("hits", 0) > 0
                         and heartbeat_stats(r, worker.consumer)["ssd_cache"], what="the hit in the heartbeat")
         assert tier["entries"] >= 25
+    finally:
+        worker.stop()
+
+
+@pytest.fixture(scope="module")
+def bench_model(tmp_path_factory):
+    """The demo model whose heads (64 wide) mx.quantize can group."""
+    return build_demo_model(tmp_path_factory.mktemp("model") / "bench", "--size", "bench")
+
+
+def test_quantized_entries_come_back_from_disk_as_they_were(redis_url, bench_model, tmp_path, logs_dir, r, outputs):
+    """With kv_bits from the first token the tier holds the batch's own codes
+    (`packed_prefix`): a restarted worker's hit decodes exactly as the cold run did."""
+    cold = warm(redis_url, bench_model, tmp_path, logs_dir, r, outputs, kv_bits=4)
+    worker = serve(redis_url, bench_model, tmp_path, logs_dir, kv_bits=4)
+    try:
+        assert ask(worker, r, outputs, LONG) == (cold, 400)
     finally:
         worker.stop()
 
@@ -144,16 +161,18 @@ def test_without_a_memory_tier_it_is_refused(demo_model, tmp_path):
 
 def test_files_are_keyed_by_the_kv_quantization_too(demo_model, tmp_path):
     """Blocks stored under one quantization are another model's to a worker with another:
-    other bits, group or quantized_kv_start never read them (a start of 0 keys as before it
-    existed, so a worker's tier survives the upgrade)."""
+    other bits, group or quantized_kv_start, or packed codes against dense blocks, never
+    read them (dense blocks and a start of 0 key as before either existed, so a worker's
+    tier of dense blocks survives the upgrade)."""
     from worker.backends.ssd_tier import open_store
 
-    def namespace(**quantization) -> str:
-        return open_store(tmp_path, demo_model, 1 << 20, quantization).dir.name  # slot-N/<namespace>
+    def namespace(packed: bool = False, **quantization) -> str:
+        return open_store(tmp_path, demo_model, 1 << 20, quantization, packed=packed).dir.name  # slot-N/<namespace>
 
     plain, eight = namespace(), namespace(bits=8, group_size=64)
     assert len({plain, eight, namespace(bits=4, group_size=64), namespace(bits=8, group_size=32),
-                namespace(bits=8, group_size=64, quantized_kv_start=100)}) == 5
+                namespace(bits=8, group_size=64, quantized_kv_start=100),
+                namespace(True, bits=8, group_size=64)}) == 6
     assert namespace(bits=8, group_size=64, quantized_kv_start=0) == eight
 
 

@@ -21,6 +21,7 @@ import mlx.core as mx
 import numpy as np
 import structlog
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
+from mlx_vlm.models.cache import should_quantize_kv_layer
 
 from ..media import PreparedMedia
 from ..messages import CacheStats
@@ -31,6 +32,7 @@ from ..vision_prompts import MediaLimits, VisionPrompts
 from . import Coverage, Loaded, ModelInfo, TokenOut
 from .kv_start import QuantizeFrom
 from .mlx_lm import mlx_memory, upcoming_tokens
+from .packed_prefix import PackedPrefixCoordinator, packed_bytes_per_token
 from .vision_features import Encoder, encoder_for, not_cached_because
 
 log = structlog.get_logger()
@@ -84,7 +86,8 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024 if vision else 0)
-    prefix_cache = _prefix_cache(model, settings.cache_budget_bytes(), _disk_store(settings, local, kv_quantization))
+    prefix_cache = _prefix_cache(model, settings.cache_budget_bytes(), kv_quantization,
+                                 _disk_store(settings, local, kv_quantization))
 
     def make_backend() -> VisionBatchBackend:
         return VisionBatchBackend(model, processor, encoder, vision_cache, prefix_cache,
@@ -99,6 +102,13 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   cache_stats=cache_stats, memory=mlx_memory, release_memory=mx.clear_cache)
+
+
+def packs_prefix_entries(kv_quantization: dict[str, Any]) -> bool:
+    """Whether the prefix cache keeps quantized codes (`packed_prefix`): when the batch
+    quantizes from the first token, so its blocks are the batch's codes. From a start, the
+    blocks are the dense prefill's, which the switch quantizes as a cold run's."""
+    return bool(kv_quantization) and not kv_quantization.get("quantized_kv_start")
 
 
 def kv_quantization_of(settings: WorkerSettings, text_config: Any) -> dict[str, Any]:
@@ -159,21 +169,23 @@ def _disk_store(settings: WorkerSettings, local: Any, kv_quantization: dict[str,
     from .ssd_tier import open_store
 
     return open_store(settings.ssd_cache_dir.expanduser(), Path(local), int(settings.ssd_cache_max_gb * 2**30),
-                      kv_quantization)
+                      kv_quantization, packed=packs_prefix_entries(kv_quantization))
 
 
-def _prefix_cache(model: Any, budget_bytes: int, disk: Any = None) -> Any:
+def _prefix_cache(model: Any, budget_bytes: int, kv_quantization: dict[str, Any], disk: Any = None) -> Any:
     """mlx-vlm's automatic prefix cache (blocks of 16 tokens, hashed with the images they
-    hold), sized to the prefix-cache budget, over `disk` (its SSD tier) when given; None
-    when the budget is 0. Our own PrefixCache cannot be used here: mlx-vlm's generator
-    takes no per-request KV cache at insert."""
+    hold), as many blocks as the prefix-cache budget holds (more when they are packed
+    codes), over `disk` (its SSD tier) when given; None when the budget is 0. Our own
+    PrefixCache cannot be used here: mlx-vlm's generator takes no per-request KV cache at insert."""
     from mlx_vlm.apc import DEFAULT_BLOCK_SIZE, APCManager
 
     config = _text_config(model)
     heads = config.num_key_value_heads or config.num_attention_heads
-    head_dim = _head_dim(config)
-    itemsize = _embed_tokens(model).weight.dtype.size
-    block_bytes = 2 * config.num_hidden_layers * heads * head_dim * itemsize * DEFAULT_BLOCK_SIZE  # K and V
+    head_dim, layers, itemsize = _head_dim(config), config.num_hidden_layers, _dtype(model).size
+    packed = [packs_prefix_entries(kv_quantization) and should_quantize_kv_layer(i, layers) for i in range(layers)]
+    token_bytes = sum(packed_bytes_per_token(head_dim, kv_quantization["bits"], kv_quantization["group_size"],
+                                             itemsize) if quantized else head_dim * itemsize for quantized in packed)
+    block_bytes = 2 * heads * token_bytes * DEFAULT_BLOCK_SIZE  # K and V
     blocks = min(budget_bytes // block_bytes, MAX_PREFIX_BLOCKS)
     return APCManager(num_blocks=blocks, block_size=DEFAULT_BLOCK_SIZE, disk=disk) if blocks > 0 else None
 
@@ -229,6 +241,9 @@ class VisionBatchBackend:
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, apc_manager=prefix_cache,
                                          **native)
+        if native and self._generator.apc is not None:  # its prefix cache keeps the batch's codes
+            self._generator.apc = PackedPrefixCoordinator(prefix_cache, model.language_model, bits=quantization["bits"],
+                                                          group_size=quantization["group_size"], dtype=_dtype(model))
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
@@ -350,6 +365,12 @@ def _media_hash(media: PreparedMedia | None) -> int:
     if media is None:
         return 0
     return int.from_bytes(hashlib.sha256(media.key.encode()).digest()[:8], "big")
+
+
+def _dtype(model: Any) -> mx.Dtype:
+    """The dtype the model computes keys and values in: its embeddings' (their scales' when quantized)."""
+    embed = _embed_tokens(model)
+    return getattr(embed, "scales", embed.weight).dtype
 
 
 def _embed_tokens(model: Any) -> Any:

@@ -35,14 +35,17 @@ SAMPLE_BYTES = 1 << 16
 _held: list[int] = []  # the slot locks' descriptors: held until the process ends
 
 
-def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dict[str, Any]) -> Any:
-    """mlx-vlm's disk block store for this model, in a slot of `root` no other live worker holds."""
+def open_store(root: Path, model_dir: Path, max_bytes: int, kv_quantization: dict[str, Any], *,
+               packed: bool) -> Any:
+    """mlx-vlm's disk block store for this model, in a slot of `root` no other live worker holds;
+    `packed`: its blocks hold quantized codes (`packed_prefix`), never read as dense ones."""
     from mlx_vlm.apc import DiskBlockStore, apc_disk_namespace
 
     slot = claim_slot(root)
     for damaged in damaged_files(slot):
         damaged.unlink(missing_ok=True)
-    namespace = apc_disk_namespace(model_dir.name[:64], weights_fingerprint=weights_fingerprint(model_dir),
+    entries = "+packed" if packed else ""  # dense entries' namespace as before, so those tiers survive an upgrade
+    namespace = apc_disk_namespace(model_dir.name[:64], weights_fingerprint=weights_fingerprint(model_dir) + entries,
                                    kv_bits=kv_quantization.get("bits"),
                                    kv_group_size=kv_quantization.get("group_size"),
                                    quantized_kv_start=kv_quantization.get("quantized_kv_start") or None)
