@@ -26,7 +26,7 @@ from support import (
 
 from client import Delta, Done
 from worker.backends.prompt_lookup import History, propose
-from worker.backends.speculative import EPOCH, FIRST_PATIENCE, Gate
+from worker.backends.speculative import EPOCH, FIRST_PATIENCE, MARGIN, Gate
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
 # proposes; random weights loop in their own output too, which it proposes as well.
@@ -97,6 +97,13 @@ def test_the_gate_speculates_where_it_pays_and_not_beyond():
     assert sum(ways(gate, 2, {True: 80.0, False: 100.0}, epochs=20)) < 8  # loses at 2
     big = ways(gate, 16, {True: 400.0, False: 500.0}, epochs=6)
     assert big[0] is False, "it lost at a smaller batch: not tried first at a larger one"
+
+
+def test_a_near_tie_goes_to_plain():
+    """Speculation measured a little faster (within MARGIN: a drifting machine's noise) is
+    not chosen; where it pays (200 against 100 above) it is."""
+    gate = Gate()
+    assert sum(ways(gate, 4, {True: 100.0 * (1 + MARGIN * 0.9), False: 100.0}, epochs=40)) < 40 // 4
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+import structlog
 from mlx_vlm.apc import _fill_batch_layer_cache, layer_kv_for_apc
 from mlx_vlm.apc_coordinator import APCCoordinator
 from mlx_vlm.models.cache import BatchQuantizedKVCache, QuantizedKVCache, should_quantize_kv_layer
+
+log = structlog.get_logger()
 
 PACKED = mx.uint32  # no model keeps dense keys in it
 
@@ -65,7 +68,7 @@ class PackedPrefixCoordinator(APCCoordinator):
         if not self.enabled or self.is_checkpoint:
             return super().commit(prompt_cache, token_ids, batch_idx=batch_idx, extra_hash=extra_hash,
                                   skip_first_n_tokens=skip_first_n_tokens, blocks_in_use=blocks_in_use)
-        rows = [_row(layer, batch_idx) for layer in prompt_cache]
+        rows = [_row(layer, batch_idx, self.dtype) for layer in prompt_cache]
         stored = []
         if all(row is not None for row in rows):
             keys, values = zip(*rows, strict=True)  # type: ignore[misc]
@@ -112,11 +115,15 @@ class PackedPrefixCoordinator(APCCoordinator):
         return cache
 
 
-def _row(layer: Any, batch_idx: int | None) -> tuple[mx.array, mx.array] | None:
+def _row(layer: Any, batch_idx: int | None, dtype: mx.Dtype) -> tuple[mx.array, mx.array] | None:
     """One row's keys and values in a layer, as the block pool keeps them: a quantized
     layer's packed (as mlx-vlm's harvest reads them: from its left padding to its end),
-    a dense layer's as mlx-vlm's own harvest takes them; None if it has none."""
+    a dense layer's as mlx-vlm's own harvest takes them; None if it has none, or if its
+    scales are not of `dtype`, which a hit would unpack them as (nothing is stored then)."""
     if isinstance(layer, (BatchQuantizedKVCache, QuantizedKVCache)) and layer.keys is not None:
+        if layer.keys[1].dtype != dtype:
+            log.warning("prefix cache entry not stored", scales=str(layer.keys[1].dtype), expected=str(dtype))
+            return None
         if isinstance(layer, BatchQuantizedKVCache):
             row = batch_idx or 0
             start, end = int(layer.left_padding[row].item()), layer._idx

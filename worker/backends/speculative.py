@@ -57,12 +57,17 @@ EPOCH = 8  # steps taken one way before the gate chooses again
 # each time the try confirms the choice, so a way that keeps losing costs less and less.
 FIRST_PATIENCE, MAX_PATIENCE = 4, 256
 SMOOTHING = 0.3  # weight of the newest epoch in each way's tokens-per-second average
+# How much faster speculation must have measured to be chosen: epochs of one way and the
+# other run at different moments, and a machine's speed drifts between them (here by more
+# than 10 % within a minute), so a near tie is noise, and plain is what never loses to it.
+MARGIN = 0.15
 CUT_SHORT_AFTER, CUT_SHORT_BELOW = 4, 0.8  # steps into a speculative epoch, and the share of plain's rate
 
 
 class Gate:
     """Whether to speculate at a batch size: whichever way has made more tokens per
-    second at that size, measured on this machine as the batch runs.
+    second at that size, measured on this machine as the batch runs (speculation by
+    MARGIN at least).
 
     It chooses for an epoch of EPOCH steps and times steps 2 to EPOCH of it: the first
     carries what the way before left (a plain step's forward pass runs on while the next
@@ -121,7 +126,7 @@ class Gate:
             speculative = 0.0  # until it is tried here
         if speculative is None or plain is None:
             return plain is not None  # each way measured once first, plain first: a losing try is cut short
-        faster = speculative > plain
+        faster = speculative > plain * (1 + MARGIN)
         patience = self._patience.get(bucket, FIRST_PATIENCE)
         if self._exploring == bucket:  # the epoch just closed tried the other way
             self._exploring = None
