@@ -41,7 +41,8 @@ def pack(parts: Sequence[mx.array]) -> mx.array:
 
 def unpack(packed: mx.array, bits: int, group_size: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
     """`pack`'s inverse, for `bits` codes in groups of `group_size` with scales of `dtype`."""
-    # Per head_dim values: head_dim * bits / 32 words of codes, 2 * head_dim / group_size scales and biases.
+    # A head of d values packs into d * bits / 32 words of codes and d / group_size scales and
+    # as many biases of `dtype`: the width tells d.
     words_per_value = bits / 32 + 2 * dtype.size / (4 * group_size)
     width = round(packed.shape[-1] / words_per_value) * bits // 32
     rest = mx.contiguous(packed[..., width:]).view(dtype)
@@ -71,7 +72,7 @@ class PackedPrefixCoordinator(APCCoordinator):
         rows = [_row(layer, batch_idx, self.dtype) for layer in prompt_cache]
         stored = []
         if all(row is not None for row in rows):
-            keys, values = zip(*rows, strict=True)  # type: ignore[misc]
+            keys, values = zip(*rows, strict=True)
             stored = self.manager.store_kv_blocks(token_ids, list(keys), list(values), extra_hash=extra_hash,
                                                   skip_first_n_tokens=skip_first_n_tokens)
         self.manager.release([*blocks_in_use, *stored])
