@@ -12,7 +12,7 @@ that opt out, take one token as in any step: they verify nothing.
 
 A step is speculative only when some row has a draft and the gate says speculation
 pays at this batch size: it times epochs of steps taken each way (from one step to the
-next, so the engine's own work counts), per batch-size bucket, keeps the faster, and
+next, so the engine's own work counts), per batch-size bucket, keeps the faster (speculation by a margin), and
 tries the other again after a patience that doubles each time the try loses (a try
 running well below plain's rate is cut short). On a CPU
 the verifying pass costs what its tokens cost and speculation stops paying at a few
