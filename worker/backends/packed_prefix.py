@@ -70,8 +70,12 @@ class PackedPrefixCoordinator(APCCoordinator):
             return super().commit(prompt_cache, token_ids, batch_idx=batch_idx, extra_hash=extra_hash,
                                   skip_first_n_tokens=skip_first_n_tokens, blocks_in_use=blocks_in_use)
         rows = [_row(layer, batch_idx, self.dtype) for layer in prompt_cache]
+        # A layer's blocks are all packed or all dense (a hit joins them): a row whose layer
+        # came out in the other form (a family running some row on other caches) is not stored.
+        forms = [None if row is None else row[0].dtype == PACKED for row in rows]
+        expected = [should_quantize_kv_layer(index, len(rows)) for index in range(len(rows))]
         stored = []
-        if all(row is not None for row in rows):
+        if forms == expected:
             keys, values = zip(*rows, strict=True)
             stored = self.manager.store_kv_blocks(token_ids, list(keys), list(values), extra_hash=extra_hash,
                                                   skip_first_n_tokens=skip_first_n_tokens)
