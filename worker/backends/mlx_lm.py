@@ -21,7 +21,6 @@ from ..scheduler import StepPlan
 from ..settings import WorkerSettings
 from . import Coverage, Loaded, ModelInfo, TokenOut
 from .draft_model import DraftModel
-from .joining import JoiningPromptBatch
 from .prompt_lookup import PromptLookup
 from .speculative import Gate, Proposer, SpeculationStats, SpeculativeGenerationBatch
 
@@ -44,11 +43,7 @@ class MlxBatchBackend:
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
         if speculative is not None:  # the one generation batch, which each prefilled group joins
             self._generator._generation_batch = speculative
-        else:  # prefilled prompts join the batch before their first step (`joining`)
-            self._generator._prompt_batch = JoiningPromptBatch.empty(model, self._generator.sampler,
-                                                                     prefill_step_size=prefill_step_size)
         self._speculative = speculative
-        self._unstepped: set[int] = set()  # joining rows whose next output is their prompt's last token
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
         self._no_stops = StopSequences([])
@@ -61,15 +56,12 @@ class MlxBatchBackend:
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
                                         caches=None if cached is None else [cached.cache],
                                         all_tokens=None if cached is None else [cached.tokens])
-        if self._speculative is None:
-            self._unstepped.add(uid)
-        elif speculative and sampler is greedy_sampler and not logprobs:
+        if self._speculative is not None and speculative and sampler is greedy_sampler and not logprobs:
             self._speculative.eligible.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         uids = list(uids)
-        self._unstepped.difference_update(uids)
         if self._speculative is not None:
             self._speculative.eligible.difference_update(uids)
         caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
@@ -80,18 +72,13 @@ class MlxBatchBackend:
         _, generated = self._generator.next()
         if self._speculative is not None:  # finished sequences leave the batch by themselves
             self._speculative.eligible.difference_update(r.uid for r in generated if r.finish_reason)
-        joined = self._unstepped.intersection(r.uid for r in generated) if self._unstepped else ()
-        self._unstepped.difference_update(joined)
         return [TokenOut(r.uid, r.token, r.finish_reason,
                          None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
                          logprobs=r.logprobs)
-                for r in generated if r.uid not in joined]  # a joined row's first output is its prompt's
+                for r in generated]
 
     def upcoming_tokens(self) -> dict[int, int]:
-        upcoming = upcoming_tokens(self._generator)
-        for uid in self._unstepped.intersection(upcoming):  # their prompts' last tokens: seen already
-            del upcoming[uid]
-        return upcoming
+        return upcoming_tokens(self._generator)
 
     def close(self) -> None:
         self._generator.close()
