@@ -134,7 +134,7 @@ class BatchDriver:
         if pooling_kind(body) is None:  # a generation: its text in one delta (a pooling request has no deltas)
             body["stream_interval"] = ONE_DELTA
         try:
-            await self.client.submit(id=request_id, queue=batch.queue, lane=BATCH_LANE, **body)
+            await self.client.submit(id=request_id, queue=batch.queue, lane=BATCH_LANE, encoding="msgpack", **body)
         except QueueFull:
             return False
         except RequestRejected as e:

@@ -154,6 +154,26 @@ class Keys:
         """Every uploaded file (a sorted set: its id, scored by when it was uploaded)."""
         return f"{self.prefix}:files"
 
+    def tenant(self, tenant: str, part: str) -> str:
+        """A tenant's own keys, in its slot: `files` and `batches` (sorted sets of its ids,
+        scored by creation), `bytes` (a hash: what it stores against its files budget),
+        `active` (a sorted set: its batches not yet ended, scored by when they expire)."""
+        return f"{self.prefix}:tenant:{{{tenant}}}:{part}"
+
+    @property
+    def api_keys(self) -> str:
+        """The gateways' API keys (a hash: sha256 of a key -> its record as JSON)."""
+        return f"{self.prefix}:apikeys"
+
+    def in_flight(self, key_id: str) -> str:
+        """The requests one API key has in flight (a sorted set scored by when its lease ends)."""
+        return f"{self.prefix}:apikey:{{{key_id}}}:inflight"
+
+    @property
+    def rate_limits(self) -> str:
+        """The prefix of the gateways' rate-limit windows (kept by the `limits` library)."""
+        return f"{self.prefix}:ratelimit"
+
     def limits(self, queue: str) -> str:
         """What the workers of `queue` accept (a hash; `max_len`: the most requests waiting
         in each of its streams before producers are refused with QueueFull)."""

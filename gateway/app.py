@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -31,14 +30,18 @@ from client.diagnose import describe
 
 from .anthropic import MessageShape, anthropic_error, read_messages
 from .batches import Batches, Files
+from .bodies import read_body
+from .budget import TenantBudget
 from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
 from .pooling import PoolingKind, PoolingShape, read_pooling_call
+from .quotas import Quotas, rate_limit_storage
 from .relay import Relay
 from .replies import ReplyStream
 from .requests import read_call
 from .settings import GatewaySettings
+from .tenants import ADMIN, KEY_PREFIX, Caller, KeyStore, matches_any
 
 log = structlog.get_logger("mlxq.gateway")
 
@@ -55,13 +58,16 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.directory = ModelDirectory(self.client.redis, self.client.keys, settings.models)
         self.replies = ReplyStream(self.client.redis, self.client.keys)
-        self.relay = Relay(self.client, self.directory, self.replies, self.metrics,
+        redis, keys = self.client.redis, self.client.keys
+        self.key_store = KeyStore(redis, keys)
+        self.quotas = Quotas(redis, keys, rate_limit_storage(settings.redis_url, redis, keys),
+                             lease_s=settings.request_timeout_s + 60)
+        self.relay = Relay(self.client, self.directory, self.replies, self.metrics, self.quotas,
                            timeout_s=settings.request_timeout_s, keepalive_s=settings.keepalive_s)
         self._keys = [key.get_secret_value().encode() for key in settings.api_keys]
-        redis, keys = self.client.redis, self.client.keys
-        self.files = Files(redis, keys, max_bytes=settings.max_file_bytes, budget_bytes=settings.files_budget_bytes,
-                           ttl_s=settings.file_ttl_s)
-        self.batches = Batches(redis, keys, self.files, self.directory)
+        self.files = Files(redis, keys, TenantBudget(redis, keys), max_bytes=settings.max_file_bytes,
+                           budget_bytes=settings.files_budget_bytes, ttl_s=settings.file_ttl_s)
+        self.batches = Batches(redis, keys, self.files, self.directory, max_batches=settings.max_batches)
         self.runner = BatchRunner(self.client, lease_s=settings.batch_lease_s, window=settings.batch_window)
 
     async def close(self) -> None:
@@ -69,41 +75,49 @@ class Gateway:
         await self.replies.close()
         await self.client.aclose()
 
-    def authorize(self, request: Request) -> None:
-        """Raise 401 unless the request carries one of the keys (with none configured, everyone may)."""
-        if not self._keys:
-            return
+    async def authorize(self, request: Request) -> Caller:
+        """Who sends `request`: the owner of its key; raises 401 for a missing or unknown key.
+        A gateway with no configured key and no key in Redis lets everyone in (whatever key
+        they send, as OpenAI's SDKs always send one), as an admin."""
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if "x-api-key" in request.headers:  # Anthropic's SDKs send the key so
             scheme, given = "bearer", request.headers["x-api-key"]
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given.encode(), key) for key in self._keys):
-            raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with one of the "
-                           "gateway's api_keys", "invalid_request_error", "invalid_api_key")
+        bearer = given if scheme.lower() == "bearer" else ""
+        if bearer and matches_any(bearer, self._keys):
+            return ADMIN
+        record = await self.key_store.lookup(bearer) if bearer.startswith(KEY_PREFIX) else None
+        if record is not None:
+            return Caller(record.tenant, record)
+        if not self._keys and not await self.key_store.any():
+            return ADMIN
+        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with one of the "
+                       "gateway's api_keys or a key made by `mlxq keys create`", "invalid_request_error",
+                       "invalid_api_key")
 
     async def completions(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()
-        self.authorize(request)
+        caller = await self.authorize(request)
         call = read_call(kind, await self._json(request))
-        return await self.relay.serve(request, call, started)
+        return await self.relay.serve(request, call, started, caller)
 
     async def pooling(self, request: Request, kind: PoolingKind) -> Response:
         started = time.monotonic()
-        self.authorize(request)
+        caller = await self.authorize(request)
         call = read_pooling_call(kind, await self._json(request))
-        return await self.relay.serve(request, call, started, shape_for=PoolingShape)
+        return await self.relay.serve(request, call, started, caller, shape_for=PoolingShape)
 
     async def messages(self, request: Request) -> Response:
         started = time.monotonic()
-        self.authorize(request)
+        caller = await self.authorize(request)
         _, call = read_messages(await self._json(request))
-        return await self.relay.serve(request, call, started, shape_for=MessageShape)
+        return await self.relay.serve(request, call, started, caller, shape_for=MessageShape)
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt a message would have, counted by a worker of its model (templated,
         with its tools and images): the gateway has no tokenizer."""
-        self.authorize(request)
+        caller = await self.authorize(request)
         _, call = read_messages(await self._json(request), counting=True)
-        served = await self.directory.resolve(call.model)
+        served = await self.directory.resolve(call.model, caller)
         try:
             done = await self.client.generate(queue=served.queue, encoding="msgpack", count_only=True,
                                               timeout=self.settings.request_timeout_s, **call.body)
@@ -114,15 +128,7 @@ class Gateway:
         return JSONResponse({"input_tokens": done.usage.prompt_tokens})
 
     async def _json(self, request: Request) -> object:
-        declared = request.headers.get("content-length")
-        limit = self.settings.max_body_bytes
-        if declared and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is {declared} bytes; this gateway's max_body_bytes is {limit}",
-                           "invalid_request_error", "too_large")
-        body = await request.body()
-        if len(body) > limit:
-            raise ApiError(413, f"the request body is above this gateway's max_body_bytes ({limit})",
-                           "invalid_request_error", "too_large")
+        body = await read_body(request, self.settings.max_body_bytes)
         try:
             return json.loads(body)
         except ValueError as e:
@@ -131,28 +137,28 @@ class Gateway:
             raise ApiError.invalid("We could not parse the JSON body of your request (nested too deeply)") from e
 
     async def models(self, request: Request) -> Response:
-        self.authorize(request)
-        return JSONResponse({"object": "list", "data": await self.directory.listing()})
+        caller = await self.authorize(request)
+        return JSONResponse({"object": "list", "data": await self.directory.listing(caller)})
 
     async def model(self, request: Request) -> Response:
-        self.authorize(request)
+        caller = await self.authorize(request)
         name = request.path_params["model"]
-        await self.directory.resolve(name)  # 404 or 503
-        entry = next((m for m in await self.directory.listing() if m["id"] == name), None)
+        await self.directory.resolve(name, caller)  # 404 or 503
+        entry = next((m for m in await self.directory.listing(caller) if m["id"] == name), None)
         return JSONResponse(entry or {"id": name, "object": "model", "created": 0, "owned_by": "mlxq"})
 
     async def upload(self, request: Request) -> Response:
-        self.authorize(request)
-        return JSONResponse(await self.files.upload(request))
+        caller = await self.authorize(request)
+        return JSONResponse(await self.files.upload(request, caller))
 
     async def file(self, request: Request) -> Response:
-        self.authorize(request)
+        caller = await self.authorize(request)
         file_id = request.path_params["file_id"]
-        made = await self.batches.result_file(file_id)
+        made = await self.batches.result_file(file_id, caller)
         if request.method == "DELETE":
-            return JSONResponse(await self.files.delete(file_id))
+            return JSONResponse(await self.files.delete(file_id, caller))
         if made is None:
-            return JSONResponse(await self.files.retrieve(file_id))
+            return JSONResponse(await self.files.retrieve(file_id, caller))
         batch, part = made
         size = len(await self.batches.render(batch, part))
         return JSONResponse({"id": file_id, "object": "file", "bytes": size, "created_at": batch.created_at,
@@ -160,34 +166,38 @@ class Gateway:
                              "status": "processed", "status_details": None})
 
     async def file_content(self, request: Request) -> Response:
-        self.authorize(request)
+        caller = await self.authorize(request)
         file_id = request.path_params["file_id"]
-        made = await self.batches.result_file(file_id)
-        content = await self.files.content(file_id) if made is None else await self.batches.render(*made)
+        made = await self.batches.result_file(file_id, caller)
+        content = await self.files.content(file_id, caller) if made is None else await self.batches.render(*made)
         return Response(content, media_type="application/octet-stream")
 
     async def list_files(self, request: Request) -> Response:
-        self.authorize(request)
-        return JSONResponse(await self.files.listing(*_page_params(request)))
+        caller = await self.authorize(request)
+        return JSONResponse(await self.files.listing(*_page_params(request), caller))
 
     async def create_batch(self, request: Request) -> Response:
-        self.authorize(request)
-        return JSONResponse(await self.batches.create(await self._json(request)))
+        caller = await self.authorize(request)
+        return JSONResponse(await self.batches.create(await self._json(request), caller))
 
     async def batch(self, request: Request) -> Response:
-        self.authorize(request)
+        caller = await self.authorize(request)
         batch_id = request.path_params["batch_id"]
         if request.url.path.endswith("/cancel"):
-            return JSONResponse(await self.batches.cancel(batch_id))
-        return JSONResponse(await self.batches.retrieve(batch_id))
+            return JSONResponse(await self.batches.cancel(batch_id, caller))
+        return JSONResponse(await self.batches.retrieve(batch_id, caller))
 
     async def list_batches(self, request: Request) -> Response:
-        self.authorize(request)
-        return JSONResponse(await self.batches.listing(*_page_params(request)))
+        caller = await self.authorize(request)
+        return JSONResponse(await self.batches.listing(*_page_params(request), caller))
 
-    async def health(self, _: Request) -> Response:
+    async def health(self, request: Request) -> Response:
+        """`{"status": "ok"}` when Redis answers, and nothing else; to an admin key, also the
+        models served and the gateway's reply stream."""
         await self.client.redis.ping()
-        return JSONResponse({"status": "ok", "models": self.directory.names(), "reply_stream": self.replies.key})
+        if {"authorization", "x-api-key"} & set(request.headers) and (await self.authorize(request)).admin:
+            return JSONResponse({"status": "ok", "models": self.directory.names(), "reply_stream": self.replies.key})
+        return JSONResponse({"status": "ok"})
 
     async def scrape(self, _: Request) -> Response:
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)

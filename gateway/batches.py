@@ -21,15 +21,19 @@ from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
-from client.batches import Batch, BatchStore, completion_window_s
+from client.batches import RETENTION_S, Batch, BatchStore, completion_window_s, new_batch_id
 from client.keys import Keys
 from client.replies import as_text
 
-from .batch_lines import read_input, result_file
+from .batch_lines import ReadFile, read_input, result_file
+from .bodies import bounded
+from .budget import TenantBudget
 from .errors import ApiError
 from .models import ModelDirectory
+from .tenants import ADMIN_TENANT, Caller
 
 MAX_METADATA = 16
+FORM_OVERHEAD = 64 * 1024  # a multipart body's bytes beside the file: boundaries, headers, the purpose
 FILE_FIELDS = ("id", "bytes", "created_at", "expires_at", "filename", "purpose")
 RESULT_FILES: tuple[Literal["output", "errors"], ...] = ("output", "errors")
 
@@ -39,21 +43,25 @@ def not_found(what: str, name: str) -> ApiError:
 
 
 class Files:
-    """Uploaded files, each a hash in Redis, under a byte budget and a TTL."""
+    """Uploaded files, each a hash in Redis with its owner, under its tenant's budget and a TTL."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, *, max_bytes: int, budget_bytes: int, ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, budget: TenantBudget, *, max_bytes: int,
+                 budget_bytes: int, ttl_s: int) -> None:
         self.redis = redis
         self.keys = keys
+        self.budget = budget
         self.max_bytes = max_bytes
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = budget_bytes  # a tenant's, unless its key says otherwise
         self.ttl_s = ttl_s
 
-    async def upload(self, request: Request) -> dict[str, Any]:
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > self.max_bytes + 64 * 1024:
-            raise self._too_large(int(declared))
+    def budget_of(self, caller: Caller) -> int:
+        given = None if caller.record is None else caller.record.files_budget_bytes
+        return given or self.budget_bytes
+
+    async def upload(self, request: Request, caller: Caller) -> dict[str, Any]:
+        counted = bounded(request, self.max_bytes + FORM_OVERHEAD, self._too_large)
         try:
-            form = await request.form(max_files=1, max_fields=8)
+            form = await counted.form(max_files=1, max_fields=8, max_part_size=64 * 1024)
         except (MultiPartException, HTTPException) as e:  # Starlette raises the latter for the former
             why = e.message if isinstance(e, MultiPartException) else e.detail
             raise ApiError.invalid(f"the upload is not a form this gateway reads: {why}", param="file") from e
@@ -66,61 +74,52 @@ class Files:
             data = await upload.read(self.max_bytes + 1)
             if len(data) > self.max_bytes:
                 raise self._too_large(len(data))
-            await self._check_budget(len(data))
-            return await self._store(upload.filename or "upload.jsonl", data)
+            return await self._store(caller, upload.filename or "upload.jsonl", data)
         finally:
             await form.close()
 
     def _too_large(self, size: int) -> ApiError:
-        return ApiError(413, f"the file is {size} bytes; this gateway takes files of at most {self.max_bytes} bytes "
-                        "(max_file_bytes)", "invalid_request_error", "too_large")
+        return ApiError(413, f"the file is {size} bytes or more; this gateway takes files of at most "
+                        f"{self.max_bytes} bytes (max_file_bytes)", "invalid_request_error", "too_large")
 
-    async def _check_budget(self, size: int) -> None:
-        held = 0
-        stored: list[bytes] = await self.redis.zrange(self.keys.files, 0, -1)  # type: ignore[assignment]
-        for file_id in stored:
-            size_held = await self.redis.hget(self.keys.file(as_text(file_id)), "bytes")
-            if size_held is None:
-                await self.redis.zrem(self.keys.files, file_id)
-            else:
-                held += int(size_held)
-        if held + size > self.budget_bytes:
-            raise ApiError(413, f"the files stored hold {held} bytes; this one ({size}) would pass the gateway's "
-                           f"files_budget_bytes ({self.budget_bytes}): delete files first", "invalid_request_error",
-                           "too_large")
-
-    async def _store(self, filename: str, data: bytes) -> dict[str, Any]:
+    async def _store(self, caller: Caller, filename: str, data: bytes) -> dict[str, Any]:
         now = int(time.time())
         file_id = f"file-{uuid.uuid4().hex}"
         fields = {"id": file_id, "bytes": len(data), "created_at": now, "expires_at": now + self.ttl_s,
-                  "filename": filename[:255], "purpose": "batch"}
+                  "filename": filename[:255], "purpose": "batch", "tenant": caller.tenant}
+        await self.budget.reserve(caller.tenant, file_id, len(data), now + self.ttl_s, self.budget_of(caller))
         key = self.keys.file(file_id)
         await self.redis.hset(key, mapping={**fields, "data": data})  # type: ignore[arg-type,dict-item]
         await self.redis.expire(key, self.ttl_s)
         await self.redis.zadd(self.keys.files, {file_id: now})
+        await self.redis.zadd(self.keys.tenant(caller.tenant, "files"), {file_id: now})
         return _file_object(fields)
 
-    async def retrieve(self, file_id: str) -> dict[str, Any]:
-        values = await self.redis.hmget(self.keys.file(file_id), list(FILE_FIELDS))
-        if values[0] is None:
+    async def retrieve(self, file_id: str, caller: Caller) -> dict[str, Any]:
+        values = await self.redis.hmget(self.keys.file(file_id), [*FILE_FIELDS, "tenant"])
+        if values[0] is None or not caller.owns(as_text(values[-1] or "")):
             raise not_found("file", file_id)
-        return _file_object(dict(zip(FILE_FIELDS, (as_text(v or "") for v in values), strict=True)))
+        return _file_object(dict(zip(FILE_FIELDS, (as_text(v or "") for v in values), strict=False)))
 
-    async def content(self, file_id: str) -> bytes:
-        data = await self.redis.hget(self.keys.file(file_id), "data")
-        if data is None:
+    async def content(self, file_id: str, caller: Caller) -> bytes:
+        data, tenant = await self.redis.hmget(self.keys.file(file_id), ["data", "tenant"])
+        if data is None or not caller.owns(as_text(tenant or "")):
             raise not_found("file", file_id)
         return data if isinstance(data, bytes) else data.encode()
 
-    async def delete(self, file_id: str) -> dict[str, Any]:
-        deleted = await self.redis.delete(self.keys.file(file_id))
-        await self.redis.zrem(self.keys.files, file_id)
-        if not deleted:
+    async def delete(self, file_id: str, caller: Caller) -> dict[str, Any]:
+        tenant = as_text(await self.redis.hget(self.keys.file(file_id), "tenant") or "")
+        if not caller.owns(tenant) or not await self.redis.delete(self.keys.file(file_id)):
             raise not_found("file", file_id)
+        owner = tenant or ADMIN_TENANT
+        await self.redis.zrem(self.keys.files, file_id)
+        await self.redis.zrem(self.keys.tenant(owner, "files"), file_id)
+        await self.budget.release(owner, file_id)
         return {"id": file_id, "object": "file", "deleted": True}
 
-    async def listing(self, after: str | None, limit: int) -> dict[str, Any]:
-        stored: list[bytes] = await self.redis.zrevrange(self.keys.files, 0, -1)  # type: ignore[assignment]
+    async def listing(self, after: str | None, limit: int, caller: Caller) -> dict[str, Any]:
+        index = self.keys.files if caller.admin else self.keys.tenant(caller.tenant, "files")
+        stored: list[bytes] = await self.redis.zrevrange(index, 0, -1)  # type: ignore[assignment]
         ids = [as_text(i) for i in stored]
         if after in ids:
             ids = ids[ids.index(after) + 1:]
@@ -129,9 +128,9 @@ class Files:
             if len(found) > limit:
                 break
             try:
-                found.append(await self.retrieve(file_id))
+                found.append(await self.retrieve(file_id, caller))
             except ApiError:
-                await self.redis.zrem(self.keys.files, file_id)
+                await self.redis.zrem(index, file_id)
         return _page(found, limit)
 
 
@@ -150,14 +149,16 @@ def _page(items: list[dict[str, Any]], limit: int) -> dict[str, Any]:
 
 
 class Batches:
-    """`/v1/batches`, and the files each batch's results make."""
+    """`/v1/batches`, and the files each batch's results make; each batch its tenant's."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, files: Files, directory: ModelDirectory) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, files: Files, directory: ModelDirectory, *,
+                 max_batches: int) -> None:
         self.store = BatchStore(redis, keys)
         self.files = files
         self.directory = directory
+        self.max_batches = max_batches  # a tenant's active batches, unless its key says otherwise
 
-    async def create(self, body: Any) -> dict[str, Any]:
+    async def create(self, body: Any, caller: Caller) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ApiError.invalid("the request body must be a JSON object")
         unknown = sorted(set(body) - {"input_file_id", "endpoint", "completion_window", "metadata"})
@@ -168,32 +169,60 @@ class Batches:
         if not isinstance(window, str):
             raise ApiError.invalid("completion_window: a string such as '24h'", param="completion_window")
         try:
-            completion_window_s(window)
+            window_s = completion_window_s(window)
         except ValueError as e:
             raise ApiError.invalid(str(e), param="completion_window") from e
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str):
             raise ApiError.invalid("input_file_id: the id of a file uploaded with purpose 'batch'",
                                    param="input_file_id")
-        content = await self.files.content(file_id)
+        content = await self.files.content(file_id, caller)
         read = await asyncio.to_thread(read_input, content, str(endpoint))
-        queue, errors, model = "", read.errors, read.model
-        if not errors and model is None:
-            errors = [{"code": "invalid_request", "message": "no line of the file can run (see the error file's "
-                       "reasons): every line failed to read", "param": None, "line": None}]
-            queue = "none"
-        elif not errors and model is not None:
-            queue, errors = await self._queue_for(model, str(endpoint))
-        batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
-                                        completion_window=window, model=read.model, metadata=metadata,
-                                        input_file_id=file_id, errors=errors or None)
+        queue, errors = await self._check(read, str(endpoint), caller)
+        batch_id = new_batch_id()
+        if not errors:
+            await self._hold(caller, batch_id, read, int(time.time()) + window_s)
+        try:
+            batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
+                                            completion_window=window, model=read.model, metadata=metadata,
+                                            input_file_id=file_id, errors=errors or None, tenant=caller.tenant,
+                                            batch_id=batch_id)
+        except BaseException:
+            await asyncio.shield(self._let_go(caller.tenant, batch_id))
+            raise
         return openai_batch(batch)
 
-    async def _queue_for(self, model: str, endpoint: str) -> tuple[str, list[dict[str, Any]]]:
-        """The queue serving `model`, or why the batch cannot run: no live worker serves it
-        (404, 503), or it serves another task than the endpoint's."""
+    async def _check(self, read: ReadFile, endpoint: str, caller: Caller) -> tuple[str, list[dict[str, Any]]]:
+        """The batch's queue, or why it fails validation."""
+        if read.errors:
+            return "", read.errors
+        if read.model is None:
+            return "", [{"code": "invalid_request", "message": "no line of the file can run (see the error file's "
+                         "reasons): every line failed to read", "param": None, "line": None}]
+        return await self._queue_for(read.model, endpoint, caller)
+
+    async def _hold(self, caller: Caller, batch_id: str, read: ReadFile, expires_at: int) -> None:
+        """Count the batch's stored lines against the tenant's budget, and the batch against its
+        active batches (both given back if the second is refused)."""
+        size = sum(len(line.encode()) for line in read.lines)
+        budget = self.files.budget
+        await budget.reserve(caller.tenant, batch_id, size, expires_at + RETENTION_S, self.files.budget_of(caller))
+        most = (caller.record.max_batches if caller.record else None) or self.max_batches
         try:
-            served = await self.directory.resolve(model)
+            await budget.start_batch(caller.tenant, batch_id, expires_at, most)
+        except BaseException:
+            await asyncio.shield(budget.release(caller.tenant, batch_id))
+            raise
+
+    async def _let_go(self, tenant: str, batch_id: str) -> None:
+        await self.files.budget.release(tenant, batch_id)
+        await self.store.redis.zrem(self.store.keys.tenant(tenant, "active"), batch_id)
+
+    async def _queue_for(self, model: str, endpoint: str, caller: Caller) -> tuple[str, list[dict[str, Any]]]:
+        """The queue serving `model`, or why the batch cannot run: no live worker serves it
+        (404, 503), the caller's key may not call it, or it serves another task than the endpoint's."""
+        try:
+            served = await self.directory.resolve(model, caller)
         except ApiError as e:
             return "", [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
                          "line": None}]
@@ -203,34 +232,35 @@ class Batches:
                          f"needs a model that serves {wanted}", "param": "body.model", "line": None}]
         return served.queue, []
 
-    async def retrieve(self, batch_id: str) -> dict[str, Any]:
-        return openai_batch(await self._get(batch_id))
+    async def retrieve(self, batch_id: str, caller: Caller) -> dict[str, Any]:
+        return openai_batch(await self._get(batch_id, caller))
 
-    async def cancel(self, batch_id: str) -> dict[str, Any]:
-        batch = await self._get(batch_id)
+    async def cancel(self, batch_id: str, caller: Caller) -> dict[str, Any]:
+        batch = await self._get(batch_id, caller)
         if batch.status not in ("validating", "in_progress", "cancelling"):
             raise ApiError(409, f"batch {batch_id} is {batch.status}: it cannot be cancelled",
                            "invalid_request_error", "batch_not_cancellable")
         cancelled = await self.store.cancel(batch_id)
         return openai_batch(cancelled or batch)
 
-    async def listing(self, after: str | None, limit: int) -> dict[str, Any]:
-        batches, more = await self.store.listing(after, limit)
+    async def listing(self, after: str | None, limit: int, caller: Caller) -> dict[str, Any]:
+        batches, more = await self.store.listing(after, limit, None if caller.admin else caller.tenant)
         page = _page([openai_batch(b) for b in batches], limit)
         return {**page, "has_more": more}
 
-    async def _get(self, batch_id: str) -> Batch:
+    async def _get(self, batch_id: str, caller: Caller) -> Batch:
         batch = await self.store.get(batch_id)
-        if batch is None:
+        if batch is None or not caller.owns(batch.tenant):
             raise not_found("batch", batch_id)
         return batch
 
-    async def result_file(self, file_id: str) -> tuple[Batch, Literal["output", "errors"]] | None:
-        """The batch and part (`output`, `errors`) a result file's id names, if it does."""
+    async def result_file(self, file_id: str, caller: Caller) -> tuple[Batch, Literal["output", "errors"]] | None:
+        """The batch and part (`output`, `errors`) a result file's id names, if it does (and
+        the caller may see it)."""
         for part in RESULT_FILES:
             if file_id.startswith("file-") and file_id.endswith(f"-{part}"):
                 batch = await self.store.get(file_id[len("file-"):-len(part) - 1])
-                if batch is not None and batch.ended:
+                if batch is not None and batch.ended and caller.owns(batch.tenant):
                     return batch, part
         return None
 
@@ -243,7 +273,6 @@ class Batches:
             return (await self.directory.resolve(model)).tool_call
         except ApiError:
             return None
-
 
 def _metadata(raw: Any) -> dict[str, str] | None:
     if raw is None:

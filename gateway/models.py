@@ -20,6 +20,7 @@ from client.heartbeat import Heartbeat
 from client.keys import Keys
 
 from .errors import ApiError
+from .tenants import ADMIN, Caller
 
 REFRESH_S = 1.0
 
@@ -46,32 +47,44 @@ class ModelDirectory:
         self._live: list[Served] = []
         self._recent: set[str] = set()  # models and queues of workers seen in the last hour: a 503, not a 404
 
-    async def resolve(self, model: str) -> Served:
-        """The queue to send a request for `model` to; raises `ApiError` 404 or 503."""
+    async def resolve(self, model: str, caller: Caller = ADMIN) -> Served:
+        """The queue to send a request for `model` to; raises `ApiError` 404 or 503. A model
+        the caller's key may not call is a 404, as one that does not exist."""
         await self._refresh()
         queue = self.aliases.get(model)
         for served in self._live:
             if served.queue == queue or (queue is None and model in (served.model, served.queue)):
-                return served
-        if queue is not None or model in self._recent:
+                if caller.may_call(model, served.queue, served.model):
+                    return served
+                raise self._unknown(model, caller)
+        if caller.may_call(model, queue or model) and (queue is not None or model in self._recent):
             where = f"queue {queue!r}" if queue else f"model {model!r}"
             raise ApiError(503, f"no live worker serves {where}; start one, or retry", "server_error",
                            "no_worker", headers={"Retry-After": "5"})
-        raise ApiError(404, f"The model `{model}` does not exist (served now: {', '.join(self.names()) or 'none'})",
-                       "invalid_request_error", "model_not_found", "model")
+        raise self._unknown(model, caller)
 
-    async def listing(self) -> list[dict[str, Any]]:
-        """`/v1/models`: each live model, and each configured name whose queue has live workers."""
+    def _unknown(self, model: str, caller: Caller) -> ApiError:
+        served = ", ".join(self.names(caller)) or "none"
+        return ApiError(404, f"The model `{model}` does not exist or you do not have access to it (served now: "
+                        f"{served})", "invalid_request_error", "model_not_found", "model")
+
+    async def listing(self, caller: Caller = ADMIN) -> list[dict[str, Any]]:
+        """`/v1/models`: each live model, and each configured name whose queue has live
+        workers, that the caller may call."""
         await self._refresh()
-        by_queue = {s.queue: s for s in self._live}
-        entries = {s.model: s.since for s in self._live}
-        entries.update({name: by_queue[queue].since for name, queue in self.aliases.items() if queue in by_queue})
         return [{"id": name, "object": "model", "created": since, "owned_by": "mlxq"}
-                for name, since in sorted(entries.items())]
+                for name, (queue, since) in sorted(self._entries().items()) if caller.may_call(name, queue)]
 
-    def names(self) -> list[str]:
-        return sorted({s.model for s in self._live} | {n for n, q in self.aliases.items()
-                                                        if any(s.queue == q for s in self._live)})
+    def names(self, caller: Caller = ADMIN) -> list[str]:
+        return sorted(name for name, (queue, _) in self._entries().items() if caller.may_call(name, queue))
+
+    def _entries(self) -> dict[str, tuple[str, int]]:
+        """Each name a live model answers to: its queue, and since when it is served."""
+        by_queue = {s.queue: s for s in self._live}
+        entries = {s.model: (s.queue, s.since) for s in self._live}
+        entries.update({name: (queue, by_queue[queue].since) for name, queue in self.aliases.items()
+                        if queue in by_queue})
+        return entries
 
     async def _refresh(self) -> None:
         if time.monotonic() - self._read_at < REFRESH_S:

@@ -29,9 +29,11 @@ from client.protocol import Delta, Done, Error, Event, TokenLogprob
 from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
+from .quotas import Quotas, clamp_priority
 from .replies import Followed, ReplyStream
 from .requests import Call
 from .responses import Shaper
+from .tenants import Caller
 
 log = structlog.get_logger("mlxq.gateway")
 T = TypeVar("T")
@@ -117,29 +119,33 @@ class Relay:
     """Serves calls: the one place that submits and follows requests."""
 
     def __init__(self, client: AsyncClient, directory: ModelDirectory, replies: ReplyStream,
-                 metrics: GatewayMetrics, *, timeout_s: float, keepalive_s: float) -> None:
+                 metrics: GatewayMetrics, quotas: Quotas, *, timeout_s: float, keepalive_s: float) -> None:
         self.client = client
         self.directory = directory
         self.replies = replies
         self.metrics = metrics
+        self.quotas = quotas
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
 
-    async def serve(self, request: Request, call: Call, started: float,
+    async def serve(self, request: Request, call: Call, started: float, caller: Caller,
                     shape_for: ShapeFor | None = None) -> Response:
-        """Submit `call` and answer it in the shape `shape_for` makes (OpenAI's by default);
-        raises `ApiError`."""
-        served = await self.directory.resolve(call.model)
+        """Submit `call` for `caller` (under its key's limits) and answer it in the shape
+        `shape_for` makes (OpenAI's by default); raises `ApiError`."""
+        served = await self.directory.resolve(call.model, caller)
         if served.task is not None and served.task != call.task:
             raise ApiError.invalid(f"model {call.model!r} serves {served.task}; this endpoint needs a model that "
                                    f"serves {call.task}", param="model")
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
+        body = dict(call.body)
+        clamp_priority(caller, body)
         job = self.replies.follow(uuid.uuid4().hex)
         streaming = False
         try:
+            job.admission = await self.quotas.admit(caller, job.id)
             try:
                 await self.client.submit(id=job.id, queue=served.queue, encoding="msgpack",
-                                         reply_to=self.replies.key, deadline_ms=deadline_ms, **call.body)
+                                         reply_to=self.replies.key, deadline_ms=deadline_ms, **body)
             except (RequestRejected, QueueFull) as e:
                 raise ApiError.from_mlxq(e) from e
             shape: Shape = (shape_for or OpenAIShape)(call, job.id, served.tool_call)
@@ -151,6 +157,7 @@ class Relay:
         finally:
             if not streaming:
                 self.replies.forget(job.id)
+                await self._charge(job)
 
     async def _whole(self, request: Request, job: Followed, shape: Shape, started: float,
                      logprobs: bool) -> Response:
@@ -243,6 +250,14 @@ class Relay:
         self.replies.forget(job.id)
         if not job.finished:
             await self._cancel(job)
+        await self._charge(job)
+
+    async def _charge(self, job: Followed) -> None:
+        """Count the request against its key (its tokens, its lease back)."""
+        try:
+            await job.admission.close(job.tokens)
+        except Exception as e:  # noqa: BLE001 - Redis gone: the lease lapses by itself
+            log.warning("could not count a request against its key", request_id=job.id, error=str(e))
 
     async def _gone(self, job: Followed) -> Response:
         """The client closed the connection before the answer: cancel, answer nobody."""

@@ -19,8 +19,10 @@ from redis.exceptions import RedisError, ResponseError
 
 from client.diagnose import describe
 from client.keys import Keys
-from client.protocol import Delta, Event, decode_event
+from client.protocol import Delta, Done, Event, decode_event
 from client.replies import stream_entries
+
+from .quotas import OPEN, Admission
 
 log = structlog.get_logger("mlxq.gateway")
 BLOCK_MS = 1000
@@ -36,6 +38,8 @@ class Followed:
         self.next_seq = 0  # deltas below it were handed over already (a failover can write them again)
         self.finished = False  # its terminal event was handed over
         self.released = False  # the relay is done with it
+        self.tokens = 0  # prompt and generated, once its `done` came: what its key is charged
+        self.admission: Admission = OPEN  # its key's limits, given back when it ends
 
     async def read(self, wait_s: float) -> list[Event]:
         """Its next events (the terminal one last), waiting up to `wait_s` for the first; [] if none came."""
@@ -51,6 +55,8 @@ class Followed:
         for i, event in enumerate(events):
             if not isinstance(event, Delta):
                 self.finished = True
+                if isinstance(event, Done):
+                    self.tokens = event.usage.prompt_tokens + event.usage.completion_tokens
                 return events[:i + 1]
         return events
 

@@ -27,8 +27,10 @@ class GatewaySettings(LayeredSettings):
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix of the workers")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")
-    api_keys: list[SecretStr] = Field(default_factory=list, description="bearer keys accepted on /v1 (none: "
-                                      "open to anyone who can connect)")
+    api_keys: list[SecretStr] = Field(default_factory=list, description="admin keys accepted on /v1, beside "
+                                      "the keys `mlxq keys create` stores in Redis (none of either: open to anyone "
+                                      "who can connect). Give them in MLXQ_GATEWAY_API_KEYS or the TOML, not on "
+                                      "the command line, where `ps` shows them")
     models: dict[str, str] = Field(default_factory=dict, description="model name -> queue (TOML table, or JSON "
                                    "in the variable); unset names: the models live workers serve, and queue names")
     request_timeout_s: float = Field(600.0, gt=0, description="longest a request may take, queue wait included; "
@@ -40,8 +42,11 @@ class GatewaySettings(LayeredSettings):
                                 "included); larger ones are answered 413")
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1, description="largest file /v1/files takes (OpenAI's "
                                 "batch limit: 200 MB); larger ones are answered 413")
-    files_budget_bytes: int = Field(2 * 1024**3, ge=1, description="bytes all uploaded files may hold in Redis "
-                                    "together; an upload past it is answered 413")
+    files_budget_bytes: int = Field(2 * 1024**3, ge=1, description="bytes one tenant's uploaded files and "
+                                    "batch lines may hold in Redis together (a key's files_budget_bytes overrides "
+                                    "it); an upload or batch past it is answered 413")
+    max_batches: int = Field(100, ge=1, description="batches one tenant may have in progress at once (a key's "
+                             "max_batches overrides it); one more is answered 429")
     file_ttl_s: int = Field(7 * 86400, ge=60, description="an uploaded file is deleted this long after upload")
     batch_lease_s: float = Field(10.0, gt=0, description="a batch whose driver (a gateway, `mlxq batch`) stops "
                                  "is taken over by another this long after")

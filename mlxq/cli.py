@@ -76,8 +76,8 @@ class _Formatter(argparse.HelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_worker, _add_gateway, _add_submit, _add_batch, _add_status, _add_dead, _add_redis, _add_bench,
-                _add_demo_model):
+    for add in (_add_worker, _add_gateway, _add_keys, _add_submit, _add_batch, _add_status, _add_dead, _add_redis,
+                _add_bench, _add_demo_model):
         add(commands)
     return parser
 
@@ -150,6 +150,39 @@ def _run_gateway(args: argparse.Namespace) -> int:
     from . import gateway_command
 
     return gateway_command.run(args)
+
+
+def _add_keys(commands: Any) -> None:
+    """`mlxq keys`: the gateways' API keys, in Redis."""
+    keys = _command(commands, "keys", "create, list or revoke the gateways' API keys",
+                    "Keys belong to a tenant and carry its limits; every gateway on the Redis reads them. `create` "
+                    "prints the key once (Redis keeps only its hash). A user key sees only its tenant's files and "
+                    "batches and calls only its --models; an admin key sees every tenant.")
+    keys.add_argument("action", choices=["create", "list", "revoke"])
+    keys.add_argument("key_id", nargs="?", metavar="KEY_ID", help="revoke: the key's id (key_..., from `list`)")
+    keys.add_argument("--tenant", help="create: the team the key belongs to (A-Za-z0-9_.-)")
+    keys.add_argument("--role", choices=["user", "admin"], default="user", help="create: an admin sees every tenant")
+    keys.add_argument("--models", help="create: the models (names or queues) it may call, comma-separated "
+                      "(default: every model)")
+    keys.add_argument("--rpm", type=int, help="create: requests per minute (default: no limit)")
+    keys.add_argument("--tpm", type=int, help="create: tokens per minute, prompt and generated (default: no limit)")
+    keys.add_argument("--max-concurrency", type=int, help="create: requests in flight at once (default: no limit)")
+    keys.add_argument("--max-priority", type=int, help="create: the best (lowest) priority its requests get "
+                      "(default: 0 for a user key, any for an admin)")
+    keys.add_argument("--files-budget", dest="files_budget_bytes", type=int, metavar="BYTES",
+                      help="create: bytes its tenant's files and batches may hold (default: the gateway's)")
+    keys.add_argument("--max-batches", type=int, help="create: batches in progress at once (default: the gateway's)")
+    keys.add_argument("--json", action="store_true", help="create, list: JSON")
+    _add_redis_url(keys)
+    keys.set_defaults(run=_run_keys)
+
+
+def _run_keys(args: argparse.Namespace) -> int:
+    try:
+        from . import keys_command
+    except ImportError as e:
+        return _missing_extra("keys", e, args)
+    return keys_command.run(args)
 
 
 def _add_submit(commands: Any) -> None:

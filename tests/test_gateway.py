@@ -399,7 +399,8 @@ def test_64_concurrent_streams_through_one_gateway_and_more_beside_it(gateway, o
 
     results = asyncio.run(run())
     assert len(results) == 80 and all(text == expected[prompt] for prompt, text in results)
-    replies = [httpx.get(f"{g.url}/health").json()["reply_stream"] for g in (gateway, open_gateway)]
+    admin = {"authorization": f"Bearer {KEY}"}
+    replies = [httpx.get(f"{g.url}/health", headers=admin).json()["reply_stream"] for g in (gateway, open_gateway)]
     assert wait_for(lambda: all(r.xlen(key) == 0 for key in replies)), "what was read is trimmed away"
 
 
@@ -410,7 +411,8 @@ def test_the_open_gateway_said_so_and_serves_metrics(open_gateway, gateway, sdk)
     assert re.search(r'mlxq_gateway_requests_total\{route="chat",status="200"\} [1-9]', metrics)
     assert "mlxq_gateway_open_streams 0.0" in metrics
     assert re.search(r'mlxq_gateway_time_to_first_byte_seconds_count\{route="chat"\} [1-9]', metrics)
-    assert httpx.get(f"{gateway.url}/health").json()["status"] == "ok"
+    assert httpx.get(f"{gateway.url}/health").json() == {"status": "ok"}  # nothing more without a key
+    assert httpx.get(f"{gateway.url}/health", headers={"authorization": "Bearer wrong"}).status_code == 401
 
 
 def readme_examples() -> tuple[str, str]:
