@@ -74,7 +74,7 @@ class AsyncClient:
                 await self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
             except ResponseError as e:
                 raise queue_full(e, submission, bound) from e
-        return AsyncJob(self, submission.id, submission.output)
+        return AsyncJob(self, submission.id, submission.output, submission.queue)
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
@@ -119,11 +119,13 @@ class AsyncClient:
         """A batch made earlier, by id."""
         return AsyncBatchHandle(self, batch_id)
 
-    async def cancel(self, request_id: str) -> None:
-        """Cancel a request, running or queued; does nothing if it already finished."""
+    async def cancel(self, request_id: str, *, queue: str | None = None) -> None:
+        """Cancel a request of `queue` (default: this client's), running or queued; does
+        nothing if it already finished."""
+        queue = queue or self.queue
         # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
-        await self.redis.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
-        await self.redis.publish(self.keys.cancel_channel, request_id)
+        await self.redis.set(self.keys.cancel_flag(queue, request_id), 1, ex=CANCEL_TTL_S)
+        await self.redis.publish(self.keys.cancel_channel(queue), request_id)
 
     async def events(self, stream: str, *, last_id: str = "0-0") -> AsyncIterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""
@@ -138,10 +140,11 @@ class AsyncClient:
 class AsyncJob:
     """One submitted request: stream its deltas, wait for its result, or cancel it."""
 
-    def __init__(self, client: AsyncClient, request_id: str, output: str) -> None:
+    def __init__(self, client: AsyncClient, request_id: str, output: str, queue: str) -> None:
         self.client = client
         self.id = request_id
         self.output = output
+        self.queue = queue
         self._cursor = Cursor(request_id, output)
         self._outage = Outage()
 
@@ -173,4 +176,4 @@ class AsyncJob:
 
     async def cancel(self) -> None:
         """Cancel this request."""
-        await self.client.cancel(self.id)
+        await self.client.cancel(self.id, queue=self.queue)

@@ -47,6 +47,7 @@ class Submission:
     stream: str
     fields: dict[str, bytes | str]
     output: str
+    queue: str
 
 
 class Bounds:
@@ -98,12 +99,12 @@ def build_submission(keys: Keys, queue: str, request_id: str | None, encoding: E
     except (TypeError, ValueError) as e:  # a value the encoding cannot carry
         raise RequestRejected(f"the request cannot be encoded as {encoding}: {e}") from e
     reply_to = body.get("reply_to")
-    problem = None if reply_to is None else keys.reply_to_problem(reply_to)
+    problem = None if reply_to is None else keys.reply_to_problem(queue, reply_to)
     if problem:
         raise RequestRejected(problem)
-    output = reply_to or keys.output(request_id)
+    output = reply_to or keys.output(queue, request_id)
     stream = keys.queue(queue) if lane is None else keys.lane(queue, lane)
-    return Submission(request_id, stream, fields, output)
+    return Submission(request_id, stream, fields, output, queue)
 
 
 class Cursor:

@@ -72,7 +72,7 @@ class Client:
                 self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
             except ResponseError as e:
                 raise queue_full(e, submission, bound) from e
-        return Job(self, submission.id, submission.output)
+        return Job(self, submission.id, submission.output, submission.queue)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
@@ -110,11 +110,13 @@ class Client:
         """A batch made earlier, by id."""
         return BatchHandle(self.url, self.keys.prefix, batch_id)
 
-    def cancel(self, request_id: str) -> None:
-        """Cancel a request, running or queued; does nothing if it already finished."""
+    def cancel(self, request_id: str, *, queue: str | None = None) -> None:
+        """Cancel a request of `queue` (default: this client's), running or queued; does
+        nothing if it already finished."""
+        queue = queue or self.queue
         # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
-        self.redis.set(self.keys.cancel_flag(request_id), 1, ex=CANCEL_TTL_S)
-        self.redis.publish(self.keys.cancel_channel, request_id)
+        self.redis.set(self.keys.cancel_flag(queue, request_id), 1, ex=CANCEL_TTL_S)
+        self.redis.publish(self.keys.cancel_channel(queue), request_id)
 
     def events(self, stream: str, *, last_id: str = "0-0") -> Iterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""
@@ -129,10 +131,11 @@ class Client:
 class Job:
     """One submitted request: stream its deltas, wait for its result, or cancel it."""
 
-    def __init__(self, client: Client, request_id: str, output: str) -> None:
+    def __init__(self, client: Client, request_id: str, output: str, queue: str) -> None:
         self.client = client
         self.id = request_id
         self.output = output
+        self.queue = queue
         self._cursor = Cursor(request_id, output)
         self._outage = Outage()
 
@@ -164,4 +167,4 @@ class Job:
 
     def cancel(self) -> None:
         """Cancel this request."""
-        self.client.cancel(self.id)
+        self.client.cancel(self.id, queue=self.queue)

@@ -54,7 +54,7 @@ class BatchDriver:
         self.batch_id = batch_id
         self.store = BatchStore(client.redis, client.keys)
         self.lease_key = client.keys.batch_part(batch_id, "lease")
-        self.replies = client.keys.batch_replies(batch_id)
+        self.replies = ""  # the batch's reply stream, once its queue is read
         self.lease_ms = int(lease_s * 1000)
         self.window = window
         self.token = uuid.uuid4().hex
@@ -80,6 +80,7 @@ class BatchDriver:
                 batch = await self.store.get(self.batch_id)
                 if batch is None or batch.ended:
                     return batch
+                self.replies = self.client.keys.batch_replies(batch.queue, batch.id)
                 try:
                     await self._pass(batch)
                 except Exception as e:  # noqa: BLE001 - Redis away a moment, or a bug: log, try again
@@ -124,7 +125,7 @@ class BatchDriver:
 
     async def _submit(self, batch: Batch, index: int, line: BatchLine) -> bool:
         """Feed one line (or file why it cannot run); False if the queue is full."""
-        request_id = line_request_id(batch.id, index)
+        request_id = line_request_id(batch, index)
         self._custom_ids[index] = line.custom_id
         if line.error is not None:
             await self.store.file(batch.id, batch_error(index, line.custom_id, request_id, **line.error))
@@ -175,7 +176,7 @@ class BatchDriver:
             event: Event = decode_event(fields)
         except Exception:  # noqa: BLE001 - an entry nobody of ours wrote: not a line's
             return
-        index = line_index(batch.id, event.id)
+        index = line_index(batch, event.id)
         if index is None or index >= batch.total:
             return
         if isinstance(event, Delta):
@@ -204,7 +205,7 @@ class BatchDriver:
         finished = await self.store.finished_lines(batch.id)
         running = {i for i in range(batch.fed) if i not in finished}
         for index in running:
-            await self.client.cancel(line_request_id(batch.id, index))
+            await self.client.cancel(line_request_id(batch, index), queue=batch.queue)
         return running
 
     async def _cancel(self, batch: Batch) -> None:
@@ -229,7 +230,7 @@ class BatchDriver:
             for index in chunk:
                 line = lines[index - chunk[0]]
                 await self.store.file(batch.id, batch_error(
-                    index, line.custom_id, line_request_id(batch.id, index), "batch_expired",
+                    index, line.custom_id, line_request_id(batch, index), "batch_expired",
                     f"the batch's completion_window ({batch.completion_window}) ended before this line did"))
         await self.store.move(batch.id, "expired", came_from=("in_progress",))
 

@@ -47,50 +47,56 @@ class Keys:
         """Where entries that cannot be served go, with the reason."""
         return f"{self.prefix}:q:{queue}:dead"
 
-    def output(self, request_id: str) -> str:
+    # A request's own keys are under its queue: a producer confined to its queue by an ACL
+    # line (`%R~mlxq:out:<queue>:*`, ...) reads, cancels and names as `reply_to` only what
+    # belongs to its queue. A worker's queue name has no ':' (its settings refuse one), so
+    # no queue's pattern matches another queue's keys.
+
+    def output(self, queue: str, request_id: str) -> str:
         """The default output stream of one request."""
-        return f"{self.prefix}:out:{{{request_id}}}"
+        return f"{self.prefix}:out:{queue}:{{{request_id}}}"
 
-    def cancel_flag(self, request_id: str) -> str:
+    def cancel_flag(self, queue: str, request_id: str) -> str:
         """Set (with a TTL) by whoever cancels a request."""
-        return f"{self.prefix}:cancel:{{{request_id}}}"
+        return f"{self.prefix}:cancel:{queue}:{{{request_id}}}"
 
-    @property
-    def cancel_channel(self) -> str:
-        """Pub/sub channel carrying ids to cancel, so running work stops at once."""
-        return f"{self.prefix}:cancel"
+    def cancel_channel(self, queue: str) -> str:
+        """Pub/sub channel carrying ids of `queue`'s requests to cancel, so running work stops at once."""
+        return f"{self.prefix}:cancel:{queue}"
 
-    def done(self, request_id: str) -> str:
+    def done(self, queue: str, request_id: str) -> str:
         """Marks an id whose terminal event was written, so a repeat is not computed."""
-        return f"{self.prefix}:done:{{{request_id}}}"
+        return f"{self.prefix}:done:{queue}:{{{request_id}}}"
 
-    def progress(self, request_id: str, output: str | None = None) -> str:
+    def progress(self, queue: str, request_id: str, output: str | None = None) -> str:
         """The publishing fence of one request (which entry and which taking of it writes its
         output, and how many events are written), in the slot of the stream it writes:
-        `<prefix>:progress:{<id>}` beside its own output, `<prefix>:progress:{<tag>}:<id>`
-        beside a shared `reply_to` stream whose Redis Cluster hash tag is `<tag>`."""
-        if output is None or output == self.output(request_id):
-            return f"{self.prefix}:progress:{{{request_id}}}"
-        return f"{self.prefix}:progress:{{{hash_tag(output)}}}:{request_id}"
+        `<prefix>:progress:<queue>:{<id>}` beside its own output,
+        `<prefix>:progress:<queue>:{<tag>}:<id>` beside a shared `reply_to` stream whose
+        Redis Cluster hash tag is `<tag>`."""
+        if output is None or output == self.output(queue, request_id):
+            return f"{self.prefix}:progress:{queue}:{{{request_id}}}"
+        return f"{self.prefix}:progress:{queue}:{{{hash_tag(output)}}}:{request_id}"
 
-    def crashes(self, request_id: str) -> str:
+    def crashes(self, queue: str, request_id: str) -> str:
         """The open attempts at preparing this request (a set): those left open are workers
         that died in the middle, its poison count."""
-        return f"{self.prefix}:crashes:{{{request_id}}}"
+        return f"{self.prefix}:crashes:{queue}:{{{request_id}}}"
 
-    def reply(self, name: str) -> str:
-        """A shared output stream that many requests may name as `reply_to`."""
-        return f"{self.prefix}:reply:{name}"
+    def reply(self, queue: str, name: str) -> str:
+        """A shared output stream of `queue` that many of its requests may name as `reply_to`."""
+        return f"{self.prefix}:reply:{queue}:{name}"
 
-    def reply_to_problem(self, key: str) -> str | None:
-        """Why a request may not send its output to `key`, or None if it may. Only
-        `<prefix>:reply:<name>` is allowed: the worker writes nothing outside its prefix (one
-        ACL pattern confines it), and never into another request's output stream."""
-        name = key.removeprefix(self.reply(""))
+    def reply_to_problem(self, queue: str, key: str) -> str | None:
+        """Why a request of `queue` may not send its output to `key`, or None if it may. Only
+        `<prefix>:reply:<queue>:<name>` is allowed: the worker writes nothing outside its
+        prefix (one ACL pattern confines it), nothing outside the request's queue (one
+        pattern per queue confines a producer), and never into another request's output."""
+        name = key.removeprefix(self.reply(queue, ""))
         shown = ascii(key[:80]) + ("..." if len(key) > 80 else "")
         if name == key or not REPLY_NAME.fullmatch(name):
-            return (f"reply_to: {shown} is not a shared reply stream; use '{self.reply('<name>')}' with a name of "
-                    "1-128 of A-Za-z0-9_.:-{}")
+            return (f"reply_to: {shown} is not a shared reply stream of queue {queue!r}; use "
+                    f"'{self.reply(queue, '<name>')}' with a name of 1-128 of A-Za-z0-9_.:-{{}}")
         if "}" in hash_tag(key):
             return (f"reply_to: {shown}: braces in a reply name must form one Redis Cluster hash tag, "
                     "'{' then a non-empty name then '}'")
@@ -131,9 +137,9 @@ class Keys:
         line), `lease` (who drives it, with a TTL)."""
         return f"{self.prefix}:batch:{{{batch_id}}}:{part}"
 
-    def batch_replies(self, batch_id: str) -> str:
-        """The `reply_to` stream of every line of a batch, in the batch's slot."""
-        return self.reply(f"{{{batch_id}}}")
+    def batch_replies(self, queue: str, batch_id: str) -> str:
+        """The `reply_to` stream of every line of a batch on `queue`, in the batch's slot."""
+        return self.reply(queue, f"{{{batch_id}}}")
 
     @property
     def batches(self) -> str:

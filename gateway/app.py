@@ -196,7 +196,8 @@ class Gateway:
         models served and the gateway's reply stream."""
         await self.client.redis.ping()
         if {"authorization", "x-api-key"} & set(request.headers) and (await self.authorize(request)).admin:
-            return JSONResponse({"status": "ok", "models": self.directory.names(), "reply_stream": self.replies.key})
+            return JSONResponse({"status": "ok", "models": self.directory.names(),
+                                 "reply_streams": self.replies.streams})
         return JSONResponse({"status": "ok"})
 
     async def scrape(self, _: Request) -> Response:

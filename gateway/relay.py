@@ -139,13 +139,14 @@ class Relay:
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
         body = dict(call.body)
         clamp_priority(caller, body)
-        job = self.replies.follow(uuid.uuid4().hex)
+        job, reply_to = self.replies.follow(uuid.uuid4().hex, served.queue)
+        job.on_queue = served.queue
         streaming = False
         try:
             job.admission = await self.quotas.admit(caller, job.id)
             try:
                 await self.client.submit(id=job.id, queue=served.queue, encoding="msgpack",
-                                         reply_to=self.replies.key, deadline_ms=deadline_ms, **body)
+                                         reply_to=reply_to, deadline_ms=deadline_ms, **body)
             except (RequestRejected, QueueFull) as e:
                 raise ApiError.from_mlxq(e) from e
             shape: Shape = (shape_for or OpenAIShape)(call, job.id, served.tool_call)
@@ -266,7 +267,7 @@ class Relay:
 
     async def _cancel(self, job: Followed) -> None:
         try:
-            await self.client.cancel(job.id)
+            await self.client.cancel(job.id, queue=job.on_queue)
             log.info("request cancelled: the client went away or it timed out", request_id=job.id)
         except Exception as e:  # noqa: BLE001 - Redis gone: the request runs on, unread; nothing else to do
             log.warning("could not cancel a request", request_id=job.id, error=str(e))

@@ -1,6 +1,6 @@
-"""The gateway's own reply stream: every request it relays names it as `reply_to`, and
-one reader follows it for all of them, one XREAD per worker step instead of one per
-request and token. Each event goes to its request's queue, found by the event's id;
+"""The gateway's own reply streams, one per queue: every request it relays names its
+queue's as `reply_to`, and one reader follows each for all of them, one XREAD per worker
+step instead of one per request and token. Each event goes to its request's queue, found by the event's id;
 events of requests nobody waits for any more (a client that left) are dropped.
 
 Nobody else reads the stream, so what has been read is trimmed away as it goes.
@@ -9,7 +9,6 @@ Nobody else reads the stream, so what has been read is trimmed away as it goes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 import uuid
 
@@ -38,6 +37,7 @@ class Followed:
         self.next_seq = 0  # deltas below it were handed over already (a failover can write them again)
         self.finished = False  # its terminal event was handed over
         self.released = False  # the relay is done with it
+        self.on_queue = ""  # the mlxq queue it was sent to
         self.tokens = 0  # prompt and generated, once its `done` came: what its key is charged
         self.admission: Admission = OPEN  # its key's limits, given back when it ends
 
@@ -62,49 +62,70 @@ class Followed:
 
 
 class ReplyStream:
-    """Reads `mlxq:reply:gateway-<random>` for every request this gateway relays."""
+    """Reads the gateway's reply streams, one per queue it relays to
+    (`mlxq:reply:<queue>:{gateway-<random>}`, under the queue as every output is), each by
+    a reader of its own, for every request this gateway relays there."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys) -> None:
         self.redis = redis
-        self.key = keys.reply(f"gateway-{uuid.uuid4().hex[:16]}")
+        self.keys = keys
+        self.name = f"{{gateway-{uuid.uuid4().hex[:16]}}}"  # a hash tag: each stream in the slot of its fences
         self._followed: dict[str, Followed] = {}
-        self._last_id = "0-0"
-        self._trimmed_at = time.monotonic()
-        self._trim_refused = False
-        self._task: asyncio.Task[None] | None = None
+        self._readers: dict[str, asyncio.Task[None]] = {}  # by stream
 
-    def follow(self, request_id: str) -> Followed:
-        """Start collecting the events of `request_id` (before it is submitted: none is missed)."""
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._read_forever(), name="mlxq-gateway-replies")
+    @property
+    def streams(self) -> list[str]:
+        return sorted(self._readers)
+
+    def follow(self, request_id: str, queue: str) -> tuple[Followed, str]:
+        """Start collecting the events of `request_id`, a request of `queue`, before it is
+        submitted (none is missed); and the stream to name as its `reply_to`."""
+        stream = self.keys.reply(queue, self.name)
+        reader = self._readers.get(stream)
+        if reader is None or reader.done():
+            self._readers[stream] = asyncio.create_task(_Reader(self.redis, stream, self._followed).run(),
+                                                        name=f"mlxq-gateway-replies-{queue}")
         followed = self._followed[request_id] = Followed(request_id)
-        return followed
+        return followed, stream
 
     def forget(self, request_id: str) -> None:
         """Stop collecting its events (it finished, or its client left)."""
         self._followed.pop(request_id, None)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for reader in self._readers.values():
+            reader.cancel()
+        await asyncio.gather(*self._readers.values(), return_exceptions=True)
 
-    async def _read_forever(self) -> None:
+
+class _Reader:
+    """Follows one reply stream, handing each event to the request waiting for it. Nobody
+    else reads the stream, so what has been read is trimmed away as it goes."""
+
+    def __init__(self, redis: aioredis.Redis, stream: str, followed: dict[str, Followed]) -> None:
+        self.redis = redis
+        self.stream = stream
+        self._followed = followed
+        self._last_id = "0-0"
+        self._trimmed_at = time.monotonic()
+        self._trim_refused = False
+
+    async def run(self) -> None:
         failing = False
         while True:
             try:
-                reply = await self.redis.xread({self.key: self._last_id}, count=1000, block=BLOCK_MS)
+                reply = await self.redis.xread({self.stream: self._last_id}, count=1000, block=BLOCK_MS)
                 self._hand_over(reply)
                 await self._trim()
             except (RedisError, OSError) as e:
                 if not failing:
-                    log.warning("cannot read the gateway's reply stream; retrying", reason=describe(e))
+                    log.warning("cannot read the gateway's reply stream; retrying", stream=self.stream,
+                                reason=describe(e))
                 failing = True
                 await asyncio.sleep(0.5)
                 continue
             if failing:
-                log.info("reading the gateway's reply stream again")
+                log.info("reading the gateway's reply stream again", stream=self.stream)
                 failing = False
 
     def _hand_over(self, reply: object) -> None:
@@ -125,14 +146,14 @@ class ReplyStream:
             followed.queue.put_nowait(event)
 
     async def _trim(self) -> None:
-        """Drop what has been read (nobody else reads this stream). A trim Redis refuses
-        (an ACL without XTRIM, OOM) is logged and costs memory, never the reading."""
+        """Drop what has been read. A trim Redis refuses (an ACL without XTRIM, OOM) is
+        logged and costs memory, never the reading."""
         if self._last_id == "0-0" or time.monotonic() - self._trimmed_at < TRIM_EVERY_S:
             return
         self._trimmed_at = time.monotonic()
         ms, seq = self._last_id.split("-")
         try:
-            await self.redis.xtrim(self.key, minid=f"{ms}-{int(seq) + 1}")  # everything up to the last read
+            await self.redis.xtrim(self.stream, minid=f"{ms}-{int(seq) + 1}")  # everything up to the last read
         except ResponseError as e:
             if not self._trim_refused:  # once: it is tried again every second
                 log.warning("cannot trim the gateway's reply stream; it grows until it expires", reason=describe(e))

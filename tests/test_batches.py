@@ -94,7 +94,7 @@ def test_interactive_requests_go_before_a_batch_waiting_on_the_same_queue(one_sl
         client.cancel(held.id)
         done = interactive.result(timeout=60)
         driving.join(120)
-        out = client.redis.xrange(KEYS.output(interactive.id))
+        out = client.redis.xrange(KEYS.output(one_slot.queue, interactive.id))
         finished_at = max(as_text(entry_id) for entry_id, _ in out)
         results = handle.results()
     assert done.finish_reason == "length" and len(results) == 3

@@ -46,7 +46,7 @@ def test_submit_streams_the_text(worker):
                   "--max-tokens", "16", "--id", "cli-stream-1", "Hello from the CLI")
     assert result.returncode == 0, result.stderr
     r = redis.Redis.from_url(worker.redis_url)
-    terminal = decode_event(r.xrange(KEYS.output("cli-stream-1"))[-1][1])
+    terminal = decode_event(r.xrange(KEYS.output(worker.queue, "cli-stream-1"))[-1][1])
     r.close()
     assert result.stdout == terminal.text + "\n"
     assert "16 completion tokens" in result.stderr and "TTFT" in result.stderr
@@ -146,14 +146,14 @@ def test_ctrl_c_on_submit_cancels_the_request(worker, tmp_path):
                                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     r = redis.Redis.from_url(worker.redis_url)
     deadline = time.monotonic() + 30
-    while not r.exists(KEYS.output(rid)):
+    while not r.exists(KEYS.output(worker.queue, rid)):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     process.send_signal(signal.SIGINT)
     assert process.wait(30) == 130, f"SIGINT handler: {signal.getsignal(signal.SIGINT)}; " + log.read_text()[-2000:]
     last = None
     while not isinstance(last, Done):
-        reply = r.xread({KEYS.output(rid): "0-0"}, count=10000, block=1000)
+        reply = r.xread({KEYS.output(worker.queue, rid): "0-0"}, count=10000, block=1000)
         last = decode_event(reply[0][1][-1][1])
         assert time.monotonic() < deadline + 30
     assert last.finish_reason == "cancelled"
@@ -218,5 +218,5 @@ def test_submit_warns_when_no_worker_serves_the_queue(valkey):
     assert lines[1] == f"mlxq submit: request {queue}: no result within 7.0 s; it was cancelled (a larger --timeout " \
                        "waits longer)"
     r = redis.Redis.from_url(valkey)
-    assert r.exists(KEYS.cancel_flag(queue)), "the cancel flag is set, so no worker computes it later"
+    assert r.exists(KEYS.cancel_flag(queue, queue)), "the cancel flag is set, so no worker computes it later"
     r.close()

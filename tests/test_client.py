@@ -67,7 +67,7 @@ def test_chat_messages_and_msgpack(sync_client):
 @ON_BOTH
 def test_reply_to_lets_one_reader_follow_many_requests(sync_client):
     """Jobs sharing a reply_to stream each see only their own events; `events` sees all."""
-    reply_to = f"mlxq:reply:{uuid.uuid4().hex}"
+    reply_to = sync_client.keys.reply(sync_client.queue, uuid.uuid4().hex)
     jobs = [sync_client.submit(f"Prompt {i}", max_tokens=4 + i, reply_to=reply_to) for i in range(3)]
     results = [job.result(timeout=30) for job in jobs]
     assert [r.usage.completion_tokens for r in results] == [4, 5, 6]
@@ -161,8 +161,10 @@ async def test_async_client_errors(worker):
 
 
 @pytest.mark.parametrize("reply_to", ["mlxq:q:default", "mlxq:out:{someone-else}", "orders:events", "mlxq:reply:",
-                                      "mlxq:reply:a b"])
+                                      "mlxq:reply:a b", "mlxq:reply:other-queue:x"])
 def test_a_reply_to_outside_mlxq_reply_is_rejected_before_sending(sync_client, reply_to):
-    """The client refuses any reply_to but `mlxq:reply:<name>`, with the worker's own message."""
-    with pytest.raises(RequestRejected, match="is not a shared reply stream; use 'mlxq:reply:<name>'"):
+    """The client refuses any reply_to but `mlxq:reply:<queue>:<name>` of the request's own
+    queue, with the worker's own message."""
+    with pytest.raises(RequestRejected, match=f"is not a shared reply stream of queue '{sync_client.queue}'; use "
+                       f"'mlxq:reply:{sync_client.queue}:<name>'"):
         sync_client.submit("hi", reply_to=reply_to)

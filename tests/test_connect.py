@@ -61,13 +61,15 @@ def test_a_reply_name_with_braces_must_hold_one_hash_tag():
     """The fences of a reply stream's requests are placed by its hash tag: braces that
     form none are refused, with the rule."""
     keys = Keys()
-    for good in ("mlxq:reply:{orders}-7", "mlxq:reply:{open", "mlxq:reply:plain"):
-        assert keys.reply_to_problem(good) is None
-        assert key_slot(keys.progress("r1", good).encode()) == key_slot(good.encode())
-    for bad in ("mlxq:reply:a}b", "mlxq:reply:{}x"):
-        assert "must form one Redis Cluster hash tag" in keys.reply_to_problem(bad)
-    assert keys.progress("r1", "mlxq:reply:{orders}-7") == "mlxq:progress:{orders}:r1"
-    assert keys.progress("r1") == keys.progress("r1", keys.output("r1")) == "mlxq:progress:{r1}"
+    for good in ("mlxq:reply:q:{orders}-7", "mlxq:reply:q:{open", "mlxq:reply:q:plain"):
+        assert keys.reply_to_problem("q", good) is None
+        assert key_slot(keys.progress("q", "r1", good).encode()) == key_slot(good.encode())
+    for bad in ("mlxq:reply:q:a}b", "mlxq:reply:q:{}x"):
+        assert "must form one Redis Cluster hash tag" in keys.reply_to_problem("q", bad)
+    assert keys.progress("q", "r1", "mlxq:reply:q:{orders}-7") == "mlxq:progress:q:{orders}:r1"
+    for elsewhere in ("mlxq:reply:other:x", "mlxq:reply:x", "mlxq:out:q:{r2}"):  # another queue's, or none's
+        assert "is not a shared reply stream of queue 'q'" in keys.reply_to_problem("q", elsewhere)
+    assert keys.progress("q", "r1") == keys.progress("q", "r1", keys.output("q", "r1")) == "mlxq:progress:q:{r1}"
 
 
 def entry(event) -> dict:
@@ -75,7 +77,7 @@ def entry(event) -> dict:
 
 
 def test_a_reader_keeps_the_first_copy_of_each_seq_when_a_failover_rewinds_the_output():
-    cursor = Cursor("r1", KEYS.output("r1"))
+    cursor = Cursor("r1", KEYS.output("q", "r1"))
     first = [(f"1-{i}", entry(Delta("r1", i, f"t{i}", [i]))) for i in range(3)]
     assert [e.seq for e in cursor.feed(first)] == [0, 1, 2]
     again = [(f"2-{i}", entry(Delta("r1", i, f"u{i}", [i]))) for i in (1, 2, 3)]  # rewritten from seq 1

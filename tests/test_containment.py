@@ -58,24 +58,24 @@ def test_cancel_flags_set_without_a_ttl_get_one(worker, r, outputs, new_id):
     """A cancel flag set with no TTL, before the request is read or while it runs, gets a
     TTL when the worker acts on it, so flags never pile up."""
     early = new_id()
-    r.set(KEYS.cancel_flag(early), 1)
+    r.set(KEYS.cancel_flag(worker.queue, early), 1)
     xadd_json(r, worker.queue, early, {"prompt": "never", "max_tokens": 5})
     (done,) = outputs.of(early)
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
-    assert r.ttl(KEYS.cancel_flag(early)) > 0
+    assert r.ttl(KEYS.cancel_flag(worker.queue, early)) > 0
 
     running = new_id()
     xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     deadline = time.monotonic() + 30
-    while not r.exists(KEYS.output(running)):
+    while not r.exists(KEYS.output(worker.queue, running)):
         assert time.monotonic() < deadline
         time.sleep(0.01)
-    r.set(KEYS.cancel_flag(running), 1)
-    r.publish(KEYS.cancel_channel, running)
+    r.set(KEYS.cancel_flag(worker.queue, running), 1)
+    r.publish(KEYS.cancel_channel(worker.queue), running)
     done = check_stream(outputs.of(running))
     assert isinstance(done, Done) and done.finish_reason == "cancelled"
     deadline = time.monotonic() + 10  # the TTL is set beside the cancellation, not before it
-    while r.ttl(KEYS.cancel_flag(running)) < 0:
+    while r.ttl(KEYS.cancel_flag(worker.queue, running)) < 0:
         assert time.monotonic() < deadline, "the running request's cancel flag got no TTL"
         time.sleep(0.01)
 

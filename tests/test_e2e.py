@@ -41,7 +41,7 @@ def test_json_request_streams_deltas_that_join_to_the_result(worker, r, outputs,
     assert 0 <= done.timing.queued_ms <= done.timing.ttft_ms <= done.timing.total_ms
     t = done.timing  # the stages, in the order the request went through them
     assert 0 <= t.read_ms <= t.prepared_ms <= t.queued_ms <= t.ttft_ms <= t.published_ms <= t.total_ms
-    assert r.ttl(KEYS.output(rid)) > 0, "output streams expire"
+    assert r.ttl(KEYS.output(worker.queue, rid)) > 0, "output streams expire"
     assert settled(r, KEYS.queue(worker.queue))
 
 
@@ -54,7 +54,7 @@ def test_msgpack_request_gets_msgpack_output(worker, r, outputs, new_id):
     assert isinstance(done, Done)
     assert done.usage == Usage(prompt_tokens=4, completion_tokens=9, cached_tokens=0)
     assert done.metadata == {"blob": b"\x00\x01"}
-    raw = r.xrange(KEYS.output(rid))
+    raw = r.xrange(KEYS.output(worker.queue, rid))
     assert all(b"msgpack" in fields and b"json" not in fields for _, fields in raw)
 
 
@@ -63,7 +63,7 @@ def test_output_encoding_can_be_chosen(worker, r, outputs, new_id):
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "Hi", "max_tokens": 3, "encoding": "msgpack"})
     check_stream(outputs.of(rid))
-    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(rid)))
+    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(worker.queue, rid)))
 
 
 def test_max_tokens_one_gives_exactly_one_token(worker, r, outputs, new_id):
@@ -95,7 +95,7 @@ def most_at_once(outputs: Outputs, queue: str, n: int, r: redis.Redis, new_id) -
     """Submit `n` requests at once; the most that were streaming at the same time.
 
     They share one reply_to stream, which holds the exact order the worker published in."""
-    shared = f"mlxq:reply:{new_id()}"
+    shared = KEYS.reply(queue, new_id())
     ids = [new_id() for _ in range(n)]
     with r.pipeline(transaction=False) as arrival:  # one write: all arrive together, however slow this process
         for i, rid in enumerate(ids):
@@ -126,7 +126,7 @@ def test_more_requests_than_the_completion_batch_all_finish(narrow_worker, r, ou
 
 def test_a_request_joins_while_others_decode(worker, redis_url, r, outputs, new_id):
     """A request submitted while two long ones decode starts and finishes before they do."""
-    shared = f"mlxq:reply:{new_id()}"
+    shared = KEYS.reply(worker.queue, new_id())
     long_ids = start_long_requests(r, worker.queue, 2, shared, new_id)
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
@@ -217,7 +217,7 @@ def test_stream_intervals_give_the_same_text(worker, r, outputs, new_id):
 
 def test_cancel_a_running_request_frees_its_slot(worker, redis_url, r, outputs, new_id):
     """Cancelling one of four running requests ends it `cancelled`, and a new request takes its slot."""
-    shared = f"mlxq:reply:{new_id()}"
+    shared = KEYS.reply(worker.queue, new_id())
     long_ids = start_long_requests(r, worker.queue, 4, shared, new_id)
     client = Client(redis_url)
     client.cancel(long_ids[0])
@@ -236,13 +236,13 @@ def test_cancel_a_running_request_frees_its_slot(worker, redis_url, r, outputs, 
 def test_a_cancel_published_through_any_node_stops_the_request(worker, redis_url, r, outputs, new_id):
     """A classic PUBLISH reaches every node of a cluster: a cancel published through any
     node (here with no flag, so the message alone must do it) stops a running request."""
-    shared = f"mlxq:reply:{new_id()}"
+    shared = KEYS.reply(worker.queue, new_id())
     nodes = [f"redis://{h}:{p}" for h, p in parse_cluster_url(redis_url).nodes] if is_cluster_url(redis_url) else [
         redis_url]
     for node_url in nodes:
         (rid,) = start_long_requests(r, worker.queue, 1, shared, new_id)
         with redis.Redis.from_url(node_url) as node:
-            node.publish(KEYS.cancel_channel, rid)
+            node.publish(KEYS.cancel_channel(worker.queue), rid)
         assert check_stream(outputs.events(shared, rid)).finish_reason == "cancelled"
 
 
@@ -262,7 +262,7 @@ def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, ne
     waiting = new_id("waiting")
     xadd_json(r, worker.queue, waiting, {"prompt": "Waiting", "max_tokens": 5})
     for rid in long_ids:
-        wait_for_deltas(r, KEYS.output(rid), [rid])
+        wait_for_deltas(r, KEYS.output(worker.queue, rid), [rid])
     client.cancel(waiting)
     events = outputs.of(waiting)
     assert [type(e) for e in events] == [Done] and events[0].finish_reason == "cancelled"
@@ -286,12 +286,12 @@ def test_a_repeated_finished_id_is_not_computed_again(worker, r, outputs, new_id
     rid = new_id()
     xadd_json(r, worker.queue, rid, {"prompt": "Once", "max_tokens": 5})
     check_stream(outputs.of(rid))
-    written = len(r.xrange(KEYS.output(rid)))
+    written = len(r.xrange(KEYS.output(worker.queue, rid)))
     xadd_json(r, worker.queue, rid, {"prompt": "Once", "max_tokens": 5})
     later = new_id()
     xadd_json(r, worker.queue, later, {"prompt": "After", "max_tokens": 5})
     check_stream(outputs.of(later))  # the worker reads in order: the repeat was handled by now
-    assert len(r.xrange(KEYS.output(rid))) == written
+    assert len(r.xrange(KEYS.output(worker.queue, rid))) == written
     assert settled(r, KEYS.queue(worker.queue))
 
 

@@ -28,14 +28,15 @@ from support import KEYS, Outputs, check_stream, rss_mb, worker_fixture
 
 from client import Done
 
-worker = worker_fixture(max_tokens_limit=64, max_metadata_bytes=256, max_num_seqs=8)
+QUEUE = f"qfuzz{uuid.uuid4().hex[:8]}"
+worker = worker_fixture(queue=QUEUE, max_tokens_limit=64, max_metadata_bytes=256, max_num_seqs=8)
 FIELDS = ["prompt", "messages", "prompt_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p",
           "repetition_penalty", "seed", "stop", "stream_interval", "priority", "deadline_ms", "encoding",
           "images", "metadata", "reply_to"]
 STRING_FIELDS = ["prompt", "messages.0.content", "messages.0.role", "stop.0", "reply_to", "encoding", "images.0",
                  "metadata.note", "metadata.<key>"]
 VALID_PROMPTS = ["Hello there", "A queue of jobs", "Once upon a time", "Tell me about Redis", "Numbers: 1 2 3"]
-WRONG_TYPE_REPLY = "mlxq:reply:fuzz-a-string-key"  # a string key: Redis refuses XADD to it
+WRONG_TYPE_REPLY = KEYS.reply(QUEUE, "fuzz-a-string-key")  # a string key: Redis refuses XADD to it
 SHAPES: Counter[str] = Counter()
 REPORT = {"entries": 0, "rss_before_mb": 0.0, "rss_after_mb": 0.0}
 
@@ -164,8 +165,10 @@ def _entry_fields(draw: st.DrawFn, rid: str, encoding: str) -> Entry:
 
 def _reply_to(draw: st.DrawFn, rid: str, encoding: str) -> Entry:
     reply_to = draw(st.sampled_from([
-        "orders:events", f"mlxq:out:{{fz-{uuid.uuid4().hex}}}", "mlxq:q:default", "mlxq:cancel", "mlxq:workers:x",
-        "mlxq:reply:", "mlxq:reply:a b", "mlxq:reply:" + "n" * 500, WRONG_TYPE_REPLY, "mlxq:reply:\u00e9", ""]))
+        "orders:events", KEYS.output(QUEUE, f"fz-{uuid.uuid4().hex}"), "mlxq:q:default", "mlxq:cancel",
+        "mlxq:workers:x",
+        KEYS.reply("another-queue", "x"), "mlxq:reply:x", KEYS.reply(QUEUE, ""), KEYS.reply(QUEUE, "a b"),
+        KEYS.reply(QUEUE, "n" * 500), WRONG_TYPE_REPLY, KEYS.reply(QUEUE, "\u00e9"), ""]))
     body = {"prompt": "hi", "max_tokens": 2, "reply_to": reply_to}
     return Entry(f"reply_to {reply_to[:24]}", {"id": rid, encoding: _json(body) if encoding == "json"
                                                else _pack(body)}, rid)

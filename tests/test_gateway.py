@@ -323,7 +323,8 @@ def test_a_disconnect_while_queued_cancels_before_it_runs(gateway, one_slot, r, 
                 assert chunk, f"the gateway closed the stream: {received!r}"
                 received += chunk
         sock.close()
-        wait_for(lambda: r.exists(KEYS.cancel_flag(_queued_id(r, one_slot.queue))), 30, "the gateway's cancel")
+        queued = _queued_id(r, one_slot.queue)
+        wait_for(lambda: r.exists(KEYS.cancel_flag(one_slot.queue, queued)), 30, "the gateway's cancel")
         blocker.cancel()
         with pytest.raises(JobCancelled) as cancelled:
             blocker.result(timeout=30)

@@ -332,10 +332,10 @@ def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, bench_model, 
     victim = start_worker(url, bench_model, queue, logs_dir, consumer="kv-victim", kv_bits=BITS, kv_group_size=64)
     ids = submit(r, queue, "kv")
     for rid in ids:
-        wait_for_deltas(r, KEYS.output(rid), [rid], 10)
+        wait_for_deltas(r, KEYS.output(queue, rid), [rid], 10)
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
-    written = {rid: r.xlen(KEYS.output(rid)) for rid in ids}
+    written = {rid: r.xlen(KEYS.output(queue, rid)) for rid in ids}
     survivor = start_worker(url, bench_model, queue, logs_dir, consumer="kv-survivor", reclaim_interval_s=0.2,
                             kv_bits=BITS, kv_group_size=64)
     try:

@@ -31,8 +31,8 @@ async def r(redis_url: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-def fencing_of(r: aioredis.Redis, consumer: str) -> Fencing:
-    return Fencing(r, KEYS, consumer, result_ttl_s=60)
+def fencing_of(r: aioredis.Redis, queue: str, consumer: str) -> Fencing:
+    return Fencing(r, KEYS, queue, consumer, result_ttl_s=60)
 
 
 async def held_entry(r: aioredis.Redis, queue: str, consumer: str, request_id: str, reply_to: str | None = None,
@@ -43,8 +43,8 @@ async def held_entry(r: aioredis.Redis, queue: str, consumer: str, request_id: s
         await r.xgroup_create(stream, GROUP, id="0", mkstream=True)
     entry_id = (await r.xadd(stream, {"id": request_id, "json": "{}"})).decode()
     await r.xreadgroup(GROUP, consumer, {stream: ">"}, count=1)
-    route = Route(request_id, entry_id, reply_to or KEYS.output(request_id), "json", stream)
-    taken = await fencing_of(r, consumer).take(route)
+    route = Route(request_id, entry_id, reply_to or KEYS.output(queue, request_id), "json", stream)
+    taken = await fencing_of(r, queue, consumer).take(route)
     assert taken.taken and taken.written == 0 and not taken.finished
     return Route(request_id, entry_id, route.reply_to, "json", stream, taken.token)
 
@@ -68,17 +68,17 @@ async def test_applied_writes_once_even_when_the_call_is_retried(r, names):
     reply) is applied without writing twice; a terminal event, then `finish`, settles the entry."""
     queue, rid = names
     route = await held_entry(r, queue, "c1", rid)
-    mine = fencing_of(r, "c1")
+    mine = fencing_of(r, queue, "c1")
     first = encode_write(route, 0, [delta(rid, 0)])
     assert await mine.publish([first]) == [Published(PublishStatus.APPLIED)]
     assert await mine.publish([first]) == [Published(PublishStatus.APPLIED)]
     assert await r.xlen(route.reply_to) == 1
-    assert await r.hget(KEYS.progress(rid), "next") == b"1"
+    assert await r.hget(KEYS.progress(queue, rid), "next") == b"1"
     assert await mine.publish([encode_write(route, 1, [done(rid)])]) == [Published(PublishStatus.APPLIED)]
     assert await r.xlen(route.reply_to) == 2
-    assert await r.hget(KEYS.progress(rid), "finished") == b"1"
+    assert await r.hget(KEYS.progress(queue, rid), "finished") == b"1"
     await RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60).finish([route])
-    assert await r.get(KEYS.done(rid)) == route.entry_id.encode()
+    assert await r.get(KEYS.done(queue, rid)) == route.entry_id.encode()
     assert (await r.xpending(route.stream, GROUP))["pending"] == 0 and await r.xlen(route.stream) == 0
 
 
@@ -87,10 +87,10 @@ async def test_a_cut_off_worker_cannot_write_after_a_takeover(r, names):
     output stands, c1's next write is refused as lost and writes nothing, c2's lands."""
     queue, rid = names
     route = await held_entry(r, queue, "c1", rid)
-    first = fencing_of(r, "c1")
+    first = fencing_of(r, queue, "c1")
     assert await first.publish([encode_write(route, 0, [delta(rid, 0)])]) == [Published(PublishStatus.APPLIED)]
     await r.xclaim(route.stream, GROUP, "c2", 0, [route.entry_id])
-    second = fencing_of(r, "c2")
+    second = fencing_of(r, queue, "c2")
     taken = await second.take(route)
     assert taken.taken and taken.written == 1 and taken.token != route.fence
     assert await first.publish([encode_write(route, 1, [delta(rid, 1)])]) == [Published(PublishStatus.LOST)]
@@ -105,7 +105,7 @@ async def test_duplicate_when_another_entry_writes_this_id(r, names):
     and its writes are told duplicate; the first entry's output is untouched."""
     queue, rid = names
     first = await held_entry(r, queue, "c1", rid)
-    mine = fencing_of(r, "c1")
+    mine = fencing_of(r, queue, "c1")
     assert await mine.publish([encode_write(first, 0, [delta(rid, 0)])]) == [Published(PublishStatus.APPLIED)]
     second_id = (await r.xadd(first.stream, {"id": rid, "json": "{}"})).decode()
     await r.xreadgroup(GROUP, "c1", {first.stream: ">"}, count=1)
@@ -121,8 +121,8 @@ async def test_gap_when_written_output_went_missing(r, names):
     lost our writes), the status is a gap, with the fence's count, and nothing is written."""
     queue, rid = names
     route = await held_entry(r, queue, "c1", rid)
-    await r.hset(KEYS.progress(rid), "next", 3)
-    statuses = await fencing_of(r, "c1").publish([encode_write(route, 1, [delta(rid, 1)])])
+    await r.hset(KEYS.progress(queue, rid), "next", 3)
+    statuses = await fencing_of(r, queue, "c1").publish([encode_write(route, 1, [delta(rid, 1)])])
     assert statuses == [Published(PublishStatus.GAP, "3")]
     assert await r.exists(route.reply_to) == 0
 
@@ -132,8 +132,8 @@ async def test_expired_when_the_fence_is_gone(r, names):
     nothing written."""
     queue, rid = names
     route = await held_entry(r, queue, "c1", rid)
-    await r.delete(KEYS.progress(rid))
-    statuses = await fencing_of(r, "c1").publish([encode_write(route, 0, [delta(rid, 0)])])
+    await r.delete(KEYS.progress(queue, rid))
+    statuses = await fencing_of(r, queue, "c1").publish([encode_write(route, 0, [delta(rid, 0)])])
     assert statuses == [Published(PublishStatus.EXPIRED)]
     assert await r.exists(route.reply_to) == 0
 
@@ -143,9 +143,9 @@ async def test_a_finished_output_is_seen_by_the_next_taker(r, names):
     fence finished: whoever takes it next is told so, and settles instead of computing."""
     queue, rid = names
     route = await held_entry(r, queue, "c1", rid)
-    mine = fencing_of(r, "c1")
+    mine = fencing_of(r, queue, "c1")
     assert await mine.publish([encode_write(route, 0, [done(rid)])]) == [Published(PublishStatus.APPLIED)]
-    taken = await fencing_of(r, "c2").take(route)
+    taken = await fencing_of(r, queue, "c2").take(route)
     assert taken.taken and taken.finished and taken.written == 1
 
 
@@ -153,11 +153,11 @@ async def test_a_reply_stream_and_its_fences_share_a_slot(r, names):
     """The fence of a request writing to a shared reply stream lies in that stream's slot
     (so one script may check it and write), with or without a hash tag in the name."""
     queue, rid = names
-    for reply in (KEYS.reply(f"plain-{rid}"), KEYS.reply(f"{{tag-{rid}}}-x")):
-        assert key_slot(KEYS.progress(rid, reply).encode()) == key_slot(reply.encode())
+    for reply in (KEYS.reply(queue, f"plain-{rid}"), KEYS.reply(queue, f"{{tag-{rid}}}-x")):
+        assert key_slot(KEYS.progress(queue, rid, reply).encode()) == key_slot(reply.encode())
         route = await held_entry(r, queue, "c1", f"{rid}-{len(reply)}", reply_to=reply)
         write = encode_write(route, 0, [delta(route.id, 0)])
-        assert await fencing_of(r, "c1").publish([write]) == [Published(PublishStatus.APPLIED)]
+        assert await fencing_of(r, queue, "c1").publish([write]) == [Published(PublishStatus.APPLIED)]
         assert await r.xlen(reply) == 1
 
 
@@ -166,11 +166,11 @@ async def test_refused_stays_with_its_request(r, names):
     its entry pending for the worker to answer elsewhere; a request beside it in the same
     step is applied."""
     queue, rid = names
-    reply = KEYS.reply(f"s-{rid}")
+    reply = KEYS.reply(queue, f"s-{rid}")
     bad = await held_entry(r, queue, "c1", rid, reply_to=reply)
     await r.set(reply, "not a stream")
     good = await held_entry(r, queue, "c1", f"{rid}-ok")
-    statuses = await fencing_of(r, "c1").publish([encode_write(bad, 0, [delta(rid, 0)]),
+    statuses = await fencing_of(r, queue, "c1").publish([encode_write(bad, 0, [delta(rid, 0)]),
                                                         encode_write(good, 0, [delta(good.id, 0)])])
     assert statuses[0].status is PublishStatus.REFUSED and statuses[0].detail.startswith("WRONGTYPE")
     assert statuses[1] == Published(PublishStatus.APPLIED)
@@ -181,8 +181,8 @@ async def test_refused_stays_with_its_request(r, names):
 async def test_only_attempts_left_open_count_as_crashes(r, names):
     """An attempt closed after its work leaves no trace; one left open (its worker died)
     is counted by every later arrival."""
-    _, rid = names
-    mine = RequestMarks(r, KEYS, dedupe_ttl_s=60)
+    queue, rid = names
+    mine = RequestMarks(r, KEYS, queue, dedupe_ttl_s=60)
     first = await mine.arrive(rid, cancel_ttl_s=60)
     assert first.crashes == 0
     await mine.close_attempt(rid, first.attempt)

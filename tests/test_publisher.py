@@ -47,12 +47,12 @@ class Sides:
 async def serving(r: aioredis.Redis, consumer: str) -> tuple[Sides, RequestTable, Route]:
     """A worker's streams, fences and table holding one request it read and whose fence it took."""
     queue, request_id = f"pub{uuid.uuid4().hex[:8]}", f"req-{uuid.uuid4().hex[:8]}"
-    sides = Sides(RequestStreams(r, KEYS, queue, consumer, dedupe_ttl_s=60), Fencing(r, KEYS, consumer, 60))
+    sides = Sides(RequestStreams(r, KEYS, queue, consumer, dedupe_ttl_s=60), Fencing(r, KEYS, queue, consumer, 60))
     await sides.streams.ensure_group()
     entry_id = (await r.xadd(KEYS.queue(queue), {"id": request_id, "json": "{}"})).decode()
     await r.xreadgroup(GROUP, consumer, {KEYS.queue(queue): ">"}, count=1)
     requests = RequestTable(4, abandon=lambda _: None)
-    route = Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
+    route = Route(request_id, entry_id, KEYS.output(queue, request_id), "json", KEYS.queue(queue))
     requests.read(route)
     taken = await sides.fencing.take(route)
     return sides, requests, requests.reroute(request_id, fence=taken.token)
@@ -80,7 +80,7 @@ async def test_a_fence_lost_while_the_entry_is_ours_fails_the_request(r):
     another token written over it) must not strand the request: it ends with `internal`
     and its entry is settled."""
     sides, requests, route = await serving(r, "c1")
-    await r.hset(KEYS.progress(route.id), "token", "a-token-from-before-the-failover")
+    await r.hset(KEYS.progress(sides.streams.queue, route.id), "token", "a-token-from-before-the-failover")
     await publish(sides, requests, route)
     (event,) = [decode_event(fields) for _, fields in await r.xrange(route.reply_to)]
     assert isinstance(event, Error) and event.code == "internal" and "fence was lost" in event.message
@@ -93,10 +93,10 @@ async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
     publisher settles that request unanswered and keeps publishing for the others."""
     sides, requests, first = await serving(r, "c1")
     broken = Route(f"{first.id}-x", (await r.xadd(first.stream, {"id": f"{first.id}-x", "json": "{}"})).decode(),
-                   KEYS.output(f"{first.id}-x"), "json", first.stream)
+                   KEYS.output(sides.streams.queue, f"{first.id}-x"), "json", first.stream)
     await r.xreadgroup(GROUP, "c1", {first.stream: ">"}, count=1)
     requests.read(broken)
-    await r.set(KEYS.progress(broken.id), "not a fence")
+    await r.set(KEYS.progress(sides.streams.queue, broken.id), "not a fence")
     publisher = sides.publisher(requests)
     task = asyncio.create_task(publisher.run())
     publisher.emit(Outgoing(broken.ref, Error(id=broken.id, code="internal", message="x")))
@@ -104,7 +104,8 @@ async def test_a_fence_key_redis_refuses_settles_that_request_alone(r):
     await asyncio.wait_for(publisher.outputs.join(), 10)
     assert not task.done(), "the publisher must keep running"
     task.cancel()
-    assert requests.get(broken.id) is None and await r.get(KEYS.done(broken.id)) == broken.entry_id.encode()
+    assert requests.get(broken.id) is None
+    assert await r.get(KEYS.done(sides.streams.queue, broken.id)) == broken.entry_id.encode()
     assert await r.xlen(first.reply_to) == 1
     assert (await r.xpending(first.stream, GROUP))["pending"] == 1  # only the healthy request's, still running
 
@@ -130,7 +131,7 @@ async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     """Another token in the fence and no group to ask (NOGROUP): the request is dropped
     as taken over, nothing is written, and the publisher keeps running."""
     sides, requests, route = await serving(r, "c1")
-    await r.hset(KEYS.progress(route.id), "token", "someone-else")
+    await r.hset(KEYS.progress(sides.streams.queue, route.id), "token", "someone-else")
     await r.delete(route.stream)
     await publish(sides, requests, route)
     assert await r.xlen(route.reply_to) == 0

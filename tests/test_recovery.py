@@ -48,7 +48,7 @@ def submit_all(r: redis.Redis, queue: str, max_tokens: int = LONG, tag: str = ""
 def streaming(r: redis.Redis, ids: list[str], at_least: int) -> None:
     """Wait until each request's own stream holds `at_least` deltas."""
     for request_id in ids:
-        wait_for_deltas(r, KEYS.output(request_id), [request_id], at_least)
+        wait_for_deltas(r, KEYS.output(queue, request_id), [request_id], at_least)
 
 
 def finished(outputs: Outputs, ids: list[str]) -> dict[str, Done]:
@@ -79,7 +79,7 @@ def test_kill_9_mid_generation_resumes_on_the_other_worker(redis_url, demo_model
     # start must not decide whether the kill lands in the middle.
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
-    written_before = {i: r.xlen(KEYS.output(i)) for i in ids}
+    written_before = {i: r.xlen(KEYS.output(queue, i)) for i in ids}
     survivor = start_worker(redis_url, demo_model, queue, logs_dir, consumer="survivor", reclaim_interval_s=0.2)
     try:
         victim.process.kill()

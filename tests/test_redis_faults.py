@@ -117,7 +117,7 @@ def test_requests_streaming_through_a_redis_fault_all_complete_whole(worker, adm
     for rid, prompt in ids.items():
         xadd_json(admin, worker.queue, rid, {"prompt": prompt, "max_tokens": TOKENS})
     deadline = time.monotonic() + 30
-    while not all(admin.exists(KEYS.output(rid)) for rid in ids):  # all of them are streaming
+    while not all(admin.exists(KEYS.output(worker.queue, rid)) for rid in ids):  # all of them are streaming
         assert time.monotonic() < deadline
         time.sleep(0.01)
     recoveries = worker.log().count("redis answers again")
@@ -180,7 +180,7 @@ def test_a_reply_stream_the_acl_forbids_fails_that_request_alone(server, admin, 
             xadd_json(admin, confined.queue, rid, {"prompt": "Keep going", "max_tokens": 60})
         forbidden = f"forbidden-{uuid.uuid4().hex[:8]}"
         xadd_json(admin, confined.queue, forbidden, {"prompt": "hi", "max_tokens": 30,
-                                                     "reply_to": f"mlxq:reply:{uuid.uuid4().hex[:8]}"})
+                                                     "reply_to": KEYS.reply(confined.queue, uuid.uuid4().hex[:8])})
         xadd_json(admin, confined.queue, beside[2], {"prompt": "Me too", "max_tokens": 20})
         (error,) = Outputs(admin).of(forbidden)
         assert isinstance(error, Error) and error.code == "invalid_request"

@@ -29,7 +29,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
         before = f"before-{uuid.uuid4().hex}"
         xadd_json(r, worker.queue, before, {"prompt": "Before", "max_tokens": 5})
         assert isinstance(check_stream(Outputs(r).of(before)), Done)
-        written_before = r.xlen(KEYS.output(before))
+        written_before = r.xlen(KEYS.output(worker.queue, before))
 
         server.stop()
         server = ValkeyServer(port=port, data_dir=data, persist=True, config={"appendonly": "yes", "save": ""})
@@ -39,7 +39,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             done = client.generate("After", max_tokens=5, timeout=60)
             assert done.usage.completion_tokens == 5
             deadline = time.monotonic() + 30
-            while client.redis.pubsub_numsub(KEYS.cancel_channel)[0][1] < 1:  # the worker resubscribed
+            while client.redis.pubsub_numsub(KEYS.cancel_channel(worker.queue))[0][1] < 1:  # resubscribed
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
             job = client.submit(**HELD)  # runs until cancelled
@@ -47,7 +47,8 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
             job.cancel()
             with pytest.raises(JobCancelled):
                 job.result(timeout=30)
-            assert client.redis.xlen(KEYS.output(before)) == written_before, "the output written before survived"
+            survived = client.redis.xlen(KEYS.output(worker.queue, before))
+            assert survived == written_before, "the output written before survived"
         assert worker.process.poll() is None
         log = worker.log()
         assert "redis unavailable; retrying until it answers" in log
@@ -75,7 +76,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         ids = [f"load{i}-{uuid.uuid4().hex[:6]}" for i in range(50)]
         for i, request_id in enumerate(ids):
             xadd_json(r, worker.queue, request_id, {"prompt": f"Request {i}", "max_tokens": 60})
-        while sum(r.exists(KEYS.done(i)) for i in ids) < 5:  # some done, many still to go
+        while sum(r.exists(KEYS.done(worker.queue, i)) for i in ids) < 5:  # some done, many still to go
             time.sleep(0.01)
         server.stop()
         time.sleep(1.0)

@@ -4,6 +4,7 @@ user on a server whose default user is off; the worker and the client over TLS."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -24,19 +25,29 @@ from support import (
     MLXQ,
     ROOT,
     acl_lines,
+    acl_user,
     free_port,
     start_gateway,
     start_worker,
     wait_for,
 )
 
-from client import Client, JobCancelled
+from client import AsyncClient, Client, JobCancelled
+from client.batch_driver import drive_until_ended
 
 QUEUE = ACL_QUEUE
 
 
 def url(port: int, user: str) -> str:
     return f"redis://{user}:{ACL_USERS[user]}@127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def other_worker(acl_server, demo_model, logs_dir):
+    """A worker of another team's queue on the same server."""
+    worker = start_worker(url(acl_server, "mlxq-worker"), demo_model, f"other{uuid.uuid4().hex[:6]}", logs_dir)
+    yield worker
+    worker.stop()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +75,7 @@ def test_a_producer_with_its_own_user_submits_streams_and_cancels(secure_worker,
         job.cancel()
         with pytest.raises(JobCancelled):
             job.result(timeout=60)
-        shared = f"mlxq:reply:{uuid.uuid4().hex[:8]}"  # a shared reply stream, read by the producer
+        shared = KEYS.reply(QUEUE, uuid.uuid4().hex[:8])  # a shared reply stream of its queue, read by the producer
         reply = producer.generate("Hi", max_tokens=3, reply_to=shared, timeout=60)
         assert reply.usage.completion_tokens == 3
 
@@ -73,18 +84,94 @@ def test_a_producer_is_refused_one_step_beyond_its_rights(secure_worker, acl_ser
     producer = redis.Redis.from_url(url(acl_server, "mlxq-producer"))
     beyond = [
         lambda: producer.xadd(KEYS.queue("other"), {"id": "x", "json": "{}"}),  # another queue
-        lambda: producer.xrange(KEYS.queue("other")),
+        lambda: producer.xrange(KEYS.queue(QUEUE)),  # its own queue's bodies: other producers' prompts
+        lambda: producer.xread({KEYS.queue(QUEUE): "0"}),
+        lambda: producer.eval("return redis.call('XRANGE', KEYS[1], '-', '+')", 1, KEYS.queue(QUEUE)),
         lambda: producer.xreadgroup("workers", "thief", {KEYS.queue(QUEUE): ">"}, count=1),  # a worker's read
         lambda: producer.set(KEYS.worker(secure_worker.consumer), "{}"),  # a worker's heartbeat
         lambda: producer.hset(KEYS.stats(secure_worker.consumer), "finished:stop", 0),
-        lambda: producer.xadd("mlxq:out:{someone}", {"type": "done"}),  # another request's output
-        lambda: producer.get("mlxq:done:{someone}"),
+        lambda: producer.xadd(KEYS.output(QUEUE, "someone"), {"type": "done"}),  # a request's output
+        lambda: producer.xread({KEYS.output("other", "someone"): "0"}),  # another queue's output
+        lambda: producer.xread({KEYS.reply("other", "{gateway-x}"): "0"}),  # another queue's replies
+        lambda: producer.set(KEYS.cancel_flag("other", "someone"), 1),  # another queue's cancel
+        lambda: producer.publish(KEYS.cancel_channel("other"), "someone"),
+        lambda: producer.get(KEYS.done(QUEUE, "someone")),
         lambda: producer.keys("*"),
     ]
     for attempt in beyond:
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
     producer.close()
+
+
+def test_another_queue_s_keys_are_closed_to_a_producer(secure_worker, other_worker, acl_server, logs_dir):
+    """Every key a request of another queue made (its output, fences, marks, a shared reply
+    stream, the gateway's reply stream of that queue), found by an admin's SCAN, refuses
+    the producer of this queue both reading and writing."""
+    gateway = start_gateway(url(acl_server, "mlxq-gateway"), logs_dir)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0) as sdk:
+            sdk.completions.create(model=other_worker.queue, prompt="Hi", max_tokens=3)
+    finally:
+        gateway.stop()
+    admin = redis.Redis(port=acl_server, username="admin", password="admin-pass")
+    with Client(url(acl_server, "mlxq-worker"), queue=other_worker.queue) as other:
+        other.generate("Hello", max_tokens=3, timeout=60)
+        other.generate("Hello", max_tokens=3, timeout=60, reply_to=KEYS.reply(other_worker.queue, "team-b"))
+    queue = other_worker.queue
+    theirs = [*admin.scan_iter(f"mlxq:*:{queue}:*"), KEYS.queue(queue).encode(), KEYS.limits(queue).encode()]
+    kinds = {key.split(b":")[1] for key in theirs}
+    assert {b"out", b"reply", b"done", b"progress"} <= kinds, theirs
+    producer = redis.Redis.from_url(url(acl_server, "mlxq-producer"))
+    for key in theirs:
+        kind = admin.type(key)
+        read = {b"stream": lambda k: producer.xread({k: "0"}), b"string": producer.get,
+                b"hash": producer.hgetall, b"set": producer.smembers}[kind]
+        for attempt in (read, producer.delete, lambda k: producer.set(k, "x")):
+            with pytest.raises(redis.exceptions.NoPermissionError):
+                attempt(key)
+    producer.close()
+    admin.close()
+
+
+def test_a_producer_cannot_cancel_another_queue_s_request(secure_worker, other_worker, acl_server):
+    """The cancel flag and channel of another queue are refused, and an id published on
+    the producer's own channel does not reach the other queue's worker."""
+    with Client(url(acl_server, "mlxq-worker"), queue=other_worker.queue) as owner, \
+            Client(url(acl_server, "mlxq-producer"), queue=QUEUE) as producer:
+        job = owner.submit(**HELD)  # runs until cancelled
+        deltas = iter(job.stream(timeout=60))
+        next(deltas)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            producer.cancel(job.id, queue=other_worker.queue)
+        producer.cancel(job.id)  # its own queue's flag and channel: another request, if any
+        seen = [next(deltas) for _ in range(3)]  # still running after the attempts
+        assert [d.seq for d in seen] == sorted(d.seq for d in seen)
+        job.cancel()
+        with pytest.raises(JobCancelled):
+            job.result(timeout=60)
+
+
+def test_a_request_passed_off_as_a_batch_line_is_not_filed(secure_worker, acl_server):
+    """A producer of the batch's own queue sends a request with a line's guessable id and
+    the batch's reply stream as `reply_to`: the worker may write it there (the producer's
+    queue), but the batch files each line from the request it fed alone."""
+    async def scenario() -> tuple[str, str]:
+        async with AsyncClient(url(acl_server, "mlxq-worker"), queue=QUEUE) as admin:
+            handle = await admin.submit_batch([{"custom_id": "real", "body": {"prompt": "Real", "max_tokens": 4}}])
+            with Client(url(acl_server, "mlxq-producer"), queue=QUEUE) as producer:  # nobody drives the batch yet
+                fake = producer.submit("INJECTED", max_tokens=4, id=f"{handle.id}-0",
+                                       reply_to=KEYS.batch_replies(QUEUE, handle.id))
+                injected = fake.result(timeout=60).text
+            batch = await drive_until_ended(admin, handle.id, poll_s=0.1)
+            assert batch.status == "completed" and batch.completed == 1
+            [result] = await handle.results()
+            assert result.custom_id == "real"
+            return injected, result.event.text  # type: ignore[union-attr]
+
+    injected, filed = asyncio.run(scenario())
+    with Client(url(acl_server, "mlxq-worker"), queue=QUEUE) as direct:
+        assert filed == direct.generate("Real", max_tokens=4, timeout=60).text != injected
 
 
 def test_the_status_user_reads_and_writes_nothing(secure_worker, acl_server):
@@ -94,7 +181,8 @@ def test_the_status_user_reads_and_writes_nothing(secure_worker, acl_server):
     assert secure_worker.consumer in shown.stdout and "ready" in shown.stdout
     status = redis.Redis.from_url(url(acl_server, "mlxq-status"))
     for attempt in (lambda: status.xadd(KEYS.queue(QUEUE), {"id": "x", "json": "{}"}),
-                    lambda: status.set("mlxq:cancel:{x}", 1), lambda: status.publish(KEYS.cancel_channel, "x")):
+                    lambda: status.set(KEYS.cancel_flag(QUEUE, "x"), 1),
+                    lambda: status.publish(KEYS.cancel_channel(QUEUE), "x")):
         with pytest.raises(redis.exceptions.NoPermissionError):
             attempt()
     status.close()
@@ -204,8 +292,8 @@ def test_a_server_of_another_ca_is_refused_with_the_reason(tls_server):
 
 def test_a_gateway_that_may_not_trim_still_serves(secure_worker, acl_server, logs_dir):
     """Without XTRIM its reply stream only grows (until it expires); reading goes on."""
-    gateway_line = next(line for line in acl_lines() if line.split()[1] == "mlxq-gateway")
-    _, _, *rules = gateway_line.replace(" +xtrim", "").split()
+    _, rules = next(acl_user(line.replace(" +xtrim", "")) for line in acl_lines()
+                    if acl_user(line)[0] == "mlxq-gateway")
     admin = redis.Redis(port=acl_server, username="admin", password="admin-pass")
     admin.execute_command("ACL", "SETUSER", "no-trim", *[">n-pass" if r.startswith(">") else r for r in rules])
     admin.close()

@@ -15,7 +15,7 @@ def table() -> tuple[RequestTable, list[str]]:
 
 
 def route(request_id: str = "r1", entry_id: str = "1-0") -> Route:
-    return Route(request_id, entry_id, KEYS.output(request_id), "json", "mlxq:q:q")
+    return Route(request_id, entry_id, KEYS.output("q", request_id), "json", "mlxq:q:q")
 
 
 def test_a_request_goes_read_streaming_acked_and_its_room_comes_back():

@@ -24,7 +24,7 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
     getting deltas: count them between the long request's admission and its first token."""
     running, long = f"run-{uuid.uuid4().hex[:8]}", f"long-{uuid.uuid4().hex[:8]}"
     xadd_json(r, worker.queue, running, {"prompt": "Keep streaming", "max_tokens": 1500})
-    while r.xlen(KEYS.output(running)) < 5:
+    while r.xlen(KEYS.output(worker.queue, running)) < 5:
         time.sleep(0.005)
     entry_id = xadd_json(r, worker.queue, long, {"prompt_tokens": [5 + i % 900 for i in range(2000)],
                                                  "max_tokens": 2})
@@ -32,7 +32,7 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
     assert isinstance(done, Done)
     arrived_ms = int(entry_id.split("-")[0])
     window = (arrived_ms + done.timing.queued_ms, arrived_ms + done.timing.ttft_ms)
-    during = [e for e, f in r.xrange(KEYS.output(running))
+    during = [e for e, f in r.xrange(KEYS.output(worker.queue, running))
               if f[b"type"] == b"delta" and window[0] <= int(e.decode().split("-")[0]) <= window[1]]
     assert len(during) >= 5, f"{len(during)} deltas of the running request during a {window[1] - window[0]} ms prefill"
     outputs.of(running)
@@ -123,19 +123,19 @@ def test_a_lane_request_skips_the_backlog_in_redis(lanes_worker, r, outputs):
     queue = lanes_worker.queue
     running = f"run-{uuid.uuid4().hex[:8]}"
     xadd_json(r, queue, running, HELD)  # occupies the only slot until cancelled
-    while not r.exists(KEYS.output(running)):
+    while not r.exists(KEYS.output(queue, running)):
         time.sleep(0.005)
     backlog = [f"backlog{i}-{uuid.uuid4().hex[:6]}" for i in range(4)]
     for request_id in backlog:
         xadd_json(r, queue, request_id, {"prompt": "Wait your turn", "max_tokens": 2})
     urgent = f"urgent-{uuid.uuid4().hex[:8]}"
     r.xadd(KEYS.lane(queue, "urgent"), {"id": urgent, "json": '{"prompt": "Me first", "max_tokens": 2}'})
-    r.set(KEYS.cancel_flag(running), 1, ex=60)  # the slot frees only now, with all of them waiting
-    r.publish(KEYS.cancel_channel, running)
+    r.set(KEYS.cancel_flag(queue, running), 1, ex=60)  # the slot frees only now, with all of them waiting
+    r.publish(KEYS.cancel_channel(queue), running)
     finished_at = {}
     for request_id in [running, urgent, *backlog]:
         (*_, done) = outputs.of(request_id)
         assert isinstance(done, Done)
-        finished_at[request_id] = int(r.xrevrange(KEYS.output(request_id), count=1)[0][0].split(b"-")[0])
+        finished_at[request_id] = int(r.xrevrange(KEYS.output(queue, request_id), count=1)[0][0].split(b"-")[0])
     assert all(finished_at[urgent] <= finished_at[b] for b in backlog)
     assert settled(r, KEYS.lane(queue, "urgent")) and settled(r, KEYS.queue(queue))

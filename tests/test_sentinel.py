@@ -82,7 +82,7 @@ def follow(url: str, request_id: str, seen: dict[str, list], stop: threading.Eve
     while not stop.is_set():
         try:  # mid-failover the Sentinels may name no primary yet (MasterNotFoundError): ask again
             reader = reader or redis.Redis(**_primary_kwargs(url))
-            reply = reader.xread({KEYS.output(request_id): last_id}, count=100, block=500)
+            reply = reader.xread({KEYS.output("failover", request_id): last_id}, count=100, block=500)
         except redis.RedisError:
             time.sleep(0.2)
             reader = None
@@ -100,7 +100,7 @@ def wait_for_result(url: str, request_id: str, results: dict[str, object]) -> No
     """`Job.result()` of the SDK, on its own Sentinel client, started before the failover."""
     with Client(url, queue="failover") as reader:
         try:
-            results[request_id] = Job(reader, request_id, reader.keys.output(request_id)).result(timeout=60)
+            results[request_id] = Job(reader, request_id, reader.keys.output("failover", request_id)).result(timeout=60)
         except Exception as e:  # noqa: BLE001 - what the SDK raised is the result under test
             results[request_id] = e
 

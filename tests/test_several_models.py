@@ -135,12 +135,12 @@ def test_unloading_waits_for_the_running_request(redis_url, demo_model, tmp_path
                       memory_budget_gb=1.5)
     try:
         (held,) = _held(r, beta)
-        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        wait_for_deltas(r, KEYS.output(beta, held), [held], timeout=60)
         (waiting,) = submit(r, gamma)
         since = looks(r, host.name)
         wait_for(lambda: looks(r, host.name) >= since + 20, what="twenty more looks of the host")
         assert states(r, host.name) == {beta: "loaded", gamma: "available"}  # beta is busy: gamma waits
-        Client(worker_url(redis_url)).cancel(held)
+        Client(worker_url(redis_url)).cancel(held, queue=beta)
         assert finished(outputs, [held])[0].finish_reason == "cancelled"
         assert isinstance(finished(outputs, [waiting])[0], Done)
         wait_for(lambda: states(r, host.name)[gamma] == "loaded", what="gamma seen loaded")
@@ -287,14 +287,14 @@ def test_a_backlog_loads_a_second_copy_where_there_is_room(redis_url, demo_model
     second = None
     try:
         (held,) = _held(r, beta)
-        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        wait_for_deltas(r, KEYS.output(beta, held), [held], timeout=60)
         second = start_host(redis_url, tmp_path, f"hostB{tag}", [one_slot], memory_budget_gb=2, scale_up_after_s=1)
         (behind,) = submit(r, beta)
         assert isinstance(finished(outputs, [behind])[0], Done)
         wait_for(lambda: states(r, second.name)[beta] == "loaded", what="the second copy seen loaded")
         assert states(r, first.name)[beta] == "loaded"
-        assert not any(isinstance(e, (Done, Error)) for e in outputs.all_on(KEYS.output(held)))  # still running
-        Client(worker_url(redis_url)).cancel(held)
+        assert not any(isinstance(e, (Done, Error)) for e in outputs.all_on(KEYS.output(beta, held)))  # still running
+        Client(worker_url(redis_url)).cancel(held, queue=beta)
         assert finished(outputs, [held])[0].finish_reason == "cancelled"
     finally:
         for host in (first, second):
@@ -340,9 +340,9 @@ def test_the_hosts_metrics_port_serves_every_model_labelled(redis_url, demo_mode
     try:
         wait_for(lambda: set(states(r, host.name).values()) == {"loaded"}, timeout=60, what="both models")
         (held,) = _held(r, alpha)  # alpha busy with a request that runs until cancelled: beta is not held up
-        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        wait_for_deltas(r, KEYS.output(alpha, held), [held], timeout=60)
         assert all(isinstance(d, Done) for d in finished(outputs, submit(r, beta, 2, max_tokens=4)))
-        Client(worker_url(redis_url)).cancel(held)
+        Client(worker_url(redis_url)).cancel(held, queue=alpha)
         assert finished(outputs, [held])[0].finish_reason == "cancelled"
         assert isinstance(finished(outputs, submit(r, alpha, max_tokens=4))[0], Done)
 
@@ -374,13 +374,13 @@ def test_an_extra_copy_is_unloaded_before_a_model_used_longer_ago(redis_url, dem
         wait_for(lambda: states(r, first.name).get(beta) == "loaded", timeout=60, what="host A's beta")
         assert isinstance(finished(outputs, submit(r, gamma))[0], Done)  # B loads gamma
         (held,) = _held(r, beta)  # A's one slot, taken
-        wait_for_deltas(r, KEYS.output(held), [held], timeout=60)
+        wait_for_deltas(r, KEYS.output(beta, held), [held], timeout=60)
         assert isinstance(finished(outputs, submit(r, beta))[0], Done)  # waited: B loaded a copy and served it
         wait_for(lambda: states(r, second.name).get(beta) == "loaded", what="B's copy seen loaded")
         assert isinstance(finished(outputs, submit(r, delta))[0], Done)
         seen = states(r, second.name)
         assert seen[gamma] == "loaded" and seen[beta] in ("draining", "available"), seen
-        Client(worker_url(redis_url)).cancel(held)
+        Client(worker_url(redis_url)).cancel(held, queue=beta)
         assert finished(outputs, [held])[0].finish_reason == "cancelled"
     finally:
         for host in (first, second):

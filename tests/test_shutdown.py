@@ -17,7 +17,7 @@ def test_sigterm_lets_running_requests_finish(valkey, demo_model, logs_dir, r):
     worker = start_worker(valkey, demo_model, f"drain-{uuid.uuid4().hex[:6]}", logs_dir, drain_timeout_s=60)
     rid = f"drain-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, rid, {"prompt": "Finish me", "max_tokens": 400})
-    wait_for_deltas(r, KEYS.output(rid), [rid])
+    wait_for_deltas(r, KEYS.output(worker.queue, rid), [rid])
     worker.signal(signal.SIGTERM)
     assert worker.wait(60) == 0, worker.log()
     done = check_stream(Outputs(r).of(rid, timeout=5))
@@ -33,14 +33,14 @@ def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey
     running, waiting = f"run-{uuid.uuid4().hex}", f"wait-{uuid.uuid4().hex}"
     xadd_json(r, worker.queue, running, HELD)  # runs until cancelled
     xadd_json(r, worker.queue, waiting, {"prompt": "Queued", "max_tokens": 5})
-    wait_for_deltas(r, KEYS.output(running), [running])
+    wait_for_deltas(r, KEYS.output(worker.queue, running), [running])
     worker.signal(signal.SIGTERM)
     assert worker.wait(30) == 0, worker.log()
     pending = r.xpending_range(KEYS.queue(worker.queue), "workers", min="-", max="+", count=10)
     assert len(pending) == 2 and {p["consumer"].decode() for p in pending} == {worker.consumer}
-    terminal = [f for _, f in r.xrange(KEYS.output(running)) if f[b"type"] != b"delta"]
+    terminal = [f for _, f in r.xrange(KEYS.output(worker.queue, running)) if f[b"type"] != b"delta"]
     assert terminal == []
-    assert not r.exists(KEYS.output(waiting))
+    assert not r.exists(KEYS.output(worker.queue, waiting))
 
 
 # The shortest exit after an engine thread ends: load, shut down, join, leave. Before the

@@ -31,7 +31,7 @@ def run_requests(r, queue: str, count: int) -> list[str]:
         time.sleep(0.1)
     with r.pipeline(transaction=False) as pipe:
         for request_id in ids:
-            pipe.xrevrange(KEYS.output(request_id), count=1)
+            pipe.xrevrange(KEYS.output(queue, request_id), count=1)
         last_events = pipe.execute()
     assert all(decode_event(entries[0][1]).type == "done" for entries in last_events)
     return ids

@@ -389,7 +389,7 @@ def test_kill_9_mid_generation_resumes_to_the_same_text(redis_url, demo_model, n
     for rid, body in zip(ids, bodies, strict=True):
         xadd_json(r, queue, rid, body)
     for rid in ids:
-        wait_for_deltas(r, KEYS.output(rid), [rid], 10)
+        wait_for_deltas(r, KEYS.output(queue, rid), [rid], 10)
     victim.signal(signal.SIGSTOP)
     time.sleep(0.2)  # a write already sent lands
     survivor = start_worker(url, demo_model, queue, logs_dir, consumer="spec-survivor", reclaim_interval_s=0.2,

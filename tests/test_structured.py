@@ -148,7 +148,7 @@ def test_a_constrained_request_resumed_after_a_takeover_stays_valid(valkey, demo
     xadd_json(r, queue, request_id, {"prompt": "List", "max_tokens": 600, "response_format": {
         "type": "json_schema", "json_schema": {"name": "items", "schema": schema}}})
     deadline = time.monotonic() + 60
-    while r.xlen(KEYS.output(request_id)) < 15:
+    while r.xlen(KEYS.output(queue, request_id)) < 15:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     victim.signal(signal.SIGSTOP)

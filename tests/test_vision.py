@@ -83,7 +83,7 @@ def test_image_request_in_json_and_in_msgpack(worker, r, outputs, new_id):
     plain = check_stream(outputs.of(text_only))
     from_json = check_stream(outputs.of(in_json))
     from_msgpack = check_stream(outputs.of(in_msgpack))
-    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(in_msgpack)))
+    assert all(b"msgpack" in fields for _, fields in r.xrange(KEYS.output(worker.queue, in_msgpack)))
     assert isinstance(from_json, Done) and isinstance(from_msgpack, Done)
     assert from_json.text == from_msgpack.text and from_json.usage == from_msgpack.usage
     assert from_json.text != plain.text, "the image changed what the model saw"
@@ -103,7 +103,7 @@ def test_image_and_text_requests_batch_together_and_match_running_alone(worker, 
     requests = [("Describe it", [png(168, 112, 1)], 150), ("Read the sign", [png(56, 56, 2)], 150),
                 ("Caption this", [png(224, 196, 3)], 20), ("Just text, no picture", [], 20)]
     expected = [alone(r, outputs, worker.queue, new_id, p, i, n) for p, i, n in requests]
-    shared = f"mlxq:reply:{new_id()}"
+    shared = KEYS.reply(worker.queue, new_id())
     ids = [new_id(f"r{k}") for k in range(4)]
     submissions = list(zip(ids, requests, strict=True))
     for rid, (prompt, images, n) in submissions[:2]:
@@ -320,7 +320,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
                              "--queue", worker.queue, "--image", str(photo), "--max-tokens", "8", "--id", rid,
                              "What is in the picture?"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
-    done = decode_event(r.xrange(KEYS.output(rid))[-1][1])
+    done = decode_event(r.xrange(KEYS.output(worker.queue, rid))[-1][1])
     assert isinstance(done, Done) and result.stdout == done.text + "\n"
     assert done.usage.prompt_tokens > IMAGE_168x112_TOKENS
     assert f"{done.usage.prompt_tokens} prompt + 8 completion tokens" in result.stderr
@@ -332,7 +332,7 @@ def test_submit_an_image_from_the_command_line(worker, r, tmp_path):
 def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
     rid = new_id("cancel")
     ask(r, worker.queue, rid, "A long look", [png(168, 168, 8)], max_tokens=2000)
-    wait_for_deltas(r, KEYS.output(rid), [rid])
+    wait_for_deltas(r, KEYS.output(worker.queue, rid), [rid])
     with Client(worker.redis_url) as client:
         client.cancel(rid)
     done = check_stream(outputs.of(rid))

@@ -159,7 +159,7 @@ def tokens_of(events: list[Any]) -> list[int]:
 
 
 def test_each_conversation_batched_equals_mlx_vlm_alone(family_worker, mlx_vlm_alone, r, outputs, new_id):
-    stream = f"mlxq:reply:{new_id()}"
+    stream = KEYS.reply(family_worker.queue, new_id())
     ids = [new_id(name.replace(" ", "-")) for name, _, _ in CONVERSATIONS]
     submit_together(r, family_worker.queue, stream, [(rid, images, messages)
                                                      for rid, (_, images, messages) in zip(ids, CONVERSATIONS,
@@ -185,7 +185,7 @@ def test_the_same_images_again_read_the_same(family_worker, family_model, r, out
     before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
     texts = []
     for _ in range(2):
-        stream = f"mlxq:reply:{new_id()}"
+        stream = KEYS.reply(family_worker.queue, new_id())
         rid = new_id()
         submit_together(r, family_worker.queue, stream, [(rid, images, messages)])
         texts.append(check_stream(outputs.events(stream, rid)).text)

@@ -53,7 +53,7 @@ async def pending_entry(r: aioredis.Redis, queue: str, consumer: str, request_id
 
 
 def route(queue: str, request_id: str, entry_id: str) -> Route:
-    return Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
+    return Route(request_id, entry_id, KEYS.output(queue, request_id), "json", KEYS.queue(queue))
 
 
 def leases(r: aioredis.Redis, queue: str, consumer: str, requests: RequestTable) -> Leases:
@@ -133,22 +133,22 @@ async def test_a_published_cancel_reaches_the_engine_once_and_its_flag_gets_a_tt
     held = requests.read(route(queue, "held", "1-0"))
     cancelled: list[str] = []
     engine = SimpleNamespace(cancel=cancelled.append)
-    await r.set(KEYS.cancel_flag("held"), 1)  # set without a TTL, as a careless producer would
-    listener = asyncio.create_task(listen_for_cancels(r, RequestMarks(r, KEYS, 60), requests, engine,  # type: ignore[arg-type]
+    await r.set(KEYS.cancel_flag(queue, "held"), 1)  # set without a TTL, as a careless producer would
+    listener = asyncio.create_task(listen_for_cancels(r, RequestMarks(r, KEYS, queue, 60), requests, engine,  # type: ignore[arg-type]
                                                       flag_ttl_s=60))
     try:
-        while (await r.pubsub_numsub(KEYS.cancel_channel))[0][1] < 1:
+        while (await r.pubsub_numsub(KEYS.cancel_channel(queue)))[0][1] < 1:
             await asyncio.sleep(0.01)
-        await r.publish(KEYS.cancel_channel, "not-held")
-        await r.publish(KEYS.cancel_channel, "held")
+        await r.publish(KEYS.cancel_channel(queue), "not-held")
+        await r.publish(KEYS.cancel_channel(queue), "held")
         while not cancelled:
             await asyncio.sleep(0.01)
-        while await r.ttl(KEYS.cancel_flag("held")) < 0:
+        while await r.ttl(KEYS.cancel_flag(queue, "held")) < 0:
             await asyncio.sleep(0.01)
     finally:
         listener.cancel()
     assert cancelled == ["held"] and held.cancel_requested
-    assert 0 < await r.ttl(KEYS.cancel_flag("held")) <= 60
+    assert 0 < await r.ttl(KEYS.cancel_flag(queue, "held")) <= 60
 
 
 # ---- intake ---------------------------------------------------------------------------------
@@ -161,14 +161,15 @@ def intake(r: aioredis.Redis, queue: str, requests: RequestTable, emitted: list[
     streams = RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60)
     reclaimer = Reclaimer(streams, 60.0, min_idle_ms=60_000, totals=Totals())
     engine = SimpleNamespace(submit=submitted.append, abandon=lambda _: None)
-    return Intake(settings, streams, RequestMarks(r, KEYS, 60), Fencing(r, KEYS, "c1", 60), requests, reclaimer,
-                  None, engine, emitted.append, 0.0, Totals())  # type: ignore[arg-type]
+    marks, fencing = RequestMarks(r, KEYS, queue, 60), Fencing(r, KEYS, queue, "c1", 60)
+    return Intake(settings, streams, marks, fencing, requests, reclaimer, None, engine, emitted.append, 0.0,
+                  Totals())  # type: ignore[arg-type]
 
 
 async def test_intake_settles_a_repeat_of_a_finished_request_and_dead_letters_an_entry_without_id(r, queue):
     requests, emitted, submitted = RequestTable(4, abandon=lambda _: None), [], []
     taking = intake(r, queue, requests, emitted, submitted)
-    await r.set(KEYS.done("finished"), "0-1")
+    await r.set(KEYS.done(queue, "finished"), "0-1")
     repeat = await pending_entry(r, queue, "c1", "finished")
     no_id = (await r.xadd(KEYS.queue(queue), {"json": json.dumps({"prompt": "hi"})})).decode()
     await r.xreadgroup(GROUP, "c1", {KEYS.queue(queue): ">"}, count=1)
@@ -184,11 +185,11 @@ async def test_intake_answers_a_request_whose_preparations_killed_workers_with_p
     requests, emitted, submitted = RequestTable(4, abandon=lambda _: None), [], []
     taking = intake(r, queue, requests, emitted, submitted)
     entry_id = await pending_entry(r, queue, "c1", "poison")
-    await r.sadd(KEYS.crashes("poison"), *[f"died-{i}" for i in range(taking.settings.max_crashes)])
+    await r.sadd(KEYS.crashes(queue, "poison"), *[f"died-{i}" for i in range(taking.settings.max_crashes)])
     await taking._accept(Delivery(KEYS.queue(queue), entry_id, {b"id": b"poison", b"json": b"{}"}))
     (answer,) = emitted
     assert submitted == [] and isinstance(answer.event, Error) and answer.event.code == "poisoned"
     assert requests.get("poison").status is RequestStatus.FINISHING
     ((_, letter),) = await r.xrange(KEYS.dead(queue))
     assert letter[b"entry_id"] == entry_id.encode() and b"died while preparing" in letter[b"reason"]
-    assert not [decode_event(f) for _, f in await r.xrange(KEYS.output("poison"))], "the publisher writes it"
+    assert not [decode_event(f) for _, f in await r.xrange(KEYS.output(queue, "poison"))], "the publisher writes it"

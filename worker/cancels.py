@@ -1,4 +1,4 @@
-"""The cancel listener: ids published on `mlxq:cancel` stop the requests this worker holds.
+"""The cancel listener: ids published on `mlxq:cancel:<queue>` stop the requests this worker holds.
 
 A request not yet read is caught by its flag when it is (see `intake`); one held here
 is marked, and the engine drops it at its next step boundary (answering `cancelled`).
@@ -29,7 +29,7 @@ async def listen_for_cancels(redis: aioredis.Redis, marks: RequestMarks, request
     while True:
         pubsub = redis.pubsub(ignore_subscribe_messages=True)
         try:
-            await pubsub.subscribe(marks.keys.cancel_channel)
+            await pubsub.subscribe(marks.keys.cancel_channel(marks.queue))
             outage.answered()
             while True:
                 message = await pubsub.get_message(timeout=1.0)

@@ -74,7 +74,7 @@ class Worker:
         self.redis = connect_async(redis_url, socket_timeout=10, health_check_interval=30)
         self.request_streams = request_streams(self.keys, settings.queue, settings.lanes)
         self.membership = Membership(self.redis, self.keys, self.request_streams)
-        self.marks = RequestMarks(self.redis, self.keys, settings.dedupe_ttl_s)
+        self.marks = RequestMarks(self.redis, self.keys, settings.queue, settings.dedupe_ttl_s)
         self.engine = Engine(load, settings.scheduling(), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=self._on_stats, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
@@ -131,7 +131,7 @@ class Worker:
         streams = RequestStreams(self.redis, self.keys, self.settings.queue, consumer,
                                  dedupe_ttl_s=self.settings.dedupe_ttl_s, lanes=self.settings.lanes,
                                  dead_letter_maxlen=self.settings.dead_letter_maxlen)
-        fencing = Fencing(self.redis, self.keys, consumer, self.settings.result_ttl_s)
+        fencing = Fencing(self.redis, self.keys, self.settings.queue, consumer, self.settings.result_ttl_s)
         publisher = self.publisher = Publisher(streams, fencing, self.requests, on_published=self._on_published)
         intake = self._intake(info, clock_offset_s, streams, fencing, publisher)
         await retrying(intake.reclaimer.list_own, "listing this consumer's pending requests")  # before the first read

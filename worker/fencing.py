@@ -41,9 +41,10 @@ log = structlog.get_logger("mlxq.worker")
 class Fencing:
     """Takes fences and writes output under them, for one consumer."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str, result_ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, queue: str, consumer: str, result_ttl_s: int) -> None:
         self.redis = redis
         self.keys = keys
+        self.queue = queue
         self.consumer = consumer
         self.result_ttl_s = result_ttl_s
         self._scripts = scripts.ScriptRunner(redis)
@@ -54,7 +55,7 @@ class Fencing:
         running or cut off, are refused."""
         token = uuid.uuid4().hex
         status, written, finished = await self._scripts.run(
-            scripts.TAKE, [self.keys.progress(route.id, route.reply_to)],
+            scripts.TAKE, [self.keys.progress(self.queue, route.id, route.reply_to)],
             [route.entry_id, token, self.consumer, self.result_ttl_s])
         return Taken(as_text(status) == "taken", token, int(written), bool(finished))
 
@@ -67,7 +68,7 @@ class Fencing:
         for group in groups:
             keys: list[str] = []
             for write in group:
-                keys += [write.route.reply_to, self.keys.progress(write.route.id, write.route.reply_to)]
+                keys += [write.route.reply_to, self.keys.progress(self.queue, write.route.id, write.route.reply_to)]
             packed = msgpack.packb([write.packed() for write in group], use_bin_type=False)  # Lua's cmsgpack: no bin
             calls.append((keys, [self.result_ttl_s, packed]))
         statuses = {}

@@ -130,8 +130,9 @@ class Intake:
                 log.info("repeat of a running request ignored", request_id=request_id, entry_id=entry_id)
                 await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
             return
-        held = self.requests.read(Route(request_id, entry_id, self.streams.keys.output(request_id), "json",
-                                        stream))  # before the flag check, so that no cancel slips between
+        own = self.streams.keys.output(self.streams.queue, request_id)
+        # read before the flag check, so that no cancel slips between
+        held = self.requests.read(Route(request_id, entry_id, own, "json", stream))
         arrival = await retrying(partial(self.marks.arrive, request_id, self.settings.result_ttl_s),
                                  "checking an arriving request")
         try:
@@ -159,7 +160,7 @@ class Intake:
         large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
         envelope = await asyncio.to_thread(read) if large else read()
         reply_to = envelope.reply_to
-        if reply_to is not None and self.streams.keys.reply_to_problem(reply_to):
+        if reply_to is not None and self.streams.keys.reply_to_problem(self.streams.queue, reply_to):
             reply_to = None  # its error goes to the request's own stream
         if self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding) is None:
             return  # taken over while it was read: the other worker serves it

@@ -35,6 +35,7 @@ class Preparer:
         self.settings = settings
         self.faults = faults
         self.keys = Keys(settings.prefix)
+        self.queue = settings.queue
         self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
         self.longest_token = longest_token(info.tokenizer)
         self.eos_ids = frozenset(getattr(info.tokenizer, "eos_token_ids", None) or ())
@@ -56,7 +57,7 @@ class Preparer:
             raise RequestRejected(f"this queue's model ({self.info.name}) generates text; embeddings and rerank "
                                   f"go to the queue of an embedding model or a reranker ({e})") from e
         self.faults.exit_if_marked(body.prompt)
-        problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
+        problem = None if body.reply_to is None else self.keys.reply_to_problem(self.queue, body.reply_to)
         if problem:
             raise RequestRejected(problem)
         self._check_stop(body.stop)

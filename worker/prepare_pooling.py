@@ -43,6 +43,7 @@ class PoolingPreparer:
         self.vocab_size = info.vocab_size
         self.settings = settings
         self.keys = Keys(settings.prefix)
+        self.queue = settings.queue
         self.limit = min(settings.max_prompt_tokens or self.pooling.max_length, self.pooling.max_length)
         self.longest_token = longest_token(info.tokenizer) or 64
 
@@ -61,7 +62,7 @@ class PoolingPreparer:
             wanted = "input" if task == "embed" else "query and documents"
             raise RequestRejected(f"this queue's model ({self.name}) serves {task}, not generation: send {wanted} "
                                   f"({e})") from e
-        problem = None if body.reply_to is None else self.keys.reply_to_problem(body.reply_to)
+        problem = None if body.reply_to is None else self.keys.reply_to_problem(self.queue, body.reply_to)
         if problem:
             raise RequestRejected(problem)
         if body.metadata is not None:

@@ -252,7 +252,7 @@ class Publisher:
         """Redis refused this request's output: say so on its own output stream, or, if
         even that is refused, settle it unanswered."""
         route = write.route
-        own = self.streams.keys.output(route.id)
+        own = self.streams.keys.output(self.streams.queue, route.id)
         if route.reply_to != own:
             log.error("redis refused the reply stream; the error goes to the request's own output stream",
                       request_id=route.id, reply_to=route.reply_to, reason=reason)

@@ -65,6 +65,7 @@ class RequestStreams:
                  lanes: list[str] | None = None, dead_letter_maxlen: int = 10_000) -> None:
         self.redis = redis
         self.keys = keys
+        self.queue = queue
         self.queue_stream = keys.queue(queue)
         self.batch_lane = keys.batch_lane(queue)
         self.batch_lines_waiting = False  # the last read of the batch lane got all it asked for
@@ -147,7 +148,7 @@ class RequestStreams:
         """Mark a request done and settle its entry although no terminal event could be
         written (Redis refused even its own output stream)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.done(route.id), route.entry_id, ex=self.dedupe_ttl_s)
+            pipe.set(self.keys.done(self.queue, route.id), route.entry_id, ex=self.dedupe_ttl_s)
             pipe.xack(route.stream, GROUP, route.entry_id)
             pipe.xdel(route.stream, route.entry_id)
             await pipe.execute()
@@ -161,7 +162,7 @@ class RequestStreams:
         entries: dict[str, list[str]] = {}  # by stream: one XACK and one XDEL for all of its entries
         async with self.redis.pipeline(transaction=False) as pipe:
             for route in routes:
-                pipe.set(self.keys.done(route.id), route.entry_id, ex=self.dedupe_ttl_s)
+                pipe.set(self.keys.done(self.queue, route.id), route.entry_id, ex=self.dedupe_ttl_s)
                 entries.setdefault(route.stream, []).append(route.entry_id)
             for stream, ids in entries.items():
                 pipe.xack(stream, GROUP, *ids)
@@ -253,12 +254,13 @@ class RequestStreams:
 
 
 class RequestMarks:
-    """What Redis keeps per request id beside the streams: the attempts at preparing it,
-    whether it is done, its cancel flag."""
+    """What Redis keeps per request id of one queue beside the streams: the attempts at
+    preparing it, whether it is done, its cancel flag."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, dedupe_ttl_s: int) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, queue: str, dedupe_ttl_s: int) -> None:
         self.redis = redis
         self.keys = keys
+        self.queue = queue
         self.dedupe_ttl_s = dedupe_ttl_s
         self._scripts = scripts.ScriptRunner(redis)
 
@@ -267,18 +269,19 @@ class RequestMarks:
         already finished or was cancelled, in one round trip. A cancel flag set without
         a TTL gets `cancel_ttl_s`, so flags never pile up."""
         attempt = uuid.uuid4().hex  # a set member, not a counter: a retried call adds it only once
-        keys = [self.keys.crashes(request_id), self.keys.done(request_id), self.keys.cancel_flag(request_id)]
+        keys = [self.keys.crashes(self.queue, request_id), self.keys.done(self.queue, request_id),
+                self.keys.cancel_flag(self.queue, request_id)]
         open_attempts, done, cancelled = await self._scripts.run(scripts.ARRIVE, keys,
                                                                   [attempt, self.dedupe_ttl_s, cancel_ttl_s])
         return Arrival(attempt, crashes=int(open_attempts) - 1, done=bool(done), cancelled=bool(cancelled))
 
     async def close_attempt(self, request_id: str, attempt: str) -> None:
         """The preparation of a request ended, one way or another, and we are alive."""
-        await self.redis.srem(self.keys.crashes(request_id), attempt)
+        await self.redis.srem(self.keys.crashes(self.queue, request_id), attempt)
 
     async def limit_cancel_flag(self, request_id: str, ttl_s: int) -> None:
         """Give a cancel flag a TTL if whoever set it gave none."""
-        await self.redis.expire(self.keys.cancel_flag(request_id), ttl_s, nx=True)
+        await self.redis.expire(self.keys.cancel_flag(self.queue, request_id), ttl_s, nx=True)
 
 
 @dataclass(frozen=True)
