@@ -65,8 +65,13 @@ def test_a_line_s_request_id_names_its_batch_and_number():
     assert line_index(batch, rid[:-1] + ("0" if rid[-1] != "0" else "1")) is None
     legacy = Batch("batch_old", "in_progress", "q", "mlxq", "24h", 0, 1, 20, 0)  # stored before lines had secrets
     assert line_index(legacy, line_request_id(legacy, 3)) == 3 == int(line_request_id(legacy, 3).split("-")[-1])
-    stored = BatchLine("c", {"prompt": "x"}, None, {"model": "m"})
-    assert BatchLine.from_json(stored.to_json()) == stored
+
+
+def test_a_stored_line_keeps_raw_bytes_and_lines_stored_as_json_still_read():
+    stored = BatchLine("c", {"prompt": "x", "images": [b"\x89PNG\x00"]}, None, {"model": "m"})
+    assert BatchLine.decode(stored.encode()) == stored
+    legacy = '{"custom_id": "c", "body": {"prompt": "x"}, "error": null, "meta": {"model": "m"}}'
+    assert BatchLine.decode(legacy.encode()) == BatchLine("c", {"prompt": "x"}, None, {"model": "m"})
 
 
 scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20)
