@@ -5,9 +5,9 @@ TTL that it renews on every pass). A driver that stops renewing (killed) loses i
 `lease_s`, and any process that runs a `BatchRunner` (every gateway) or waits on the
 batch (`mlxq batch submit --wait`, a client's `BatchHandle.wait()`) takes over from
 what Redis holds. A takeover repeats nothing and loses nothing: each line's request id
-is fixed (`<batch>-<n>`), so a line fed twice is computed once (the worker's fence and
-done mark); each line's end is filed once under its number; the replies are read on
-from the last entry whose line was filed.
+is fixed (`<batch>-<n>-<token>`, the token made from the batch's secret), so a line fed
+twice is computed once (the worker's fence and done mark); each line's end is filed once
+under its number; the replies are read on from the last entry whose line was filed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from redis.exceptions import RedisError, ResponseError
 
 from ._errors import QueueFull, RequestRejected
+from .batch_share import BatchShares
 from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
 from .keys import BATCH_LANE
 from .pooling import pooling_kind
@@ -49,8 +50,10 @@ RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL'
 class BatchDriver:
     """Drives one batch while it holds the batch's lease."""
 
-    def __init__(self, client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S, window: int = WINDOW) -> None:
+    def __init__(self, client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S, window: int = WINDOW,
+                 shares: BatchShares | None = None) -> None:
         self.client = client
+        self.shares = shares or BatchShares(client.redis, client.keys)
         self.batch_id = batch_id
         self.store = BatchStore(client.redis, client.keys)
         self.lease_key = client.keys.batch_part(batch_id, "lease")
@@ -112,9 +115,12 @@ class BatchDriver:
             await self._cancel(batch)
 
     async def _feed(self, batch: Batch) -> None:
-        """Submit lines until `window` are in flight; a full queue waits for the next pass."""
+        """Submit lines until `window` (or the batch's share of its queue's slots, if less)
+        are in flight; a full queue waits for the next pass."""
         fed = batch.fed
-        room = self.window - (fed - batch.completed - batch.failed)
+        share = await self.shares.share(batch.queue, batch.id)
+        window = self.window if share is None else min(self.window, share)
+        room = window - (fed - batch.completed - batch.failed)
         if room <= 0 or fed >= batch.total:
             return
         for line in await self.store.lines(batch.id, fed, min(batch.total, fed + room)):
@@ -245,6 +251,7 @@ class BatchRunner:
         self.lease_s = lease_s
         self.window = window
         self.poll_s = poll_s
+        self.shares = BatchShares(client.redis, client.keys)
         self._driving: dict[str, asyncio.Task[Batch | None]] = {}
         self._resting: dict[str, float] = {}  # batches whose driver failed: not taken again until then
 
@@ -270,7 +277,7 @@ class BatchRunner:
         for batch_id in [as_text(b) for b in await self.client.redis.smembers(self.client.keys.active_batches)]:
             if batch_id in self._driving or self._resting.get(batch_id, 0.0) > time.monotonic():
                 continue
-            driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window)
+            driver = BatchDriver(self.client, batch_id, lease_s=self.lease_s, window=self.window, shares=self.shares)
             if await driver.take():
                 log.info("driving batch %s", batch_id)
                 task = asyncio.create_task(_logged(driver))
@@ -300,6 +307,7 @@ async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: floa
     """Wait for a batch to end, driving it whenever nobody else does; `on_progress` sees
     its state after every look. Raises KeyError for an unknown batch."""
     store = BatchStore(client.redis, client.keys)
+    shares = BatchShares(client.redis, client.keys)
     while True:
         batch = await store.get(batch_id)
         if batch is None:
@@ -307,7 +315,7 @@ async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: floa
         on_progress(batch)
         if batch.ended:
             return batch
-        driver = BatchDriver(client, batch_id, lease_s=lease_s, window=window)
+        driver = BatchDriver(client, batch_id, lease_s=lease_s, window=window, shares=shares)
         if await driver.take():
             task = asyncio.create_task(_logged(driver))
             while not task.done():

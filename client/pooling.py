@@ -34,6 +34,7 @@ class _PoolingBody(BaseModel):
     reply_to: str | None = Field(None, min_length=1, max_length=512)
     encoding: Encoding | None = None
     metadata: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as on a generation (pooling keeps no cache)
 
 
 class EmbeddingBody(_PoolingBody):

@@ -214,6 +214,7 @@ class RequestBody(BaseModel):
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     speculative: bool = True  # False opts out of the worker's speculative decoding
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefix and vision caches: only this salt's
     count_only: bool = False  # prepare only: `done` with usage.prompt_tokens, nothing generated
 
     @field_validator("prompt_tokens")

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Literal
 
@@ -118,13 +119,18 @@ class Gateway:
         caller = await self.authorize(request)
         _, call = read_messages(await self._json(request), counting=True)
         served = await self.directory.resolve(call.model, caller)
+        body = dict(call.body)
+        caller.shape(body)
+        admission = await self.quotas.admit(caller, uuid.uuid4().hex)  # a request like any: its rate, its lease
         try:
             done = await self.client.generate(queue=served.queue, encoding="msgpack", count_only=True,
-                                              timeout=self.settings.request_timeout_s, **call.body)
+                                              timeout=self.settings.request_timeout_s, **body)
         except (RequestRejected, QueueFull, JobFailed) as e:
             raise ApiError.from_mlxq(e) from e
         except JobTimeout as e:
             raise ApiError.from_code(TIMEOUT, f"no worker counted the tokens within {e}") from e
+        finally:
+            await admission.close(0)
         return JSONResponse({"input_tokens": done.usage.prompt_tokens})
 
     async def _json(self, request: Request) -> object:

@@ -178,6 +178,9 @@ class Batches:
                                    param="input_file_id")
         content = await self.files.content(file_id, caller)
         read = await asyncio.to_thread(read_input, content, str(endpoint))
+        for line in read.lines:  # as the key's own requests: its priority, its cache salt
+            if line.body is not None:
+                caller.shape(line.body)
         queue, errors = await self._check(read, str(endpoint), caller)
         batch_id = new_batch_id()
         if not errors:

@@ -1,8 +1,10 @@
 """Per-key limits, kept in Redis so that every gateway counts against the same numbers.
 
     rpm               requests a minute      a moving window (the `limits` library)
-    tpm               tokens a minute        counted when each request ends; a request is
-                                             admitted while the minute holds fewer
+    tpm               tokens a minute        a sliding window counter (a moving window would
+                                             keep an entry per token), counted when each
+                                             request ends; a request is admitted while the
+                                             window holds fewer
     max_concurrency   requests in flight     leases in a sorted set, each ending by itself
                                              if its gateway dies
     max_priority      the best priority      a request asking for better gets this one
@@ -15,12 +17,11 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 import redis.asyncio as aioredis
 from limits import RateLimitItemPerMinute
 from limits.aio.storage import RedisClusterStorage, RedisStorage, Storage
-from limits.aio.strategies import MovingWindowRateLimiter
+from limits.aio.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
 
 from client.connect import is_cluster_url, parse_cluster_url
 from client.keys import Keys
@@ -77,7 +78,8 @@ class Quotas:
     def __init__(self, redis: aioredis.Redis, keys: Keys, storage: Storage, *, lease_s: float) -> None:
         self.redis = redis
         self.keys = keys
-        self.limiter = MovingWindowRateLimiter(storage)
+        self.requests = MovingWindowRateLimiter(storage)
+        self.tokens = SlidingWindowCounterRateLimiter(storage)
         self.lease_s = lease_s
         self._acquire = redis.register_script(ACQUIRE)
 
@@ -86,11 +88,11 @@ class Quotas:
         record = caller.record
         if record is None:
             return OPEN
-        if record.tpm is not None and not await self.limiter.test(RateLimitItemPerMinute(record.tpm), record.id,
-                                                                  "tokens"):
+        if record.tpm is not None and not await self.tokens.test(RateLimitItemPerMinute(record.tpm), record.id,
+                                                                 "tokens"):
             raise await self._refusal(record, "tokens", f"{record.tpm} tokens per minute")
-        if record.rpm is not None and not await self.limiter.hit(RateLimitItemPerMinute(record.rpm), record.id,
-                                                                 "requests"):
+        if record.rpm is not None and not await self.requests.hit(RateLimitItemPerMinute(record.rpm), record.id,
+                                                                  "requests"):
             raise await self._refusal(record, "requests", f"{record.rpm} requests per minute")
         if record.max_concurrency is not None:
             now_ms = int(time.time() * 1000)
@@ -107,25 +109,19 @@ class Quotas:
             await self.redis.zrem(self.keys.in_flight(record.id), request_id)
         if record.tpm is not None and tokens > 0:
             item = RateLimitItemPerMinute(record.tpm)
-            if not await self.limiter.hit(item, record.id, "tokens", cost=min(tokens, record.tpm)):
-                # more than the minute has left: fill it, so that the next request waits for the window
-                stats = await self.limiter.get_window_stats(item, record.id, "tokens")
+            if not await self.tokens.hit(item, record.id, "tokens", cost=min(tokens, record.tpm)):
+                # more than the window has left: fill it, so that the next request waits for it to move
+                stats = await self.tokens.get_window_stats(item, record.id, "tokens")
                 if stats.remaining > 0:
-                    await self.limiter.hit(item, record.id, "tokens", cost=stats.remaining)
+                    await self.tokens.hit(item, record.id, "tokens", cost=stats.remaining)
 
     async def _refusal(self, record: KeyRecord, kind: str, limit: str) -> ApiError:
         amount = record.tpm if kind == "tokens" else record.rpm
         assert amount is not None
-        stats = await self.limiter.get_window_stats(RateLimitItemPerMinute(amount), record.id, kind)
+        limiter = self.tokens if kind == "tokens" else self.requests
+        stats = await limiter.get_window_stats(RateLimitItemPerMinute(amount), record.id, kind)
         wait_s = max(1, math.ceil(stats.reset_time - time.time()))
         headers = {"Retry-After": str(wait_s), f"x-ratelimit-limit-{kind}": str(amount),
                    f"x-ratelimit-remaining-{kind}": str(stats.remaining), f"x-ratelimit-reset-{kind}": f"{wait_s}s"}
         return ApiError(429, f"Rate limit reached for this key on {kind}: {limit}. Try again in {wait_s}s.",
                         "rate_limit_error", "rate_limit_exceeded", headers=headers)
-
-
-def clamp_priority(caller: Caller, body: dict[str, Any]) -> None:
-    """Lower a request's priority to its key's best (a lower number is served first)."""
-    best = None if caller.record is None else caller.record.max_priority
-    if best is not None and (body.get("priority") or 0) < best:
-        body["priority"] = best

@@ -29,7 +29,7 @@ from client.protocol import Delta, Done, Error, Event, TokenLogprob
 from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
-from .quotas import Quotas, clamp_priority
+from .quotas import Quotas
 from .replies import Followed, ReplyStream
 from .requests import Call
 from .responses import Shaper
@@ -138,7 +138,7 @@ class Relay:
                                    f"serves {call.task}", param="model")
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
         body = dict(call.body)
-        clamp_priority(caller, body)
+        caller.shape(body)
         job, reply_to = self.replies.follow(uuid.uuid4().hex, served.queue)
         job.on_queue = served.queue
         streaming = False

@@ -20,10 +20,10 @@ from common.media_formats import AUDIO_FORMATS, audio_format
 
 from .errors import ApiError
 
-# What a request may carry beyond OpenAI's fields (extra_body): vLLM's names, and mlxq's
-# `priority` and `stream_interval` (tokens per chunk).
+# What a request may carry beyond OpenAI's fields (extra_body): vLLM's names (`cache_salt`
+# among them), and mlxq's `priority` and `stream_interval` (tokens per chunk).
 _EXTRA_SAMPLING = ("top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-                   "include_stop_str_in_output", "priority", "stream_interval")
+                   "include_stop_str_in_output", "priority", "stream_interval", "cache_salt")
 
 
 class _Strict(BaseModel):
@@ -60,6 +60,7 @@ class _Sampling(_Strict):
     include_stop_str_in_output: bool | None = None
     priority: int | None = None
     stream_interval: int | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=200)
 
     def _common_body(self) -> dict[str, Any]:
         if self.n not in (None, 1):

@@ -23,7 +23,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import redis.asyncio as aioredis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -54,6 +54,7 @@ class KeyRecord(BaseModel):
     max_priority: int | None = Field(0, description="the best (lowest) priority its requests get; None: any")
     files_budget_bytes: int | None = Field(None, ge=1, description="None: the gateway's default per tenant")
     max_batches: int | None = Field(None, ge=1, description="active batches at once; None: the gateway's default")
+    isolate_cache: bool = Field(False, description="its requests hit only prefix and vision caches its tenant filled")
     created_at: int = 0
     hint: str = ""  # the key's last four characters, to tell keys apart in a list
 
@@ -77,6 +78,19 @@ class Caller:
     def owns(self, tenant: str | None) -> bool:
         """Whether this caller may see what `tenant` made (data made before owners: the admin tenant's)."""
         return self.admin or (tenant or ADMIN_TENANT) == self.tenant
+
+    def shape(self, body: dict[str, Any]) -> None:
+        """Fit a request body to the key: its priority no better than the key's best (a
+        lower number is served first), and its `cache_salt` in the key's namespace: the
+        tenant's own when the key isolates its caches, else one no isolated tenant's salt
+        can equal, so that no caller reaches another tenant's cached prefixes."""
+        best = None if self.record is None else self.record.max_priority
+        if best is not None and (body.get("priority") or 0) < best:
+            body["priority"] = best
+        given = body.get("cache_salt")
+        isolated = self.record is not None and self.record.isolate_cache
+        if isolated or given is not None:
+            body["cache_salt"] = f"{self.tenant if isolated else '*'}:{given or ''}"
 
     def may_call(self, *names: str) -> bool:
         """Whether a model known by any of `names` (its id, its queue) is in the key's list."""

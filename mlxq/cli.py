@@ -172,6 +172,8 @@ def _add_keys(commands: Any) -> None:
     keys.add_argument("--files-budget", dest="files_budget_bytes", type=int, metavar="BYTES",
                       help="create: bytes its tenant's files and batches may hold (default: the gateway's)")
     keys.add_argument("--max-batches", type=int, help="create: batches in progress at once (default: the gateway's)")
+    keys.add_argument("--isolate-cache", action="store_true", help="create: its requests hit only the prefix and "
+                      "vision caches its own tenant's requests filled (vLLM's cache_salt)")
     keys.add_argument("--json", action="store_true", help="create, list: JSON")
     _add_redis_url(keys)
     keys.set_defaults(run=_run_keys)

@@ -30,7 +30,8 @@ def run(args: argparse.Namespace) -> int:
     sock = _listen(settings.host, settings.port)
     host, port = sock.getsockname()[:2]
     if not settings.api_keys:
-        log.warning("no api_keys are configured: anyone who can connect may use the queue", listening=f"{host}:{port}")
+        log.warning("no api_keys are configured: anyone who can connect may use the queue, unless keys made by "
+                    "`mlxq keys create` are in Redis", listening=f"{host}:{port}")
     log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=redacted(settings.redis_url),
              models=settings.models or "from the workers' heartbeats")
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False,

@@ -55,6 +55,8 @@ async def _create(store: Any, args: argparse.Namespace) -> int:
     limits: dict[str, Any] = {name: getattr(args, name) for name in LIMITS if getattr(args, name) is not None}
     if args.models:
         limits["models"] = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.isolate_cache:
+        limits["isolate_cache"] = True
     if args.max_priority is not None or args.role == "admin":
         limits["max_priority"] = args.max_priority
     try:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from client.batch_share import QueueLoad
 from client.batches import MAX_LINES, Batch, BatchLine, completion_window_s, line_index, line_request_id
 from gateway.anthropic import read_messages
 from gateway.batch_lines import read_input
@@ -65,6 +66,16 @@ def test_a_line_s_request_id_names_its_batch_and_number():
     assert line_index(batch, rid[:-1] + ("0" if rid[-1] != "0" else "1")) is None
     legacy = Batch("batch_old", "in_progress", "q", "mlxq", "24h", 0, 1, 20, 0)  # stored before lines had secrets
     assert line_index(legacy, line_request_id(legacy, 3)) == 3 == int(line_request_id(legacy, 3).split("-")[-1])
+
+
+def test_a_queue_s_slots_are_shared_evenly_between_the_tenants_running_batches_on_it():
+    alone = QueueLoad(slots=16, batches={"b1": "alpha"})
+    assert alone.share("b1") == 32, "alone, a batch keeps every slot busy (and as many lines waiting)"
+    two = QueueLoad(slots=16, batches={"b1": "alpha", "b2": "beta", "b3": "beta"})
+    assert two.share("b1") == 16 and two.share("b2") == two.share("b3") == 8
+    assert QueueLoad(slots=16, batches={"b1": "alpha"}).share("new") == 16, "a batch not yet seen counts too"
+    assert QueueLoad(slots=0, batches={}).share("b1") is None, "no live worker: the driver's own window"
+    assert QueueLoad(slots=1, batches={f"b{i}": f"t{i}" for i in range(5)}).share("b0") == 1
 
 
 def test_a_stored_line_keeps_raw_bytes_and_lines_stored_as_json_still_read():

@@ -69,6 +69,21 @@ def test_identical_prompt_reuses_all_but_one_token_and_matches_cold(model):
     assert warm == cold
 
 
+def test_a_cache_salt_hits_only_what_requests_of_that_salt_stored(model):
+    """vLLM's cache_salt: another tenant's (or no) salt misses, whatever the prompt shares;
+    the byte budget still holds every salt's entries together."""
+    _, coverage, _ = generate(model, PROMPT)
+    cache = PrefixCache(max_bytes=10**9, max_entries=2)
+    assert cache.store(coverage.tokens, coverage.cache, "team-a")
+    assert cache.fetch(PROMPT, "team-b") is None and cache.fetch(PROMPT) is None
+    hit = cache.fetch(PROMPT, "team-a")
+    assert hit is not None and hit.reused == len(PROMPT) - 1
+    cache.store(coverage.tokens, coverage.cache, "team-b")
+    cache.store(coverage.tokens, coverage.cache)  # a third entry: the oldest (team-a's) goes
+    assert len(cache) == 2 and cache.fetch(PROMPT, "team-a") is None
+    assert cache.fetch(PROMPT, "team-b") is not None and cache.fetch(PROMPT) is not None
+
+
 def test_extended_and_divergent_prompts_reuse_the_common_prefix(model):
     cache = PrefixCache(max_bytes=10**9, max_entries=10)
     _, coverage, _ = generate(model, PROMPT)

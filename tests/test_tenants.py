@@ -255,3 +255,51 @@ def test_a_300_mb_chunked_body_and_a_260_mb_upload_are_refused_as_they_arrive(ga
     small = httpx.post(f"{gateway.url}/v1/chat/completions", headers=auth, timeout=60,
                        content=chunks(20 * 1024 * 1024, b'{"model": "x", "pad": "', b'"}'))
     assert small.status_code == 413 and small.json()["error"]["code"] == "too_large"
+
+
+def test_one_tenant_s_large_batch_does_not_hold_back_another_s_small_one(own_valkey, gateways, demo_model, logs_dir):
+    """Two slots, tenant A's 40-line batch created first, tenant B's 4-line one after: B's
+    batch ends while most of A's lines still wait (each batch keeps only its share of the
+    queue's slots in flight, so B's lines queue behind a few of A's, not all of them)."""
+    queue = f"fair{uuid.uuid4().hex[:6]}"
+    small = start_worker(own_valkey, demo_model, queue, logs_dir, max_num_seqs=2)
+    try:
+        big_api, small_api = (sdk(gateways[0], make_key(own_valkey, tenant)["key"]) for tenant in ("big", "little"))
+
+        def batch(api: openai.OpenAI, lines: int) -> str:
+            content = "".join(json.dumps({"custom_id": f"l{i}", "method": "POST", "url": "/v1/completions", "body": {
+                "model": queue, "prompt": f"Line {i}", "max_tokens": 150, "ignore_eos": True}}) + "\n"
+                for i in range(lines))
+            file_id = api.files.create(file=("in.jsonl", io.BytesIO(content.encode())), purpose="batch").id
+            return api.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h").id
+
+        big = batch(big_api, 40)
+        wait_for(lambda: big_api.batches.retrieve(big).status == "in_progress", what="the big batch to start")
+        little = batch(small_api, 4)
+        wait_for(lambda: small_api.batches.retrieve(little).status == "completed", timeout=120,
+                 what="the small batch to complete")
+        assert big_api.batches.retrieve(big).request_counts.completed < 30
+        wait_for(lambda: big_api.batches.retrieve(big).status == "completed", timeout=300,
+                 what="the big batch to complete too")
+    finally:
+        small.stop()
+
+
+def test_an_isolating_key_hits_only_the_prefixes_its_own_tenant_cached(own_valkey, gateways, worker):
+    """`--isolate-cache` (vLLM's cache_salt, per tenant): the same prompt is a prefix-cache
+    hit for the tenant that sent it before, and a miss for another tenant's key, whether
+    that one isolates too or not, so no time to first token tells what the other sent."""
+    alpha, beta, open_key = (sdk(gateways[0], make_key(own_valkey, tenant, *flags)["key"]) for tenant, flags in
+                             (("alpha-c", ["--isolate-cache"]), ("beta-c", ["--isolate-cache"]), ("gamma-c", [])))
+    prompt = f"{uuid.uuid4().hex} A shared system prompt, long enough to be worth caching. " * 4
+
+    def cached(api: openai.OpenAI, salt: str | None = None) -> int:
+        extra = {"cache_salt": salt} if salt else None
+        done = api.completions.create(model=worker.queue, prompt=prompt, max_tokens=2, extra_body=extra)
+        return done.usage.prompt_tokens_details.cached_tokens
+
+    assert cached(alpha) == 0
+    assert cached(alpha) > 0, "its own tenant's prefix is a hit"
+    assert cached(beta) == 0 and cached(open_key) == 0
+    assert cached(open_key, salt="alpha-c:") == 0, "a salt naming another tenant is not that tenant's"
+    assert cached(beta) > 0 and cached(open_key) > 0

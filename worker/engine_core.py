@@ -121,8 +121,9 @@ class EngineCore:
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
         coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
+        kept = [(coverage[uid], self.running[uid].request.cache_salt) for uid in finished if uid in coverage]
         self._retire(finished)
-        _keep_caches(self.loaded.prefix_cache, [coverage[uid] for uid in finished if uid in coverage])
+        _keep_caches(self.loaded.prefix_cache, kept)
 
     def close(self) -> None:
         self.backend.close()
@@ -165,7 +166,7 @@ class EngineCore:
         """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
         prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
         cache = self.loaded.prefix_cache
-        hit = cache.fetch(prompt) if cache is not None else None
+        hit = cache.fetch(prompt, request.cache_salt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
                                              request.stop_tokens, request.min_tokens)
@@ -178,7 +179,7 @@ class EngineCore:
             uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
                                       request.tokens_to_generate, build_sampler(request.sampling), processors,
                                       cached, request.media, logprobs=request.logprobs is not None,
-                                      speculative=request.speculative)
+                                      speculative=request.speculative, cache_salt=request.cache_salt)
         except Exception:
             if guide is not None:
                 self.guides.discard(guide)  # its bitmask row goes back
@@ -205,13 +206,14 @@ class EngineCore:
         self.backend = self.loaded.make_backend()
 
 
-def _keep_caches(cache: PrefixCache | None, finished: list[Coverage]) -> None:
-    """Keep the finished sequences' caches for later prompts that share their prefix."""
+def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str]]) -> None:
+    """Keep the finished sequences' caches (each with its request's cache salt) for later
+    prompts that share their prefix."""
     if cache is None:
         return
-    for coverage in finished:
+    for coverage, salt in finished:
         try:
-            cache.store(coverage.tokens, coverage.cache)
+            cache.store(coverage.tokens, coverage.cache, salt)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
             log.warning("could not keep a prompt cache", error=repr(e))
 

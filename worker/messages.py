@@ -114,6 +114,7 @@ class EngineRequest:
     tools: ToolUse | None = None  # when its output may call tools: they are parsed at the end
     thinking: Thinking | None = None  # on a thinking model: reasoning goes apart from the text
     speculative: bool = True  # False: the request opted out of speculative decoding
+    cache_salt: str = ""  # its prefix and vision caches' namespace: it hits only what its salt stored
     count_only: bool = False  # prepared only, to count its prompt: answered without the engine
 
     @property

@@ -97,6 +97,7 @@ class Preparer:
             tools=tools,
             thinking=thinking,
             speculative=body.speculative,
+            cache_salt=body.cache_salt or "",
             count_only=body.count_only,
         )
 

@@ -60,12 +60,14 @@ class BatchBackend(Protocol):
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
+               cache_salt: str = "") -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
         `media` (on a vision model) is what the placeholder tokens in `prompt` stand for;
         with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`);
-        without `speculative`, it takes no part in speculative decoding. A step may give a
-        sequence several tokens (speculative decoding), in order."""
+        without `speculative`, it takes no part in speculative decoding; `cache_salt` is the
+        namespace of the caches it may hit and fill (a backend with caches of its own). A
+        step may give a sequence several tokens (speculative decoding), in order."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:

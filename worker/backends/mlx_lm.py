@@ -50,7 +50,8 @@ class MlxBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
+               cache_salt: str = "") -> int:
         assert media is None, "a text model takes no media"
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],

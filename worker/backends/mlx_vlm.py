@@ -247,14 +247,15 @@ class VisionBatchBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
-               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True) -> int:
+               media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
+               cache_salt: str = "") -> int:
         processors = list(logits_processors)
         tap = _LogprobsTap() if logprobs else None
         if tap is not None:  # after every processor (what the token is drawn from), before the draw
             processors.append(tap)
         if sampler is not greedy_sampler:
             processors.append(_OwnSampler(sampler))
-        (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, media)],
+        (uid,) = self._generator.insert([prompt], [max_tokens], prompt_kwargs=[self._embed(prompt, media, cache_salt)],
                                         logits_processors=[processors or None])
         if tap is not None:
             self._taps[uid] = tap
@@ -314,7 +315,7 @@ class VisionBatchBackend:
         if self._disk is not None:  # what was queued for the SSD tier lands before a stop, for the restart
             self._disk.flush()
 
-    def _embed(self, prompt: list[int], media: PreparedMedia | None) -> dict[str, Any]:
+    def _embed(self, prompt: list[int], media: PreparedMedia | None, salt: str = "") -> dict[str, Any]:
         """What mlx-vlm's batch takes for one prompt: its embeddings (media features merged
         in) and whatever else the family's language model reads with them (Qwen's rotary
         positions, Qwen 3's deepstack features), and the hash its prefix cache tells media
@@ -328,12 +329,13 @@ class VisionBatchBackend:
             inputs = {name: mx.array(v) if isinstance(v, np.ndarray) else v for name, v in media.inputs.items()}
             pixels = inputs.pop("pixel_values", None)
             visual = pixels is not None or inputs.get("pixel_values_videos") is not None
-            features = self._features(media.key, pixels, inputs) if visual else None
+            key = f"{salt}\x00{media.key}" if salt else media.key  # a salt sees only what its requests cached
+            features = self._features(key, pixels, inputs) if visual else None
             cached = {} if features is None else {"cached_image_features": features}
             mask = mx.ones(ids.shape, dtype=mx.int32)  # one row, no padding (what mlx-vlm's processor gives)
             out = self._model.get_input_embeddings(ids, pixels, mask=mask, **inputs, **cached)
         outputs = {k: v for k, v in out.to_dict().items() if v is not None and k not in UNBATCHED_OUTPUTS}
-        return {**outputs, "_apc_semantic_hash": _media_hash(media)}
+        return {**outputs, "_apc_semantic_hash": _media_hash(media, salt)}
 
     def _features(self, key: str, pixels: mx.array | None, inputs: dict[str, Any]) -> Any:
         """The vision features of a request's images or videos, from the cache when they
@@ -359,12 +361,14 @@ MEDIA_PREFILLS_ALONE = ("qwen3_vl", "qwen3_vl_moe")
 UNBATCHED_OUTPUTS = ("attention_mask_4d",)
 
 
-def _media_hash(media: PreparedMedia | None) -> int:
-    """The salt of mlx-vlm's prefix-cache block hashes: blocks holding other media never
-    match. Given, it spares mlx-vlm hashing the prompt's whole embeddings."""
-    if media is None:
+def _media_hash(media: PreparedMedia | None, salt: str = "") -> int:
+    """The salt of mlx-vlm's prefix-cache block hashes: blocks holding other media, or
+    stored by requests of another `cache_salt`, never match. Given, it spares mlx-vlm
+    hashing the prompt's whole embeddings."""
+    if media is None and not salt:
         return 0
-    return int.from_bytes(hashlib.sha256(media.key.encode()).digest()[:8], "big")
+    key = (media.key if media is not None else "") + (f"\x00{salt}" if salt else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
 
 
 def _dtype(model: Any) -> mx.Dtype:
