@@ -32,7 +32,7 @@ async def held_requests(r: aioredis.Redis, fencing: Fencing, queue: str, width: 
     for i in range(width):
         request_id = f"{queue}-{i}"
         entry_id = (await r.xadd(KEYS.queue(queue), {"id": request_id, "json": "{}"})).decode()
-        route = Route(request_id, entry_id, KEYS.output(request_id), "json", KEYS.queue(queue))
+        route = Route(request_id, entry_id, KEYS.output(queue, request_id), "json", KEYS.queue(queue))
         requests.read(route)
         requests.fenced(request_id, (await fencing.take(route)).token, 0)
         routes.append(route)
@@ -43,7 +43,7 @@ async def held_requests(r: aioredis.Redis, fencing: Fencing, queue: str, width: 
 async def main(port: int, steps: int, width: int) -> None:
     r = aioredis.Redis(port=port)
     queue = f"cost{uuid.uuid4().hex[:6]}"
-    fencing = Fencing(r, KEYS, "c1", 60)
+    fencing = Fencing(r, KEYS, queue, "c1", 60)
     requests, routes = await held_requests(r, fencing, queue, width)
     publisher = Publisher(RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60), fencing, requests)
     task = asyncio.create_task(publisher.run())

@@ -131,7 +131,7 @@ def test_a_request_joins_while_others_decode(worker, redis_url, r, outputs, new_
     short = new_id("short")
     xadd_json(r, worker.queue, short, {"prompt": "Quick", "max_tokens": 5, "reply_to": shared})
     check_stream(outputs.events(shared, short))
-    with Client(redis_url) as client:
+    with Client(redis_url, queue=worker.queue) as client:
         for rid in long_ids:
             client.cancel(rid)
             check_stream(outputs.events(shared, rid))
@@ -219,7 +219,7 @@ def test_cancel_a_running_request_frees_its_slot(worker, redis_url, r, outputs, 
     """Cancelling one of four running requests ends it `cancelled`, and a new request takes its slot."""
     shared = KEYS.reply(worker.queue, new_id())
     long_ids = start_long_requests(r, worker.queue, 4, shared, new_id)
-    client = Client(redis_url)
+    client = Client(redis_url, queue=worker.queue)
     client.cancel(long_ids[0])
     cancelled = check_stream(outputs.events(shared, long_ids[0]))
     assert cancelled.finish_reason == "cancelled"
@@ -248,7 +248,7 @@ def test_a_cancel_published_through_any_node_stops_the_request(worker, redis_url
 
 def test_cancel_before_start_is_never_computed(worker, redis_url, r, outputs, new_id):
     """A request cancelled while it waits, or before it is read, ends `cancelled` with no deltas."""
-    client = Client(redis_url)
+    client = Client(redis_url, queue=worker.queue)
     flagged = new_id("flagged")
     client.cancel(flagged)  # the flag is set before the request exists
     xadd_json(r, worker.queue, flagged, {"prompt": "Never", "max_tokens": 5})

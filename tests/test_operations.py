@@ -146,7 +146,7 @@ def test_metrics_count_what_was_served(valkey, demo_model, logs_dir, new_id):
         for request_id in ids:
             assert isinstance(check_stream(outputs.of(request_id)), Done)
         outputs.of(bad)
-        with Client(valkey) as client:
+        with Client(valkey, queue=worker.queue) as client:
             client.cancel(long)
         cancelled = check_stream(outputs.of(long))
         assert isinstance(cancelled, Done) and cancelled.finish_reason == "cancelled"

@@ -134,7 +134,7 @@ def test_a_live_worker_with_a_long_generation_is_not_robbed(valkey, demo_model, 
             (owners,) = r.xpending_range(KEYS.queue(queue), "workers", entry_id, entry_id, 1)
             assert (owners["consumer"], owners["times_delivered"]) == (b"owner", 1)
             time.sleep(0.1)
-        with Client(valkey) as client:
+        with Client(valkey, queue=queue) as client:
             client.cancel(request_id)
         assert finished(outputs, [request_id])[request_id].finish_reason == "cancelled"
         assert "took over" not in other.log()

@@ -333,7 +333,7 @@ def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
     rid = new_id("cancel")
     ask(r, worker.queue, rid, "A long look", [png(168, 168, 8)], max_tokens=2000)
     wait_for_deltas(r, KEYS.output(worker.queue, rid), [rid])
-    with Client(worker.redis_url) as client:
+    with Client(worker.redis_url, queue=worker.queue) as client:
         client.cancel(rid)
     done = check_stream(outputs.of(rid))
     assert done.finish_reason == "cancelled" and 0 < done.usage.completion_tokens < 2000
