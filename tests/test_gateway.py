@@ -401,7 +401,9 @@ def test_64_concurrent_streams_through_one_gateway_and_more_beside_it(gateway, o
     results = asyncio.run(run())
     assert len(results) == 80 and all(text == expected[prompt] for prompt, text in results)
     admin = {"authorization": f"Bearer {KEY}"}
-    replies = [httpx.get(f"{g.url}/health", headers=admin).json()["reply_stream"] for g in (gateway, open_gateway)]
+    replies = [key for g in (gateway, open_gateway)
+               for key in httpx.get(f"{g.url}/health", headers=admin).json()["reply_streams"]]
+    assert len(replies) == 2, "one reply stream per gateway: each relayed to one queue"
     assert wait_for(lambda: all(r.xlen(key) == 0 for key in replies)), "what was read is trimmed away"
 
 

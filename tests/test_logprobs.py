@@ -66,7 +66,7 @@ def test_logprobs_asked_badly_are_refused_and_the_worker_goes_on(worker):
         client.redis.xadd(KEYS.queue(worker.queue), {"id": "raw-top-50", "json": json.dumps(
             {"prompt": "x", "logprobs": True, "top_logprobs": 50})})
         with pytest.raises(JobFailed) as failed:
-            Job(client, "raw-top-50", KEYS.output(worker.queue, "raw-top-50")).result(timeout=60)
+            Job(client, "raw-top-50", KEYS.output(worker.queue, "raw-top-50"), worker.queue).result(timeout=60)
         assert failed.value.code == "invalid_request"
         assert "top_logprobs" in failed.value.message
         assert client.generate(prompt="x", max_tokens=2, logprobs=True, timeout=60).usage.completion_tokens == 2

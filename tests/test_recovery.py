@@ -20,6 +20,7 @@ from support import (
     ON_BOTH,
     Outputs,
     check_stream,
+    output_stream,
     settled,
     start_worker,
     wait_for,
@@ -48,7 +49,8 @@ def submit_all(r: redis.Redis, queue: str, max_tokens: int = LONG, tag: str = ""
 def streaming(r: redis.Redis, ids: list[str], at_least: int) -> None:
     """Wait until each request's own stream holds `at_least` deltas."""
     for request_id in ids:
-        wait_for_deltas(r, KEYS.output(queue, request_id), [request_id], at_least)
+        stream = wait_for(lambda rid=request_id: output_stream(r, rid), what=f"the output of {request_id}")
+        wait_for_deltas(r, stream, [request_id], at_least)
 
 
 def finished(outputs: Outputs, ids: list[str]) -> dict[str, Done]:

@@ -100,7 +100,8 @@ def wait_for_result(url: str, request_id: str, results: dict[str, object]) -> No
     """`Job.result()` of the SDK, on its own Sentinel client, started before the failover."""
     with Client(url, queue="failover") as reader:
         try:
-            results[request_id] = Job(reader, request_id, reader.keys.output("failover", request_id)).result(timeout=60)
+            job = Job(reader, request_id, reader.keys.output("failover", request_id), "failover")
+            results[request_id] = job.result(timeout=60)
         except Exception as e:  # noqa: BLE001 - what the SDK raised is the result under test
             results[request_id] = e
 

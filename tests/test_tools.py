@@ -95,7 +95,8 @@ def test_bad_tool_requests_are_refused_precisely(client, worker):
     from client import Job
 
     with pytest.raises(JobFailed) as failed:
-        Job(client, "tools-not-a-list", KEYS.output(worker.queue, "tools-not-a-list")).result(timeout=60)
+        Job(client, "tools-not-a-list", KEYS.output(worker.queue, "tools-not-a-list"), worker.queue).result(
+            timeout=60)
     assert failed.value.code == "invalid_request" and failed.value.message.startswith("tools: Input should be a")
     with pytest.raises(JobFailed, match="chat_template_kwargs: tokenize cannot be set by a request"):
         client.generate(messages=ASK, chat_template_kwargs={"tokenize": False}, timeout=60)
