@@ -62,9 +62,11 @@ class BatchShares:
         slots = sum(w.heartbeat.max_num_seqs or 0 for w in workers
                     if w.state == "ready" and any(m.queue == queue and m.state == "loaded" for m in w.heartbeat.models))
         active = [as_text(b) for b in await self.redis.smembers(self.keys.active_batches)]
-        batches: dict[str, str] = {}
-        for batch_id in active:
-            on, tenant = await self.redis.hmget(self.keys.batch(batch_id), ["queue", "tenant"])
-            if on is not None and as_text(on) == queue:
-                batches[batch_id] = as_text(tenant) if tenant else batch_id
+        async with self.redis.pipeline(transaction=False) as pipe:  # one round trip (a batch per slot on a cluster)
+            for batch_id in active:
+                pipe.hmget(self.keys.batch(batch_id), ["queue", "tenant"])
+            found = await pipe.execute()
+        batches = {batch_id: as_text(tenant) if tenant else batch_id
+                   for batch_id, (on, tenant) in zip(active, found, strict=True)
+                   if on is not None and as_text(on) == queue}
         return QueueLoad(slots, batches)

@@ -184,7 +184,7 @@ class Batches:
         queue, errors = await self._check(read, str(endpoint), caller)
         batch_id = new_batch_id()
         if not errors:
-            await self._hold(caller, batch_id, read, int(time.time()) + window_s)
+            await self._hold(caller, batch_id, len(content), int(time.time()) + window_s)
         try:
             batch = await self.store.create(read.lines, queue=queue or "none", endpoint=str(endpoint),
                                             completion_window=window, model=read.model, metadata=metadata,
@@ -204,10 +204,10 @@ class Batches:
                          "reasons): every line failed to read", "param": None, "line": None}]
         return await self._queue_for(read.model, endpoint, caller)
 
-    async def _hold(self, caller: Caller, batch_id: str, read: ReadFile, expires_at: int) -> None:
-        """Count the batch's stored lines against the tenant's budget, and the batch against its
-        active batches (both given back if the second is refused)."""
-        size = sum(len(line.encode()) for line in read.lines)
+    async def _hold(self, caller: Caller, batch_id: str, size: int, expires_at: int) -> None:
+        """Count the batch's stored lines (`size`: its input file's, which they never pass:
+        images are stored raw, not as base64) against the tenant's budget, and the batch
+        against its active batches (both given back if the second is refused)."""
         budget = self.files.budget
         await budget.reserve(caller.tenant, batch_id, size, expires_at + RETENTION_S, self.files.budget_of(caller))
         most = (caller.record.max_batches if caller.record else None) or self.max_batches

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis.asyncio as aioredis
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from client.keys import Keys
 from client.replies import as_text
@@ -61,6 +61,12 @@ class KeyRecord(BaseModel):
     @property
     def admin(self) -> bool:
         return self.role == "admin"
+
+    @model_validator(mode="after")
+    def _admin_tenant_is_for_admins(self) -> KeyRecord:
+        if self.tenant == ADMIN_TENANT and self.role != "admin":  # it owns what admins and older versions made
+            raise ValueError(f"tenant {ADMIN_TENANT!r} is the admins' own: give a user key another tenant")
+        return self
 
 
 @dataclass(frozen=True)

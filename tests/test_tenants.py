@@ -80,6 +80,9 @@ def test_keys_are_shown_once_listed_without_the_key_and_stored_as_a_hash(own_val
     refused = subprocess.run([*MLXQ, "keys", "create", "--redis-url", own_valkey, "--tenant", "no spaces"],
                              cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "tenant" in refused.stderr and "Traceback" not in refused.stderr
+    posing = subprocess.run([*MLXQ, "keys", "create", "--redis-url", own_valkey, "--tenant", "admin"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)  # the admins' tenant owns what they made
+    assert posing.returncode == 2 and "the admins' own" in posing.stderr
 
 
 def test_another_tenant_s_files_batches_and_models_are_not_found(own_valkey, gateways, worker, demo_model):
