@@ -7,7 +7,8 @@ worker (and any other implementation in Python) speaks through them too.
 
 from ._async import DEFAULT_URL, AsyncClient, AsyncJob
 from ._batch_jobs import AsyncBatchHandle, BatchHandle
-from ._errors import JobCancelled, JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
+from ._errors import JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
+from ._jobs import JobCancelled
 from ._sync import Client, Job
 from .batches import Batch, LineResult
 from .keys import GROUP, Keys

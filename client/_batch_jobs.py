@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
 
 from ._errors import RequestRejected
 from ._jobs import build_submission
-from .batch_driver import drive_until_ended
+from .batch_driver import BatchClient, drive_until_ended
 from .batches import MAX_LINES, Batch, BatchLine, BatchStore, LineResult
 from .keys import Keys
-
-if TYPE_CHECKING:
-    from ._async import AsyncClient
 
 T = TypeVar("T")
 MAX_CUSTOM_ID = 512
@@ -56,7 +54,7 @@ def _checked(custom_id: str, body: Any, keys: Keys, queue: str) -> BatchLine:
 class AsyncBatchHandle:
     """One batch: its progress, its end, its results."""
 
-    def __init__(self, client: AsyncClient, batch_id: str) -> None:
+    def __init__(self, client: BatchClient, batch_id: str) -> None:
         self.client = client
         self.id = batch_id
         self._store = BatchStore(client.redis, client.keys)
@@ -87,9 +85,8 @@ class AsyncBatchHandle:
 class BatchHandle:
     """The blocking `AsyncBatchHandle`: each call runs on a connection of its own."""
 
-    def __init__(self, url: str, prefix: str, batch_id: str) -> None:
-        self.url = url
-        self.prefix = prefix
+    def __init__(self, connect: Callable[[], AbstractAsyncContextManager[BatchClient]], batch_id: str) -> None:
+        self.connect = connect  # a client of its own, for each call
         self.id = batch_id
 
     def progress(self) -> Batch:
@@ -105,10 +102,8 @@ class BatchHandle:
         return self._run(lambda h: h.cancel())
 
     def _run(self, call: Callable[[AsyncBatchHandle], Awaitable[T]]) -> T:
-        from ._async import AsyncClient
-
         async def run() -> T:
-            async with AsyncClient(self.url, prefix=self.prefix) as client:
+            async with self.connect() as client:
                 return await call(AsyncBatchHandle(client, self.id))
 
         return asyncio.run(run())

@@ -10,16 +10,13 @@
     └── JobTimeout           no terminal event within the timeout (also a TimeoutError)
 
 Every one carries `request_id` where there is one. `ErrorCode` lives here too: the codes
-of `error` events, which a rejection carries before anything is sent.
+of `error` events, which a rejection carries before anything is sent. (`JobCancelled`,
+which carries the request's `Done`, is `client._jobs`': it stands above the protocol.)
 """
 
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .protocol import Done
 
 
 class ErrorCode(str, enum.Enum):
@@ -72,15 +69,6 @@ class JobFailed(MlxqError):
         self.request_id = request_id
         self.code = code
         self.message = message
-
-
-class JobCancelled(MlxqError):
-    """The request was cancelled before it finished; `done` holds what was produced."""
-
-    def __init__(self, request_id: str, done: Done) -> None:
-        super().__init__(f"request {request_id} was cancelled")
-        self.request_id = request_id
-        self.done = done
 
 
 class JobTimeout(MlxqError, TimeoutError):

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from ._errors import JobCancelled, JobFailed, JobTimeout, QueueFull, RequestRejected
+from ._errors import JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected
 from .keys import GROUP, Keys
 from .pooling import validate_any_body
 from .protocol import (
@@ -37,6 +37,15 @@ if type(pending) == 'table' and not pending.err then waiting = waiting - pending
 if waiting >= tonumber(ARGV[2]) then return redis.error_reply('QUEUEFULL ' .. waiting) end
 return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
 """
+
+
+class JobCancelled(MlxqError):
+    """The request was cancelled before it finished; `done` holds what was produced."""
+
+    def __init__(self, request_id: str, done: Done) -> None:
+        super().__init__(f"request {request_id} was cancelled")
+        self.request_id = request_id
+        self.done = done
 
 
 @dataclass(frozen=True)

@@ -104,11 +104,11 @@ class Client:
                 return (await client.submit_batch(lines, queue=queue, completion_window=completion_window,
                                                   metadata=metadata)).id
 
-        return BatchHandle(self.url, self.keys.prefix, asyncio.run(create()))
+        return self.batch(asyncio.run(create()))
 
     def batch(self, batch_id: str) -> BatchHandle:
         """A batch made earlier, by id."""
-        return BatchHandle(self.url, self.keys.prefix, batch_id)
+        return BatchHandle(lambda: AsyncClient(self.url, prefix=self.keys.prefix), batch_id)
 
     def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         """Cancel a request of `queue` (default: this client's), running or queued; does

@@ -16,21 +16,34 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
+import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from ._errors import QueueFull, RequestRejected
 from .batch_share import BatchShares
 from .batches import Batch, BatchLine, BatchStore, LineResult, batch_error, line_index, line_request_id
-from .keys import BATCH_LANE
+from .keys import BATCH_LANE, Keys
 from .pooling import pooling_kind
 from .protocol import Delta, Done, Error, Event, decode_event
 from .replies import as_text, stream_entries
 
-if TYPE_CHECKING:
-    from ._async import AsyncClient
+
+class BatchClient(Protocol):
+    """What driving a batch needs of a client (`AsyncClient` is one)."""
+
+    @property
+    def redis(self) -> aioredis.Redis: ...
+
+    @property
+    def keys(self) -> Keys: ...
+
+    @property
+    def submit(self) -> Callable[..., Awaitable[Any]]: ...  # AsyncClient.submit: a line's body as keywords
+
+    async def cancel(self, request_id: str, *, queue: str | None = None) -> None: ...
 
 log = logging.getLogger("mlxq.batches")
 
@@ -50,7 +63,7 @@ RELEASE = "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL'
 class BatchDriver:
     """Drives one batch while it holds the batch's lease."""
 
-    def __init__(self, client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S, window: int = WINDOW,
+    def __init__(self, client: BatchClient, batch_id: str, *, lease_s: float = LEASE_S, window: int = WINDOW,
                  shares: BatchShares | None = None) -> None:
         self.client = client
         self.shares = shares or BatchShares(client.redis, client.keys)
@@ -245,7 +258,7 @@ class BatchRunner:
     """Drives every active batch that nobody drives (every gateway runs one): looks for
     them every `poll_s`, and takes each one whose lease is free."""
 
-    def __init__(self, client: AsyncClient, *, lease_s: float = LEASE_S, window: int = WINDOW,
+    def __init__(self, client: BatchClient, *, lease_s: float = LEASE_S, window: int = WINDOW,
                  poll_s: float = 1.0) -> None:
         self.client = client
         self.lease_s = lease_s
@@ -301,7 +314,7 @@ async def _logged(driver: BatchDriver) -> Batch | None:
         return None
 
 
-async def drive_until_ended(client: AsyncClient, batch_id: str, *, lease_s: float = LEASE_S,
+async def drive_until_ended(client: BatchClient, batch_id: str, *, lease_s: float = LEASE_S,
                             window: int = WINDOW, poll_s: float = 1.0,
                             on_progress: Callable[[Batch], None] = lambda _: None) -> Batch:
     """Wait for a batch to end, driving it whenever nobody else does; `on_progress` sees

@@ -32,8 +32,10 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 1024
 MAX_TOOLS = 128
 MAX_VIDEO_FPS = 60.0  # frames sampled per second of video, at most
-# The request field that holds each kind of media a part can point into.
-MEDIA_FIELDS = {"image": "images", "video": "videos", "audio": "audio"}
+# The kinds of media a request can carry, and the request field that holds each: the one
+# declaration of them (a new kind is one entry here, plus its decoder in worker/media/).
+MediaKind = Literal["image", "video", "audio"]
+MEDIA_FIELDS: dict[MediaKind, str] = {"image": "images", "video": "videos", "audio": "audio"}
 
 FinishReason = Literal["stop", "length", "cancelled", "tool_calls"]
 T = TypeVar("T")
@@ -298,7 +300,7 @@ class RequestBody(BaseModel):
             raise ValueError("video_fps and max_video_frames go with videos")
         return self
 
-    def media_of(self, kind: str) -> list[bytes | str]:
+    def media_of(self, kind: MediaKind) -> list[bytes | str]:
         """The request's items of one media kind (`image`, `video`, `audio`)."""
         return getattr(self, MEDIA_FIELDS[kind]) or []
 

@@ -33,7 +33,7 @@ from typing import Any
 from mlx_lm import load
 from mlx_lm.generate import BatchGenerator
 
-from worker.cpu_scheduling import use_batch_scheduling
+from worker.engine.cpu_scheduling import use_batch_scheduling
 
 
 def mlx_lm_run(model: Any, prompts: list[list[int]], width: int, output_len: int,

@@ -27,10 +27,10 @@ from mlx_lm.generate import BatchGenerator
 
 from client import Delta, Done
 from mlxq.bench import Planned, Workload
-from worker.backends.mlx_lm import load_text_model
-from worker.engine import Engine
+from worker.engine.backends.mlx_lm import load_text_model
+from worker.engine.scheduler import SchedulingPolicy
+from worker.engine.thread import Engine
 from worker.messages import EngineRequest, RequestRef, SamplingParams
-from worker.scheduler import SchedulingPolicy
 from worker.settings import WorkerSettings
 
 Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs

@@ -40,7 +40,7 @@ def run(model: Any, processor: Any, prompts: list[list[int]], new_tokens: int, b
     """Each prompt's tokens, the batch's tok/s, and its KV bytes per token of one sequence."""
     from mlx_vlm.generate.ar import BatchGenerator
 
-    from worker.backends.kv_start import QuantizeFrom
+    from worker.engine.backends.kv_start import QuantizeFrom
 
     quantized = {} if bits is None or start else {"kv_bits": bits, "kv_group_size": group}
     switch = QuantizeFrom(start, bits, group) if bits is not None and start else None

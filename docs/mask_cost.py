@@ -18,9 +18,9 @@ from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask_par
 from mlx_lm.utils import load_tokenizer
 
-from mlxq.bench import RESPONSE_FORMATS
-from worker.constraints import Grammars, apply_bitmask, format_grammar
 from client.protocol import validate_body
+from mlxq.bench import RESPONSE_FORMATS
+from worker.engine.constraints import Grammars, apply_bitmask, format_grammar
 
 ROWS, STEPS = 16, 200
 

@@ -16,11 +16,11 @@ import redis.asyncio as aioredis
 
 from client import Delta
 from client.keys import GROUP, Keys
-from worker.fencing import Fencing
 from worker.messages import Outgoing, Route, StepOutput
-from worker.publisher import Publisher
-from worker.requests import RequestTable
-from worker.streams import RequestStreams, ensure_groups
+from worker.queue.fencing import Fencing
+from worker.queue.publisher import Publisher
+from worker.queue.requests import RequestTable
+from worker.queue.streams import RequestStreams, ensure_groups
 
 KEYS = Keys()
 

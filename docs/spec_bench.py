@@ -30,7 +30,7 @@ def run(model: str, prompts: list[list[int]], new_tokens: int, way: str,
         speculation: dict[str, Any]) -> list[dict[str, Any]]:
     """The way's burst on a fresh backend; for the gate, a second burst on the same
     backend too (its gate has measured this batch size: a worker that has run a while)."""
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import WorkerSettings
 
     loaded = load_model(WorkerSettings(model=model, cache_memory_mb=0, **({} if way == "plain" else speculation)))
@@ -56,7 +56,7 @@ def burst(backend: Any, prompts: list[list[int]], new_tokens: int) -> tuple[int,
     """The prompts inserted together and decoded to the end: tok/s and steps."""
     from mlx_lm.sample_utils import greedy_sampler
 
-    from worker.scheduler import StepPlan
+    from worker.engine.scheduler import StepPlan
 
     uids = [backend.insert(p, new_tokens, greedy_sampler, []) for p in prompts]
     left, steps = set(uids), 0

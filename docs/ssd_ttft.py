@@ -27,7 +27,7 @@ from pathlib import Path
 def ttft(backend: object, prompt: list[int]) -> tuple[float, int]:
     from mlx_lm.sample_utils import greedy_sampler
 
-    from worker.scheduler import StepPlan
+    from worker.engine.scheduler import StepPlan
 
     start = time.perf_counter()
     uid = backend.insert(prompt, 4, greedy_sampler, [])  # type: ignore[attr-defined]
@@ -48,7 +48,7 @@ def entry_bytes_per_token(backend: object) -> float:
 
 
 def measure(model: str, tier: Path, shared: int, phase: str, quantization: dict) -> None:
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import WorkerSettings
 
     loaded = load_model(WorkerSettings(model=model, ssd_cache_dir=tier, cache_memory_mb=1024, **quantization))

@@ -151,7 +151,7 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
 def _on_engine_like_thread(run: Callable[[], list[RequestTiming]]) -> list[RequestTiming]:
     import mlx.core as mx
 
-    from worker.cpu_scheduling import use_batch_scheduling
+    from worker.engine.cpu_scheduling import use_batch_scheduling
 
     def main() -> list[RequestTiming]:
         use_batch_scheduling()

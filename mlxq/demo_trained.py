@@ -44,10 +44,10 @@ def corpus_tokens(out: Path) -> Any:
     import numpy as np
     from tokenizers import Tokenizer
 
-    from .demo_model import _stdlib_sources
+    from .demo_parts import stdlib_sources
 
     tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    texts = list(_stdlib_sources(CORPUS_BYTES))
+    texts = list(stdlib_sources(CORPUS_BYTES))
     ids = [token for encoding in tokenizer.encode_batch(texts) for token in encoding.ids]
     return np.array(ids, dtype=np.int32)
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import demo_model
+from . import demo_parts
 
 # The language models share the text demo model's size; the towers are one block wide.
 TEXT = {"hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048,
-        "rope_theta": 10000.0, "tie_word_embeddings": True, "vocab_size": demo_model.VOCAB_SIZE}
+        "rope_theta": 10000.0, "tie_word_embeddings": True, "vocab_size": demo_parts.VOCAB_SIZE}
 
 QWEN_TOKENS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 QWEN_PARTS = {"image": "<|vision_start|><|image_pad|><|vision_end|>",
@@ -39,7 +39,7 @@ def chatml_template(parts: dict[str, str]) -> str:
     """The demo ChatML template (with its tool format) where a message's content may be a
     list of text and media parts, each media part written as `parts[type]`."""
     media = "".join(f"{{% elif part['type'] == '{kind}' %}}{marker}" for kind, marker in parts.items())
-    return demo_model.CHAT_TEMPLATE.replace(
+    return demo_parts.CHAT_TEMPLATE.replace(
         "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endif %}",
         "{% else %}<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
@@ -57,8 +57,8 @@ class Family:
     config: Callable[[dict[str, int]], dict[str, Any]]  # config.json, from the special tokens' ids
     files: dict[str, dict[str, Any]] = field(default_factory=dict)  # processor configs, by file name
     tokenizer_extra: dict[str, Any] = field(default_factory=dict)  # added to tokenizer_config.json
-    eos: list[str] = field(default_factory=lambda: list(demo_model.EOS_TOKENS))
-    embed_scale: float = 1.0  # see demo_model.save
+    eos: list[str] = field(default_factory=lambda: list(demo_parts.EOS_TOKENS))
+    embed_scale: float = 1.0  # see demo_parts.save
     # Matrices of these modules scaled down: a family whose projected media features would
     # otherwise drown the text answers every image alike.
     quieter: dict[str, float] = field(default_factory=dict)
@@ -235,21 +235,21 @@ FAMILIES: dict[str, Family] = {
 def write(out: Path, family: str, seed: int) -> None:
     """Write a tiny random model of `family` into the empty directory `out`."""
     spec = FAMILIES[family]
-    demo_model.write_tokenizer(out, demo_model.SPECIAL_TOKENS + spec.tokens, spec.chat_template, eos=spec.eos)
+    demo_parts.write_tokenizer(out, demo_parts.SPECIAL_TOKENS + spec.tokens, spec.chat_template, eos=spec.eos)
     if spec.tokenizer_extra:
         config_file = out / "tokenizer_config.json"
         config_file.write_text(json.dumps({**json.loads(config_file.read_text()), **spec.tokenizer_extra}, indent=2))
-    ids = dict(zip(spec.tokens, demo_model.special_ids(out, spec.tokens), strict=True))
-    config = {**spec.config(ids), "eos_token_id": demo_model.special_ids(out, spec.eos)}
+    ids = dict(zip(spec.tokens, demo_parts.special_ids(out, spec.tokens), strict=True))
+    config = {**spec.config(ids), "eos_token_id": demo_parts.special_ids(out, spec.eos)}
     from mlx.utils import tree_map
 
     model = _build_as_mlx_vlm_loads(config, seed)
     for name, factor in spec.quieter.items():
         getattr(model, name).update(tree_map(lambda p, f=factor: p * f if p.ndim == 2 else p,
                                              getattr(model, name).parameters()))
-    special = demo_model.special_ids(out, demo_model.SPECIAL_TOKENS + spec.tokens)
+    special = demo_parts.special_ids(out, demo_parts.SPECIAL_TOKENS + spec.tokens)
     language = model.language_model
-    demo_model.save(out, model, getattr(language, "model", language).embed_tokens, special, config,
+    demo_parts.save(out, model, getattr(language, "model", language).embed_tokens, special, config,
                     embed_scale=spec.embed_scale)
     for name, content in spec.files.items():
         (out / name).write_text(json.dumps(content, indent=2))

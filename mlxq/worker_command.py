@@ -17,8 +17,8 @@ from .errors import CommandError, on_path, settings_for_command
 
 def run(args: argparse.Namespace) -> int:
     from common import logs
-    from worker.backends import load_model
     from worker.daemon import Worker
+    from worker.engine.backends import load_model
     from worker.settings import WorkerSettings, load_settings
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
@@ -40,8 +40,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_host(settings: Any) -> int:
     """A worker of several models: the host, which runs a worker process per loaded model."""
-    from worker.host import Host
-    from worker.models_config import ModelsConfigError
+    from worker.host.supervisor import Host
+    from worker.settings import ModelsConfigError
 
     server, url = _redis_for(settings)
     try:

@@ -84,7 +84,7 @@ def scores_in_process(reranker_model):
     import mlx.core as mx
     from mlx_vlm.reranker_loader import load_reranker
 
-    from worker.prepare_pooling import QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX, qwen3_rerank_text
+    from worker.prepare.pooling import QWEN3_RERANK_PREFIX, QWEN3_RERANK_SUFFIX, qwen3_rerank_text
 
     model, tokenizer = load_reranker(str(reranker_model))
     yes, no = (tokenizer.convert_tokens_to_ids(w) for w in ("yes", "no"))

@@ -11,11 +11,11 @@ import time
 import pytest
 
 from client import Delta, Done, Error
-from worker.backends import Loaded, ModelInfo, TokenOut
-from worker.backends.sim import Letters, SimBackend
-from worker.engine import Engine
+from worker.engine.backends import Loaded, ModelInfo, TokenOut
+from worker.engine.backends.sim import Letters, SimBackend
+from worker.engine.scheduler import Scheduler, SchedulingPolicy, StepPlan
+from worker.engine.thread import Engine
 from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, StepOutput
-from worker.scheduler import Scheduler, SchedulingPolicy, StepPlan
 
 
 class CountingBackend(SimBackend):
@@ -226,7 +226,7 @@ def test_shutdown_abandons_running_requests_after_the_drain_timeout():
 
 def test_a_failing_load_is_reported():
     """If the model cannot load, `wait_ready` raises with the reason."""
-    from worker.engine import EngineFailed
+    from worker.engine.thread import EngineFailed
 
     def load() -> Loaded:
         raise FileNotFoundError("no such model")

@@ -83,7 +83,7 @@ def test_batched_sequences_decode_as_mlx_vlm_does_with_the_same_quantization(wor
 
 
 def test_a_group_that_does_not_divide_the_heads_is_refused(demo_model):
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import load_settings
 
     with pytest.raises(ValueError, match="kv_group_size 32 does not divide the model's head dimension 16"):
@@ -91,7 +91,7 @@ def test_a_group_that_does_not_divide_the_heads_is_refused(demo_model):
 
 
 def test_a_window_with_quantization_is_refused(demo_model):
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import load_settings
 
     with pytest.raises(ValueError, match="max_kv_size is served through mlx-lm's batch only"):
@@ -157,7 +157,7 @@ class GreedyBackend:
     """The worker's backend for `model` in process (`settings` as a worker's), greedy."""
 
     def __init__(self, model, **settings) -> None:
-        from worker.backends import load_model
+        from worker.engine.backends import load_model
         from worker.messages import SamplingParams
         from worker.settings import WorkerSettings
 
@@ -166,14 +166,14 @@ class GreedyBackend:
         self.made: dict[int, list] = {}  # each inserted sequence's TokenOuts
 
     def insert(self, prompt: list[int], tokens: int) -> int:
-        from worker.sampling import build_logits_processors, build_sampler
+        from worker.engine.sampling import build_logits_processors, build_sampler
 
         uid = self.backend.insert(prompt, tokens, build_sampler(self.greedy), build_logits_processors(self.greedy))
         self.made[uid] = []
         return uid
 
     def step_until(self, done) -> None:
-        from worker.scheduler import StepPlan
+        from worker.engine.scheduler import StepPlan
 
         while not done():
             for out in self.backend.step(StepPlan(prefill_chunk=512, prefill_prompts=8)):
@@ -299,7 +299,7 @@ def test_packed_entries_hold_more_prompts_in_the_same_budget(bench_model, start,
 def test_packed_codes_unpack_to_what_was_packed(bits, group, dtype):
     import mlx.core as mx
 
-    from worker.backends.packed_prefix import pack, unpack
+    from worker.engine.backends.packed_prefix import pack, unpack
 
     keys = mx.random.normal((2, 4, 5, 128)).astype(getattr(mx, dtype))
     parts = mx.quantize(keys, group_size=group, bits=bits)

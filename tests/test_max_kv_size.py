@@ -72,7 +72,7 @@ def test_a_window_too_small_is_refused():
 
 
 def test_a_vision_model_with_a_window_is_refused_before_loading(vision_model):
-    from worker.backends.mlx_vlm import load_vision_model
+    from worker.engine.backends.mlx_vlm import load_vision_model
     from worker.settings import load_settings
 
     with pytest.raises(ValueError, match="max_kv_size is served through mlx-lm.s batch only"):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.models_config import ModelEntry, ModelsConfigError, child_settings, footprint_bytes
-from worker.settings import load_settings
+from worker.host.models_config import child_settings, footprint_bytes
+from worker.settings import ModelEntry, ModelsConfigError, load_settings
 
 
 def test_a_models_worker_takes_the_shared_settings_and_its_own(tmp_path):
@@ -67,7 +67,7 @@ def test_a_models_worker_reads_back_every_value_its_file_holds(value):
 
     import tomllib
 
-    from worker.host import _toml
+    from worker.host.supervisor import _toml
 
     read = tomllib.loads(f"v = {_toml(value)}")["v"]
     assert read == value or (isinstance(value, float) and math.isinf(value) and math.isinf(read))

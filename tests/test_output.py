@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from client import Delta, Done, Timing
-from worker.backends import TokenOut
+from worker.engine.backends import TokenOut
+from worker.engine.output import RequestOutput, process_step
 from worker.messages import EngineRequest, RequestRef, SamplingParams
-from worker.output import RequestOutput, process_step
 
 
 @pytest.fixture(scope="module")

@@ -12,11 +12,11 @@ import pytest
 from support import build_demo_model
 
 from client.protocol import Done, Envelope, Error, RequestRejected
-from worker.backends import PoolingInfo, load_model
+from worker.engine.backends import PoolingInfo, load_model
+from worker.engine.pooling_core import PoolingCore
+from worker.engine.scheduler import SchedulingPolicy
 from worker.messages import EngineTime, PoolingRequest, PoolInput, RequestRef, StepOutput
-from worker.pooling_core import PoolingCore
-from worker.prepare_pooling import PoolingPreparer
-from worker.scheduler import SchedulingPolicy
+from worker.prepare.pooling import PoolingPreparer
 from worker.settings import WorkerSettings
 
 
@@ -175,6 +175,6 @@ def test_the_worker_s_matryoshka_setting_overrides_the_config(pooling_model):
 def test_the_longest_input_is_the_model_s_and_its_tokenizer_s(config, tokenizer_limit, longest):
     from types import SimpleNamespace
 
-    from worker.backends.pooling import _max_length
+    from worker.engine.backends.pooling import _max_length
 
     assert _max_length(config, SimpleNamespace(model_max_length=tokenizer_limit)) == longest

@@ -10,11 +10,11 @@ import pytest
 from support import KEYS, ON_BOTH, check_stream, worker_fixture, xadd_json
 
 from client import Done
-from worker.backends import Coverage
-from worker.backends.mlx_lm import MlxBatchBackend
-from worker.prefix_cache import PrefixCache
-from worker.sampling import build_logits_processors, build_sampler
-from worker.scheduler import StepPlan
+from worker.engine.backends import Coverage
+from worker.engine.backends.mlx_lm import MlxBatchBackend
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.sampling import build_logits_processors, build_sampler
+from worker.engine.scheduler import StepPlan
 
 from worker.messages import SamplingParams  # isort: skip
 

@@ -14,12 +14,12 @@ import sys
 import pytest
 
 from client.protocol import Delta, Done, Error, RequestRejected, Timing, Usage, encode_request, read_envelope
-from worker.backends.sim import load_sim
+from worker.engine.backends.sim import load_sim
+from worker.fleet.naming import _left_by_dead_process
 from worker.messages import RequestRef
-from worker.naming import _left_by_dead_process
-from worker.prepare import Preparer
+from worker.prepare.generation import Preparer
+from worker.queue.totals import Totals, field_names
 from worker.settings import WorkerSettings
-from worker.totals import Totals, field_names
 
 REF = RequestRef("r1", "1-0")
 

@@ -16,9 +16,9 @@ from support import ON_BOTH
 from client import Delta, Done, Timing, Usage, decode_event
 from client.connect import connect_async
 from client.keys import GROUP, Keys
-from worker.fencing import Fencing, Published, PublishStatus, encode_write
 from worker.messages import Route
-from worker.streams import RequestMarks, RequestStreams
+from worker.queue.fencing import Fencing, Published, PublishStatus, encode_write
+from worker.queue.streams import RequestMarks, RequestStreams
 
 KEYS = Keys()
 pytestmark = ON_BOTH

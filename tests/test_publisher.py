@@ -17,11 +17,11 @@ import redis.asyncio as aioredis
 
 from client import Delta, Done, Error, Timing, Usage, decode_event
 from client.keys import GROUP, Keys
-from worker.fencing import Fencing
 from worker.messages import Outgoing, Route, StepOutput
-from worker.publisher import Publisher
-from worker.requests import RequestTable
-from worker.streams import RequestStreams
+from worker.queue.fencing import Fencing
+from worker.queue.publisher import Publisher
+from worker.queue.requests import RequestTable
+from worker.queue.streams import RequestStreams
 
 KEYS = Keys()
 

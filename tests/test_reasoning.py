@@ -64,7 +64,7 @@ def test_the_guided_processor_waits_for_the_reasoning_to_end(thinking_model):
     from mlx_lm.utils import load_tokenizer
 
     from client.protocol import ChoiceFormat
-    from worker.constraints import Grammars, Guides, format_grammar
+    from worker.engine.constraints import Grammars, Guides, format_grammar
     from worker.messages import Thinking
 
     grammars, guides = Grammars(load_tokenizer(thinking_model), 1024), Guides(1024, 2)
@@ -86,9 +86,9 @@ def test_a_resumed_output_keeps_reasoning_and_text_apart(thinking_model):
     resumes after [r1 r2 </think> a1] sends only what is new of each, and done has both whole."""
     from mlx_lm.utils import load_tokenizer
 
-    from worker.backends import TokenOut
+    from worker.engine.backends import TokenOut
+    from worker.engine.output import RequestOutput
     from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, Thinking
-    from worker.output import RequestOutput
 
     tokenizer = load_tokenizer(thinking_model)
     r1, r2, a1, a2 = 300, 301, 400, 401

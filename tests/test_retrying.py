@@ -20,13 +20,13 @@ from redis.exceptions import RedisError
 from structlog.testing import capture_logs
 from support import free_port
 
-from worker.retrying import describe, is_permission_error, is_transient, retrying
+from worker.queue.retrying import describe, is_permission_error, is_transient, retrying
 
 
 @contextlib.contextmanager
 def fast_backoff() -> Iterator[None]:
     """Retries without pauses (the jitter factor is 0)."""
-    with mock.patch("worker.retrying.random.uniform", return_value=0.0):
+    with mock.patch("worker.queue.retrying.random.uniform", return_value=0.0):
         yield
 
 

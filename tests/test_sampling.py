@@ -5,8 +5,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from worker.engine.sampling import build_sampler
 from worker.messages import SamplingParams
-from worker.sampling import build_sampler
 
 LOGITS = mx.random.normal((1, 256), key=mx.random.key(1)) * 3
 LOGPROBS = LOGITS - mx.logsumexp(LOGITS, axis=-1, keepdims=True)

@@ -10,10 +10,10 @@ import uuid
 from support import HELD, KEYS, ON_BOTH, settled, worker_fixture, xadd_json
 
 from client import Delta, Done
-from worker.backends.mlx_lm import load_text_model
-from worker.engine import Engine
+from worker.engine.backends.mlx_lm import load_text_model
+from worker.engine.scheduler import SchedulingPolicy
+from worker.engine.thread import Engine
 from worker.messages import EngineRequest, RequestRef, SamplingParams, StepOutput
-from worker.scheduler import SchedulingPolicy
 from worker.settings import WorkerSettings
 
 worker = worker_fixture(prefill_step_size=128)

@@ -48,11 +48,12 @@ def test_what_outlives_the_drain_timeout_stays_pending_for_another_worker(valkey
 # TLS destructors took the GIL while the main thread was already finalizing.
 EXIT_RIGHT_AFTER_THE_ENGINE = """
 import sys
-from worker.backends import load_model
-from worker.engine import Engine
+from worker.engine.backends import load_model
+from worker.engine.scheduler import SchedulingPolicy
+from worker.engine.thread import Engine
 from worker.settings import load_settings
 settings = load_settings(model=sys.argv[1])
-engine = Engine(lambda: load_model(settings), settings.scheduling(), on_output=lambda out: None,
+engine = Engine(lambda: load_model(settings), SchedulingPolicy.of(settings), on_output=lambda out: None,
                 on_fatal=lambda error: None)
 engine.start()
 engine.wait_ready(60)

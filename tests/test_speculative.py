@@ -25,8 +25,8 @@ from support import (
 )
 
 from client import Delta, Done
-from worker.backends.prompt_lookup import History, propose
-from worker.backends.speculative import EPOCH, FIRST_PATIENCE, MARGIN, Gate
+from worker.engine.backends.prompt_lookup import History, propose
+from worker.engine.backends.speculative import EPOCH, FIRST_PATIENCE, MARGIN, Gate
 
 # The demo model's vocabulary is 1,024. Each prompt repeats a span, which prompt lookup
 # proposes; random weights loop in their own output too, which it proposes as well.
@@ -110,8 +110,8 @@ def test_a_near_tie_goes_to_plain():
 def backends(demo_model):
     """The worker's text backend on the demo model with `settings` (speculating ones with
     their gate always speculating), and what loaded it (for its counters)."""
-    from worker.backends import load_model
-    from worker.backends.speculative import SpeculativeGenerationBatch
+    from worker.engine.backends import load_model
+    from worker.engine.backends.speculative import SpeculativeGenerationBatch
     from worker.settings import WorkerSettings
 
     def make(**settings):
@@ -146,7 +146,7 @@ def near_draft(demo_model, tmp_path_factory):
 
 def decode(backend, requests) -> list[list[int]]:
     """Each (prompt, sampler, processors, speculative) inserted together, stepped to the end."""
-    from worker.scheduler import StepPlan
+    from worker.engine.scheduler import StepPlan
 
     uids = [backend.insert(p, NEW_TOKENS, s, lp, speculative=sp) for p, s, lp, sp in requests]
     out: dict[int, list[int]] = {uid: [] for uid in uids}
@@ -195,8 +195,8 @@ def test_a_request_that_opts_out_is_never_drafted(backends):
 def decode_arriving(backend, requests, seed: int) -> list[list[int]]:
     """Like `decode`, with a request joining every third step and the gate's choice
     random (plain steps leave a draft model behind, to catch up on the next draft)."""
-    from worker.backends.speculative import SpeculativeGenerationBatch
-    from worker.scheduler import StepPlan
+    from worker.engine.backends.speculative import SpeculativeGenerationBatch
+    from worker.engine.scheduler import StepPlan
 
     batch, rng = backend._generator._generation_batch, random.Random(seed)
     if isinstance(batch, SpeculativeGenerationBatch):
@@ -268,7 +268,7 @@ def test_a_draft_proposes_what_it_would_from_each_rows_whole_context(backends, n
 def test_hostile_settings_are_refused(demo_model):
     from pydantic import ValidationError
 
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import load_settings
 
     for setting, value in (("prompt_lookup_max", -1), ("prompt_lookup_max", 1000), ("num_draft_tokens", 0)):
@@ -291,7 +291,7 @@ def test_hostile_settings_are_refused(demo_model):
 
 def test_a_draft_of_another_vocabulary_is_refused(demo_model, tmp_path):
     from mlxq.demo_model import build
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import load_settings
 
     other = build(tmp_path / "thinking", size="thinking")  # its tokenizer has more tokens
@@ -421,7 +421,7 @@ def xadd_and_id(r, queue: str, body: dict) -> str:
 
 
 def test_a_losing_try_is_cut_short():
-    from worker.backends.speculative import CUT_SHORT_AFTER
+    from worker.engine.backends.speculative import CUT_SHORT_AFTER
 
     gate, now, way_rate = Gate(), 0.0, {True: 10.0, False: 100.0}
     for _ in range(EPOCH * (FIRST_PATIENCE + 2)):  # speculation's first epoch, then plain's until a retry

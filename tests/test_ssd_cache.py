@@ -152,7 +152,7 @@ def test_two_workers_on_one_host_keep_apart(redis_url, demo_model, tmp_path, log
 
 
 def test_without_a_memory_tier_it_is_refused(demo_model, tmp_path):
-    from worker.backends import load_model
+    from worker.engine.backends import load_model
     from worker.settings import load_settings
 
     with pytest.raises(ValueError, match="cache_memory_mb 0"):
@@ -164,7 +164,7 @@ def test_files_are_keyed_by_the_kv_quantization_too(demo_model, tmp_path):
     other bits, group or quantized_kv_start, or packed codes against dense blocks, never
     read them (dense blocks and a start of 0 key as before either existed, so a worker's
     tier of dense blocks survives the upgrade)."""
-    from worker.backends.ssd_tier import open_store
+    from worker.engine.backends.ssd_tier import open_store
 
     def namespace(packed: bool = False, **quantization) -> str:
         return open_store(tmp_path, demo_model, 1 << 20, quantization, packed=packed).dir.name  # slot-N/<namespace>
@@ -180,7 +180,7 @@ def test_damaged_files_are_told_from_whole_ones_whatever_their_header_says(tmp_p
     import json
     import struct
 
-    from worker.backends.ssd_tier import damaged_files
+    from worker.engine.backends.ssd_tier import damaged_files
 
     def write(name: str, header: object, payload: bytes = b"\0" * 16, size: int | None = None) -> None:
         raw = json.dumps(header).encode()

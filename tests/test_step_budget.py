@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from worker.backends import TokenOut
-from worker.backends.mlx_lm import MlxBatchBackend
+from worker.engine.backends import TokenOut
+from worker.engine.backends.mlx_lm import MlxBatchBackend
+from worker.engine.sampling import build_logits_processors, build_sampler
+from worker.engine.scheduler import MIN_PREFILL_CHUNK, StepBudget, StepPlan
 from worker.messages import SamplingParams
-from worker.sampling import build_logits_processors, build_sampler
-from worker.scheduler import MIN_PREFILL_CHUNK, StepBudget, StepPlan
 
 GREEDY = SamplingParams()
 
@@ -96,7 +96,7 @@ def run_vision(vision_model, budget: int, prompts: list[list[int]], late: list[i
     reports its chunks."""
     from mlx_vlm.generate import ar
 
-    from worker.backends.mlx_vlm import load_vision_model
+    from worker.engine.backends.mlx_vlm import load_vision_model
     from worker.settings import WorkerSettings
 
     counted: list[int] = []

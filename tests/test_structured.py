@@ -90,7 +90,7 @@ def test_json_object_tokens_are_all_accepted_by_the_grammar(worker, served):
     from llguidance import LLMatcher
     from mlx_lm.utils import load_tokenizer
 
-    from worker.constraints import JSON_OPTIONS, Grammars
+    from worker.engine.constraints import JSON_OPTIONS, Grammars
 
     with Client(worker.redis_url, queue=worker.queue) as client:
         job = client.submit("An object", max_tokens=40, response_format={"type": "json_object"})

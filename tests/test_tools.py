@@ -12,7 +12,7 @@ import pytest
 from support import KEYS, on_text_and_vision
 
 from client import JobFailed, RequestRejected
-from worker.tools import MAX_FORCED_CALLS
+from worker.engine.tools import MAX_FORCED_CALLS
 
 served, worker, reference = on_text_and_vision()
 

@@ -20,7 +20,7 @@ from PIL import Image
 from support import KEYS, ROOT, WorkerProcess, check_stream, start_worker, wait_for_deltas, xadd_json
 
 from client import Client, Delta, Done, Error, decode_event
-from worker.scheduler import StepPlan
+from worker.engine.scheduler import StepPlan
 
 
 def png(width: int, height: int, seed: int = 0) -> bytes:
@@ -347,7 +347,7 @@ def test_cancel_a_decoding_image_request(worker, r, outputs, new_id):
 
 @pytest.fixture(scope="module")
 def backend_parts(vision_model: Path):
-    from worker.backends.mlx_vlm import load_vision_model
+    from worker.engine.backends.mlx_vlm import load_vision_model
     from worker.settings import WorkerSettings
 
     settings = WorkerSettings(model=str(vision_model), prefill_step_size=8)
@@ -361,8 +361,8 @@ def test_cancel_during_prefill_drops_the_request_and_keeps_its_neighbour(backend
     """Removed while its prompt is still being prefilled (8 tokens a step), a request never
     yields a token; the request decoding beside it goes on to its end."""
     from client.protocol import RequestBody
+    from worker.engine.sampling import build_logits_processors, build_sampler
     from worker.messages import SamplingParams
-    from worker.sampling import build_logits_processors, build_sampler
 
     loaded, _ = backend_parts
     ids, media = loaded.info.vision.prepare(RequestBody(prompt="Picture " * 40, images=[png(224, 224, 9)]))

@@ -179,7 +179,7 @@ def test_each_conversation_batched_equals_mlx_vlm_alone(family_worker, mlx_vlm_a
 def test_the_same_images_again_read_the_same(family_worker, family_model, r, outputs, new_id):
     """A repeated conversation with images gives the same text; in a family whose
     features are cached, from the cache."""
-    from worker.backends.vision_features import ENCODERS
+    from worker.engine.backends.vision_features import ENCODERS
 
     _, images, messages = CONVERSATIONS[2]
     before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
@@ -253,7 +253,7 @@ def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_
 
 
 def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, outputs, new_id, tmp_path):
-    from worker.backends.vision_features import CACHES_VIDEOS
+    from worker.engine.backends.vision_features import CACHES_VIDEOS
 
     if family_model[0] not in CACHES_VIDEOS:
         pytest.skip(f"{family_model[0]}: its video features are not cached")
@@ -276,10 +276,10 @@ def test_prefilled_in_one_batch_each_reads_as_alone(family_model):
     never changes an answer (mlx-vlm misplaces Qwen 3's deepstack features beside other
     rows, so that family prefills media prompts alone)."""
     from client.protocol import RequestBody
-    from worker.backends.mlx_vlm import load_vision_model
+    from worker.engine.backends.mlx_vlm import load_vision_model
+    from worker.engine.sampling import build_logits_processors, build_sampler
+    from worker.engine.scheduler import StepPlan
     from worker.messages import SamplingParams
-    from worker.sampling import build_logits_processors, build_sampler
-    from worker.scheduler import StepPlan
     from worker.settings import WorkerSettings
 
     loaded = load_vision_model(WorkerSettings(model=str(family_model[1])))
@@ -311,7 +311,7 @@ def test_a_model_mlx_vlm_cannot_batch_is_refused_at_start_with_the_reason(tmp_pa
     (which mlx-vlm's batch runs on) never starts serving: the worker says why."""
     from types import SimpleNamespace
 
-    from worker.backends.mlx_vlm import unbatchable
+    from worker.engine.backends.mlx_vlm import unbatchable
 
     assert "no language model taking input embeddings" in unbatchable(SimpleNamespace(config=SimpleNamespace(
         model_type="an_encoder")))
@@ -320,6 +320,6 @@ def test_a_model_mlx_vlm_cannot_batch_is_refused_at_start_with_the_reason(tmp_pa
 def test_every_demo_family_is_batchable(family_model):
     from mlx_vlm import load
 
-    from worker.backends.mlx_vlm import unbatchable
+    from worker.engine.backends.mlx_vlm import unbatchable
 
     assert unbatchable(load(str(family_model[1]))[0]) is None

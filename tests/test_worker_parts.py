@@ -18,18 +18,18 @@ from support import KEYS
 from client import Error, decode_event
 from client.heartbeat import Heartbeat
 from client.keys import GROUP
-from worker.cancels import listen_for_cancels
-from worker.fencing import Fencing
-from worker.intake import Intake
-from worker.leases import HAND_BACK_IDLE_MS, Leases
-from worker.membership import Membership
+from worker.fleet.leases import HAND_BACK_IDLE_MS, Leases
+from worker.fleet.membership import Membership
+from worker.fleet.naming import NameTaken
 from worker.messages import Outgoing, Route
-from worker.naming import NameTaken
-from worker.recovery import Delivery, Reclaimer
-from worker.requests import RequestStatus, RequestTable
+from worker.queue.cancels import listen_for_cancels
+from worker.queue.fencing import Fencing
+from worker.queue.intake import Intake
+from worker.queue.recovery import Delivery, Reclaimer
+from worker.queue.requests import RequestStatus, RequestTable
+from worker.queue.streams import RequestMarks, RequestStreams, ensure_groups, request_streams
+from worker.queue.totals import Totals
 from worker.settings import load_settings
-from worker.streams import RequestMarks, RequestStreams, ensure_groups, request_streams
-from worker.totals import Totals
 
 
 @pytest.fixture

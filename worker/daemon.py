@@ -25,27 +25,26 @@ from client.connect import connect_async
 from client.diagnose import redacted
 from client.keys import Keys
 from client.protocol import Event
-
-from . import metrics
-from .backends import Loaded, ModelInfo
-from .cancels import listen_for_cancels
-from .engine import Engine, EngineFailed
-from .faults import Faults
-from .fencing import Fencing
-from .intake import Intake
-from .leases import Leases
-from .membership import Membership
-from .messages import EngineStats, StepOutput
-from .metrics import Metrics
-from .naming import NameTaken
-from .prepare import Preparer
-from .prepare_pooling import PoolingPreparer
-from .publisher import Publisher
-from .recovery import Reclaimer
-from .requests import RequestTable
-from .retrying import describe, is_permission_error, retrying
-from .settings import WorkerSettings
-from .streams import (
+from worker.engine.backends import Loaded, ModelInfo
+from worker.engine.scheduler import SchedulingPolicy
+from worker.engine.thread import Engine, EngineFailed
+from worker.faults import Faults
+from worker.fleet import metrics
+from worker.fleet.leases import Leases
+from worker.fleet.membership import Membership
+from worker.fleet.metrics import Metrics
+from worker.fleet.naming import NameTaken
+from worker.messages import EngineStats, StepOutput, ToolFormat
+from worker.prepare.generation import Preparer
+from worker.prepare.pooling import PoolingPreparer
+from worker.queue.cancels import listen_for_cancels
+from worker.queue.fencing import Fencing
+from worker.queue.intake import Intake
+from worker.queue.publisher import Publisher
+from worker.queue.recovery import Reclaimer
+from worker.queue.requests import RequestTable
+from worker.queue.retrying import describe, is_permission_error, retrying
+from worker.queue.streams import (
     RequestMarks,
     RequestStreams,
     ensure_groups,
@@ -53,8 +52,8 @@ from .streams import (
     request_streams,
     server_clock_offset_s,
 )
-from .tools import ToolFormat
-from .totals import Totals
+from worker.queue.totals import Totals
+from worker.settings import WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -75,7 +74,7 @@ class Worker:
         self.request_streams = request_streams(self.keys, settings.queue, settings.lanes)
         self.membership = Membership(self.redis, self.keys, self.request_streams)
         self.marks = RequestMarks(self.redis, self.keys, settings.queue, settings.dedupe_ttl_s)
-        self.engine = Engine(load, settings.scheduling(), on_output=self._on_output, on_fatal=self._on_fatal,
+        self.engine = Engine(load, SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=self._on_stats, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()

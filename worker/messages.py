@@ -3,16 +3,64 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from client.protocol import Delta, Encoding, Event
+from client.protocol import (
+    Delta,
+    Done,
+    Encoding,
+    Error,
+    ErrorCode,
+    Event,
+    FinishReason,
+    MediaKind,
+    Timing,
+    Usage,
+)
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
 
-    from .media import PreparedMedia
-    from .tools import ToolUse
+
+@dataclass(frozen=True)
+class PreparedMedia:
+    """A request's media items, ready for the model's encoders: preparation (decoding,
+    resizing, the model's processor) happens off the engine thread, with the placeholder
+    tokens already in the prompt; the engine thread only runs the encoders on `inputs`,
+    through the embedding cache under `key`."""
+
+    # The embedding cache's key: the model, and each item's kind and content hash (and how
+    # it was sampled) in the order the prompt holds them.
+    key: str
+    inputs: Mapping[str, Any]  # the processor's outputs but the token ids (numpy arrays), by the model's names
+    counts: Mapping[MediaKind, int]
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """How one model writes a call: between `start` and `end`, read by `parse`."""
+
+    start: str
+    end: str
+    parse: Callable[[str, Any], Any]  # mlx-lm's tool parser: (call text, tools) -> {name, arguments}
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ToolFormat | None:
+        """The tokenizer's tool format, or None when its chat template has none mlx-lm reads."""
+        if not getattr(tokenizer, "has_tool_calling", False):
+            return None
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """What an engine request needs to report its calls."""
+
+    format: ToolFormat
+    tools: list[dict[str, Any]]  # as the request gave them, for the parser
 
 
 @dataclass(frozen=True)
@@ -193,6 +241,16 @@ class Shutdown:
 Command = Submit | Cancel | Abandon | Shutdown
 
 
+class EngineInbox(Protocol):
+    """What the queue side may ask of the engine: its commands, posted from the event loop."""
+
+    def submit(self, request: EngineRequest | PoolingRequest) -> None: ...
+
+    def cancel(self, request_id: str) -> None: ...
+
+    def abandon(self, request_id: str) -> None: ...
+
+
 @dataclass(frozen=True)
 class Outgoing:
     """One event to publish, for the request delivery it belongs to."""
@@ -214,6 +272,26 @@ class StepOutput:
     def urgent(self) -> bool:
         """Whether it holds what a reader waits on most: a first delta, or an end."""
         return any(not isinstance(item.event, Delta) or item.event.seq == 0 for item in self.outgoing)
+
+
+def not_started(request: EngineRequest | PoolingRequest, now: float | None = None,
+                reason: FinishReason = "cancelled") -> Outgoing:
+    """The `done` of a request that ends before it was computed: no deltas, no tokens."""
+    waited = round(((time.time() if now is None else now) - request.arrived_at) * 1000.0, 1)
+    done = Done(id=request.id, finish_reason=reason, text="",
+                usage=Usage(request.prompt_size, 0),
+                timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.metadata)
+    return Outgoing(request.ref, done)
+
+
+def deadline_exceeded(request: EngineRequest | PoolingRequest) -> Outgoing:
+    """The error of a request whose `deadline_ms` passed before it started."""
+    return failed(request.ref, ErrorCode.DEADLINE_EXCEEDED, "the deadline passed before the request started")
+
+
+def failed(ref: RequestRef, code: ErrorCode, message: str) -> Outgoing:
+    """The `error` event of one request."""
+    return Outgoing(ref, Error(id=ref.id, code=code, message=message))
 
 
 @dataclass(frozen=True)

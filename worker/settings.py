@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
@@ -16,14 +16,41 @@ from client.keys import BATCH_LANE, DEFAULT_PREFIX, DEFAULT_QUEUE
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
-from .models_config import ModelEntry, check_names
-from .scheduler import SchedulingPolicy
-
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
 # MLXQ_* variables that are not worker settings: the crash tests' faults, the gateway's, the BLAS re-exec's.
 OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS")
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
+
+
+class ModelEntry(BaseModel):
+    """One `[[models]]` table: its name (its queue), where it loads from, and any worker
+    setting of its own."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$", description="the model's name: its queue is mlxq:q:<name>")
+    path: str = Field(min_length=1, description="a local directory or a Hugging Face id")
+    pin: bool = Field(False, description="loaded at start and never unloaded")
+    memory_gb: float | None = Field(None, gt=0, description="what it holds loaded, if the estimate is wrong: "
+                                    "weights x 1.2 plus its prefix cache budget")
+
+    def overrides(self) -> dict[str, Any]:
+        """Its worker settings (everything in its table but the keys above)."""
+        return dict(self.model_extra or {})
+
+
+class ModelsConfigError(ValueError):
+    """A `[[models]]` list that cannot be served; the message is one line naming the model."""
+
+
+def check_names(entries: list[ModelEntry]) -> None:
+    seen: set[str] = set()
+    for entry in entries:
+        if entry.name in seen:
+            raise ModelsConfigError(f"models: the name {entry.name!r} is given twice (each name is a queue)")
+        seen.add(entry.name)
+
 
 
 class WorkerSettings(LayeredSettings):
@@ -221,11 +248,6 @@ class WorkerSettings(LayeredSettings):
                 raise ValueError(f"lane {lane!r}: use A-Za-z0-9_.- (and not 'dead', the dead-letter stream, nor "
                                  f"'{BATCH_LANE}', the batch lane every worker reads last)")
         return lanes
-
-    def scheduling(self) -> SchedulingPolicy:
-        """The engine's policy: slots, step budget, aging."""
-        return SchedulingPolicy(self.max_num_seqs, self.max_step_tokens, self.prefill_batch_size,
-                                self.prefill_step_size, self.priority_aging_s, self.flush_interval_ms / 1000)
 
     def memory_budget_bytes(self) -> int:
         """What the models loaded at once may hold."""

@@ -1,0 +1,241 @@
+"""The engine core: one model's batch, stepped. Schedule, execute, update.
+
+It holds the scheduler (the policy), the backend (the model's batch), each running
+request's output side and the constrained rows' masks, and turns commands into changes
+of the batch and each step into events (`Outgoing`). Its inputs and outputs are plain
+messages: it knows nothing of threads, Redis or the event loop (`engine.Engine` runs it
+on the thread that owns MLX). A step that raises fails the requests in the batch (each
+gets one `error` event) and the batch is rebuilt.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import structlog
+
+from client.protocol import ErrorCode
+from worker.engine.backends import Coverage, Loaded
+from worker.engine.constraints import Guides
+from worker.engine.logprobs import token_logprobs
+from worker.engine.output import RequestOutput, process_step
+from worker.engine.prefix_cache import PrefixCache
+from worker.engine.sampling import build_logits_processors, build_sampler
+from worker.engine.scheduler import Scheduler, SchedulingPolicy
+from worker.faults import NONE, Faults
+from worker.messages import (
+    EngineRequest,
+    EngineTime,
+    Outgoing,
+    PoolingRequest,
+    RequestRef,
+    StepOutput,
+    Thinking,
+    deadline_exceeded,
+    failed,
+    not_started,
+)
+
+log = structlog.get_logger("mlxq.engine")
+
+
+class EngineCore:
+    """One loaded model's continuous batch."""
+
+    def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE) -> None:
+        self.loaded = loaded
+        self.scheduler: Scheduler[EngineRequest] = Scheduler(policy)
+        self.backend = loaded.make_backend()
+        self.guides = Guides(loaded.info.vocab_size, policy.max_num_seqs)
+        self.clock = clock  # the model's share of the thread's time is counted here
+        self.faults = faults
+        self.running: dict[int, RequestOutput] = {}  # by the backend's uid
+        self._flush_interval_s = policy.flush_interval_s
+        self._next_flush = 0.0  # perf_counter time from which running streams' held tokens go out
+        self._uids: dict[str, int] = {}  # request id -> uid
+
+    def busy(self) -> bool:
+        return bool(self.running or len(self.scheduler))
+
+    def counts(self) -> dict[str, Any]:
+        """Its part of `EngineStats`."""
+        return {"running": len(self.running), "waiting": len(self.scheduler), "mask_fills": self.guides.fills,
+                "mask_fill_ms": self.guides.fill_s * 1000}
+
+    def submit(self, request: EngineRequest | PoolingRequest, out: StepOutput) -> None:
+        assert isinstance(request, EngineRequest), "the preparer makes generation requests for a generating model"
+        try:
+            self.scheduler.add(request)
+        except Exception as e:  # noqa: BLE001 - a request the scheduler cannot rank fails alone
+            out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not queue the request: {e!r}"))
+
+    def cancel(self, request_id: str, out: StepOutput) -> None:
+        """End a request `cancelled`: running, with what it made; waiting, with nothing."""
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self.backend.remove([uid])
+            output = self._retire([uid])[0]
+            out.outgoing.extend(Outgoing(output.request.ref, e) for e in output.finish("cancelled", time.time()))
+            return
+        request = self.scheduler.remove(request_id)
+        if request is not None:
+            out.outgoing.append(not_started(request, time.time()))
+
+    def abandon(self, request_id: str) -> None:
+        """Drop a request without a word, running or waiting: another worker took it."""
+        uid = self._uids.get(request_id)
+        if uid is not None:
+            self.backend.remove([uid])
+            self._retire([uid])
+        else:
+            self.scheduler.remove(request_id)
+
+    def abandon_waiting(self) -> list[RequestRef]:
+        """Drop every waiting request (a shutdown), for the loop to hand back."""
+        return [request.ref for request in self.scheduler.drain()]
+
+    def abandon_running(self) -> list[RequestRef]:
+        """Stop every running request without a word (past the drain deadline)."""
+        uids = list(self.running)
+        self.backend.remove(uids)
+        return [output.request.ref for output in self._retire(uids)]
+
+    def slowed(self) -> bool:
+        """Whether a request marked by the test hook `MLXQ_TEST_SLOW_ON_TOKEN` runs."""
+        return self.faults.slow_token is not None and any(
+            self.faults.slows(o.request.prompt_tokens) for o in self.running.values())
+
+    def step(self, out: StepOutput) -> None:
+        """Admit what the policy lets in, run one step of the batch, and turn its tokens into events."""
+        self._admit(out)
+        if not self.running:
+            return
+        try:
+            if self.guides:  # every constrained row's mask for this step, in one fill
+                self.guides.prefill(self.backend.upcoming_tokens())
+            prefilling = sum(o.first_token_at is None for o in self.running.values())
+            plan = self.scheduler.plan(len(self.running) - prefilling, prefilling)
+            started = time.perf_counter()
+            tokens = self.backend.step(plan)
+            self.clock.model_s += time.perf_counter() - started
+            self.clock.steps += 1
+        except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
+            self._fail_batch(e, out)
+            return
+        wanted = {uid: o.request.logprobs for uid, o in self.running.items() if o.request.logprobs is not None}
+        picked = token_logprobs(tokens, wanted, self.loaded.info.tokenizer) if wanted else {}
+        outgoing, finished = process_step(self.running, tokens, time.time(), picked, self._flush_due())
+        out.outgoing.extend(outgoing)
+        coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
+        # Those that ended on a stop string are still in the batch.
+        coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
+        kept = [(coverage[uid], self.running[uid].request.cache_salt) for uid in finished if uid in coverage]
+        self._retire(finished)
+        _keep_caches(self.loaded.prefix_cache, kept)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def _flush_due(self) -> bool:
+        """Whether this step's deltas go out, or wait to go out with later steps' tokens.
+        A write costs the worker about as much CPU as a small model's step: with steps
+        shorter than the interval, several steps' tokens share one write, one delta per
+        request. First deltas and ends never wait (`RequestOutput.add`)."""
+        now = time.perf_counter()
+        if now < self._next_flush:
+            return False
+        self._next_flush = now + self._flush_interval_s
+        return True
+
+    def _admit(self, out: StepOutput) -> None:
+        now = time.time()
+        for request in self.scheduler.admit(len(self.running)):
+            self.faults.fail_if_marked(request.prompt_tokens)
+            try:
+                self._admit_one(request, now, out)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                log.error("could not start a request", request_id=request.id, error=repr(e))
+                out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
+
+    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
+        if request.deadline_at is not None and now > request.deadline_at:
+            out.outgoing.append(deadline_exceeded(request))
+            return
+        output = RequestOutput(request, self.loaded.new_detokenizer(), now,
+                               self.loaded.new_detokenizer() if request.thinking else None)
+        if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
+            out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
+            return
+        uid = self._insert(request, output)
+        self.running[uid] = output
+        self._uids[request.id] = uid
+
+    def _insert(self, request: EngineRequest, output: RequestOutput) -> int:
+        """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
+        prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
+        cache = self.loaded.prefix_cache
+        hit = cache.fetch(prompt, request.cache_salt) if cache is not None else None
+        cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+        processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
+                                             request.stop_tokens, request.min_tokens)
+        guide = None
+        if request.constraint is not None:  # last: it masks what the others left
+            guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
+                                          _thinking_left(request))
+            processors.append(guide)
+        try:
+            uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
+                                      request.tokens_to_generate, build_sampler(request.sampling), processors,
+                                      cached, request.media, logprobs=request.logprobs is not None,
+                                      speculative=request.speculative, cache_salt=request.cache_salt)
+        except Exception:
+            if guide is not None:
+                self.guides.discard(guide)  # its bitmask row goes back
+            raise
+        if cache is not None:
+            cache.count(hit)
+        if guide is not None:
+            self.guides.attach(uid, guide)
+        output.cached_tokens = 0 if hit is None else hit.reused
+        return uid
+
+    def _retire(self, uids: list[int]) -> list[RequestOutput]:
+        outputs = [self.running.pop(uid) for uid in uids]
+        for uid, output in zip(uids, outputs, strict=True):
+            del self._uids[output.request.id]
+            self.guides.release(uid)
+        return outputs
+
+    def _fail_batch(self, error: Exception, out: StepOutput) -> None:
+        log.error("step failed; failing its requests and rebuilding the batch", error=repr(error), exc_info=True)
+        for output in self._retire(list(self.running)):
+            out.outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"generation failed: {error}"))
+        self.backend.close()
+        self.backend = self.loaded.make_backend()
+
+
+def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str]]) -> None:
+    """Keep the finished sequences' caches (each with its request's cache salt) for later
+    prompts that share their prefix."""
+    if cache is None:
+        return
+    for coverage, salt in finished:
+        try:
+            cache.store(coverage.tokens, coverage.cache, salt)
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
+            log.warning("could not keep a prompt cache", error=repr(e))
+
+
+def _thinking_left(request: EngineRequest) -> Thinking | None:
+    """Where a constrained thinking request stands before its first new token: still
+    reasoning (the prompt opened it, or a resumed output is inside it), or not."""
+    thinking = request.thinking
+    if thinking is None:
+        return None
+    tokens = request.resume.tokens if request.resume else []
+    if not tokens:
+        return thinking
+    inside, _ = thinking.after(tokens)
+    return replace(thinking, open=True) if inside else None

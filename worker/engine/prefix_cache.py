@@ -1,0 +1,155 @@
+"""KV caches of finished requests, kept to skip the prefill of prompts that start the same.
+
+mlx-lm's `PromptTrie` finds the stored token sequences nearest to a prompt; the policy
+is ours, because mlx-lm's `LRUPromptCache` does not keep it: a fetch refreshes the
+entry's place in the LRU order, an exact hit reuses all but the last token (at least
+one token must be prefilled to get logits), an entry larger than the whole budget is
+refused without evicting the others, and hits are counted only once a cache was used.
+
+Entries are detached copies: stored arrays are copied out of the batch, and each fetch
+hands out a deep copy, so nothing stored ever aliases live batch state. Used on the
+engine thread only.
+
+A request's `cache_salt` (vLLM's) is a namespace: it hits only what requests of the same
+salt stored, so a tenant cannot learn from the time to its first token what another
+tenant's prompts held.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import mlx.core as mx
+from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
+
+from worker.messages import CacheStats
+
+MODEL = "model"  # the trie's namespace (with the salt): one model per worker
+
+
+class _Key(NamedTuple):
+    salt: str
+    tokens: tuple[int, ...]
+
+
+@dataclass
+class Hit:
+    """A copy of a stored cache covering the first `reused` tokens of a prompt."""
+
+    cache: list[Any]
+    reused: int
+
+
+@dataclass
+class _Entry:
+    cache: list[Any]
+    nbytes: int
+
+
+class PrefixCache:
+    """Stored KV caches keyed by the tokens they cover, under a byte and an entry budget."""
+
+    def __init__(self, max_bytes: int, max_entries: int, min_common_prefix: int = 8) -> None:
+        self.max_bytes = max_bytes
+        self.max_entries = max_entries
+        self.min_common_prefix = min_common_prefix  # below this, a partial match is not worth a copy
+        self._trie = PromptTrie()
+        self._entries: OrderedDict[_Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        self.nbytes = 0
+        self.hits = 0
+        self.misses = 0
+        self.refused = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def stats(self) -> CacheStats:
+        return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes,
+                          capacity=self.max_entries, refused=self.refused)
+
+    def fetch(self, tokens: list[int], salt: str = "") -> Hit | None:
+        """The longest reusable cached prefix of `tokens` (at most all but the last token)
+        that requests of the same `salt` stored."""
+        found = self._trie.search((MODEL, salt), tokens)
+        candidates = []  # (stored key, tokens reused)
+        if found.exact is not None:
+            candidates.append((found.exact, len(tokens) - 1))
+        if found.shorter is not None:
+            candidates.append((found.shorter, len(found.shorter)))
+        whole_prompt = found.common_prefix == len(tokens)  # the prompt is a prefix of a stored sequence
+        if found.longer is not None and (whole_prompt or found.common_prefix >= self.min_common_prefix):
+            candidates.append((found.longer, min(found.common_prefix, len(tokens) - 1)))
+        for key, reused in sorted(candidates, key=lambda c: -c[1]):
+            hit = self._copy(_Key(salt, tuple(key)), reused)
+            if hit is not None:
+                return hit
+        return None
+
+    def count(self, hit: Hit | None) -> None:
+        """Record a lookup's outcome, once its cache was actually used (or not)."""
+        if hit is None:
+            self.misses += 1
+        else:
+            self.hits += 1
+
+    def store(self, tokens: list[int], cache: list[Any], salt: str = "") -> bool:
+        """Keep a detached copy of `cache`, which covers exactly `tokens`, for requests of
+        `salt`; False if refused."""
+        if not tokens or self.max_bytes <= 0 or self.max_entries <= 0:
+            return False
+        detached = _detached(cache)
+        nbytes = sum(c.nbytes for c in detached)
+        if nbytes > self.max_bytes:
+            self.refused += 1
+            return False
+        key = _Key(salt, tuple(tokens))
+        self._drop(key)
+        while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+        self._trie.add((MODEL, salt), tokens, key.tokens)
+        self._entries[key] = _Entry(detached, nbytes)
+        self.nbytes += nbytes
+        if can_trim_prompt_cache(detached):  # a stored prefix of this key is now redundant
+            for prefix_len, _ in self._trie.pop_prefixes((MODEL, salt), tokens):
+                self._forget(_Key(salt, key.tokens[:prefix_len]))
+        return True
+
+    def _copy(self, key: _Key, reused: int) -> Hit | None:
+        entry = self._entries.get(key)
+        if entry is None or reused < 1:
+            return None
+        cache = copy.deepcopy(entry.cache)
+        if reused < len(key.tokens):
+            if not can_trim_prompt_cache(cache):
+                return None  # e.g. a rotating cache: a full prefill instead
+            trim_prompt_cache(cache, len(key.tokens) - reused)
+        self._entries.move_to_end(key)
+        return Hit(cache, reused)
+
+    def _drop(self, key: _Key) -> None:
+        if key in self._entries:
+            self._trie.pop((MODEL, key.salt), list(key.tokens))
+            self._forget(key)
+
+    def _forget(self, key: _Key) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self.nbytes -= entry.nbytes
+
+
+def _detached(cache: list[Any]) -> list[Any]:
+    """A copy whose arrays hold just the covered tokens and share no buffer with the batch."""
+    detached = []
+    for layer in cache:
+        copied = copy.copy(layer)
+        if getattr(layer, "keys", None) is not None and hasattr(layer, "offset") and layer.is_trimmable():
+            copied.keys = mx.array(layer.keys[..., : layer.offset, :])
+            copied.values = mx.array(layer.values[..., : layer.offset, :])
+        else:
+            copied = copy.deepcopy(layer)
+        detached.append(copied)
+    mx.eval([c.state for c in detached])
+    return detached

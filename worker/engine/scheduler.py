@@ -1,0 +1,138 @@
+"""The scheduling policy, for every backend: which waiting request runs next, how many
+run at once, and how much prompt each step may prefill beside the running streams.
+Pure bookkeeping: no model, no tensors (the engine core applies it, its backend obeys).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+from worker.settings import WorkerSettings
+
+MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    """The knobs of one engine: its slots, its step budget, how waiting ages and how
+    often running streams' tokens go out."""
+
+    max_num_seqs: int
+    max_step_tokens: int = 256  # tokens one step may process while streams run
+    prefill_batch_size: int = 8  # prompts prefilled together, at most
+    prefill_step_size: int = 512  # prompt tokens per prefill chunk, at most
+    priority_aging_s: float = 10.0
+    flush_interval_s: float = 0.0  # how long running streams' new tokens may wait to go out together
+
+    @classmethod
+    def of(cls, settings: WorkerSettings) -> SchedulingPolicy:
+        """The policy a worker's settings give."""
+        return cls(settings.max_num_seqs, settings.max_step_tokens, settings.prefill_batch_size,
+                   settings.prefill_step_size, settings.priority_aging_s, settings.flush_interval_ms / 1000)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What the next step may prefill: chunks of `prefill_chunk` prompt tokens for up to
+    `prefill_prompts` prompts together (each running sequence decodes one token too)."""
+
+    prefill_chunk: int
+    prefill_prompts: int
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """How a step's token budget is shared: each running sequence decodes one token; the
+    rest goes to prompt chunks, at most `prefill_step_size` tokens each and at least
+    `MIN_PREFILL_CHUNK`, for as many prompts as fit (at least one, so prompts always
+    advance), up to `prefill_batch_size`. With nothing decoding there is no stream to keep
+    steady: the prompts get the configured sizes, and a burst of prompts into an idle
+    worker is prefilled in as few steps as in process (docs/benchmarks.md, "Paired runs")."""
+
+    max_step_tokens: int
+    prefill_batch_size: int
+    prefill_step_size: int
+
+    def plan(self, decoding: int, prefilling: int) -> StepPlan:
+        """The next step's prefill, with `decoding` sequences decoding and `prefilling` prompting."""
+        if not decoding:
+            return StepPlan(self.prefill_step_size, self.prefill_batch_size)
+        left = max(self.max_step_tokens - decoding, MIN_PREFILL_CHUNK)
+        prompts = max(1, min(self.prefill_batch_size, left // MIN_PREFILL_CHUNK))
+        chunk = left // max(1, min(prompts, prefilling))
+        return StepPlan(max(MIN_PREFILL_CHUNK, min(self.prefill_step_size, chunk)), prompts)
+
+
+class Waiting(Protocol):
+    """What ranks a waiting request."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def arrived_at(self) -> float: ...
+
+
+R = TypeVar("R", bound=Waiting)
+
+
+class Scheduler(Generic[R]):
+    """Requests waiting for a slot, and the plan of each step.
+
+    Waiting requests go lower `priority` first, first come first served among equals, and
+    every `priority_aging_s` seconds of waiting counts as one priority level better, so
+    that a low priority cannot starve forever. Aging is the same for every waiting
+    request, so the order never changes while they wait: ranking by
+    `priority + arrived_at / aging_s` once, at arrival, is exact.
+    """
+
+    def __init__(self, policy: SchedulingPolicy) -> None:
+        self.policy = policy
+        self.budget = StepBudget(policy.max_step_tokens, policy.prefill_batch_size, policy.prefill_step_size)
+        self._heap: list[tuple[float, int, str]] = []
+        self._waiting: dict[str, tuple[int, R]] = {}
+        self._order = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def add(self, request: R) -> None:
+        """Queue a request."""
+        rank = request.priority + request.arrived_at / self.policy.priority_aging_s  # first: it is what can fail
+        order = next(self._order)
+        heapq.heappush(self._heap, (rank, order, request.id))
+        self._waiting[request.id] = (order, request)
+
+    def remove(self, request_id: str) -> R | None:
+        """Take a waiting request out (cancelled); None if it is not waiting."""
+        entry = self._waiting.pop(request_id, None)
+        return None if entry is None else entry[1]
+
+    def admit(self, running: int) -> list[R]:
+        """The requests to start now, best first, into the slots `running` leave free."""
+        return self.take(self.policy.max_num_seqs - running)
+
+    def plan(self, decoding: int, prefilling: int) -> StepPlan:
+        return self.budget.plan(decoding, prefilling)
+
+    def take(self, slots: int) -> list[R]:
+        """Up to `slots` requests to start now, best first."""
+        taken: list[R] = []
+        while self._heap and len(taken) < slots:
+            _, order, request_id = heapq.heappop(self._heap)
+            entry = self._waiting.get(request_id)
+            if entry is not None and entry[0] == order:  # else removed earlier: a stale heap entry
+                del self._waiting[request_id]
+                taken.append(entry[1])
+        return taken
+
+    def drain(self) -> list[R]:
+        """Take every waiting request out, in order."""
+        return self.take(len(self._waiting))

@@ -1,0 +1,137 @@
+"""The worker's name, heartbeat and leases: what tells the fleet it is alive.
+
+Every `heartbeat_s` one script refreshes the heartbeat (TTL 3x) and the idle time of
+every entry held, so that a long generation is never taken from a live worker; entries
+another worker took are dropped at once. At exit the heartbeat goes and what is still
+held is handed back (marked long idle), so another worker resumes it at its next scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.metadata
+import json
+import os
+import socket
+import time
+import uuid
+from functools import partial
+
+import structlog
+from redis.exceptions import RedisError
+
+from client.heartbeat import Heartbeat, ModelState, WorkerState
+from worker.fleet.membership import Membership
+from worker.fleet.naming import claim_consumer_name
+from worker.messages import EngineStats
+from worker.queue.requests import RequestStatus, RequestTable
+from worker.queue.retrying import describe, retrying
+from worker.queue.totals import Totals
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("mlxq.worker")
+
+HAND_BACK_IDLE_MS = 10**9  # entries handed back look long abandoned, so others take them at once
+STATS_KEEP_S = 7 * 86400  # a worker's totals outlive restarts under its name for this long
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mlxq")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+class Leases:
+    """Claims a consumer name, then keeps it, the heartbeat and the entries' leases alive."""
+
+    def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
+                 model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
+                 task: str = "generate") -> None:
+        self.settings = settings
+        self.membership = membership
+        self.consumer = ""  # set once, by `claim_name`
+        self.requests = requests
+        self.model_name = model_name
+        self.tool_call = tool_call  # the model's tool-call markers, for readers that split calls from text
+        self.task = task
+        self.totals = totals
+        self.blas = blas
+        self.state: WorkerState = "ready"  # then "draining", then "stopped"
+        self.version = _version()
+        self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
+        self.started_at = time.time()
+        self.stats: EngineStats | None = None  # the engine's latest
+        self.ttl_s = 3 * settings.heartbeat_s
+
+    async def claim_name(self) -> str:
+        """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
+        self.consumer = await claim_consumer_name(self.membership, self.settings, self._heartbeat, self.ttl_s)
+        self.totals.restore(await retrying(partial(self.membership.read_stats, self.consumer),
+                                           "reading this worker's totals"))
+        await retrying(self._keep_alive, "writing the first heartbeat")  # with the totals restored
+        return self.consumer
+
+    def update(self, stats: EngineStats) -> None:
+        """The engine's stats, for the next heartbeat."""
+        self.stats = stats
+
+    async def run(self) -> None:
+        """Renew every `heartbeat_s` until cancelled; a refusal of our own keys is raised."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            await retrying(self._keep_alive, "renewing the heartbeat and leases")
+
+    async def draining(self) -> None:
+        """Say at once that this worker drains (takes nothing new); a failure waits for the
+        next heartbeat."""
+        self.state = "draining"
+        try:
+            await self._keep_alive()
+        except (RedisError, OSError) as e:
+            log.warning("could not announce the drain", reason=describe(e))
+
+    async def _keep_alive(self) -> None:
+        """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
+        heartbeat = self._heartbeat(self.consumer)
+        lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat, ttl_s=self.ttl_s,
+                                                instance=self.instance)
+        await self._record(heartbeat)
+        for entry_id in lost:
+            held = self.requests.by_entry(entry_id)
+            if held is not None:
+                log.warning("another worker took this request over; dropping it here", request_id=held.route.id)
+                self.requests.end(held.route.id, RequestStatus.LOST)
+
+    async def hand_back(self) -> None:
+        """Remove our heartbeat and mark what we still hold as long idle, so that another
+        worker takes it over (and resumes it) at its next scan, not after a timeout."""
+        left = list(self.requests)
+        try:
+            await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat="", ttl_s=0,
+                                             instance=self.instance, idle_ms=HAND_BACK_IDLE_MS)
+            self.state = "stopped"
+            await self._record(self._heartbeat(self.consumer))
+        except (RedisError, OSError) as e:
+            log.warning("could not hand back; others take over when the heartbeat expires", reason=describe(e))
+        for held in left:
+            self.requests.end(held.route.id, RequestStatus.HANDED_BACK)
+        log.info("worker stopped", handed_back=len(left))
+
+    async def _record(self, heartbeat: str) -> None:
+        """Our totals and this heartbeat, kept in Redis past our heartbeat's expiry."""
+        fields = {**self.totals.as_fields(), "heartbeat": heartbeat, "state": self.state,
+                  "last_error": json.dumps(self.totals.last_error)}
+        await self.membership.record_stats(self.consumer, fields, STATS_KEEP_S)
+
+    def _heartbeat(self, consumer: str) -> str:
+        """What this worker tells the fleet about itself, under the name `consumer`
+        (`mlxq:workers:<consumer>`)."""
+        model = ModelState(self.settings.queue, self.settings.queue, self.model_name, "loaded",
+                           tuple(self.settings.lanes), self.tool_call, task=self.task)
+        return Heartbeat(
+            consumer=consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
+            pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
+            in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
+            totals=self.totals.as_fields(), last_error=self.totals.last_error,
+            stats=self.stats.as_json() if self.stats else {}).to_json()

@@ -1,0 +1,266 @@
+"""Taking requests in: reads entries as there is room, and turns each into an engine
+request, an answer (a repeat, a cancel, an error) or a dead letter.
+
+Each entry is taken in on its own, so whatever one holds stays with it. Its preparation
+(decoding, validating, tokenizing) runs inside an attempt counted in Redis
+(`RequestMarks.arrive` / `close_attempt`): a worker that dies in there leaves the count
+up, and the next worker dead-letters the request instead of dying too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
+
+import structlog
+
+from client.protocol import MEDIA_FIELDS, Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
+from worker.media.isolated import DecoderDied
+from worker.messages import EngineInbox, EngineRequest, Outgoing, PoolingRequest, Resume, Route, failed, not_started
+from worker.prepare.generation import Preparer
+from worker.prepare.pooling import PoolingPreparer
+from worker.queue.fencing import Fencing, take_fence
+from worker.queue.recovery import Delivery, Reclaimer
+from worker.queue.requests import HeldRequest, RequestStatus, RequestTable
+from worker.queue.retrying import describe, is_permission_error, retrying
+from worker.queue.streams import Arrival, RequestMarks, RequestStreams
+from worker.queue.totals import Totals
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("mlxq.worker")
+
+INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
+BATCH_PRIORITY = 1 << 20  # added to a batch line's priority: ~120 days of aging (10 s a level) behind
+OFF_LOOP_FIELDS = ("response_format", *MEDIA_FIELDS.values())  # ... unless they have one of these
+
+
+def entry_ms(entry_id: str) -> int:
+    """The server's clock, in ms, when the entry was added (the first part of its id)."""
+    return int(entry_id.split("-", 1)[0])
+
+
+class Intake:
+    """Reads the queue as room allows and starts what it reads."""
+
+    def __init__(self, settings: WorkerSettings, streams: RequestStreams, marks: RequestMarks, fencing: Fencing,
+                 requests: RequestTable, reclaimer: Reclaimer, preparer: Preparer | PoolingPreparer,
+                 engine: EngineInbox,
+                 emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals) -> None:
+        self.settings = settings
+        self.streams = streams
+        self.marks = marks
+        self.fencing = fencing
+        self.requests = requests
+        self.reclaimer = reclaimer
+        self.preparer = preparer
+        self.engine = engine
+        self.emit = emit  # hands an event straight to the publisher
+        self.clock_offset_s = clock_offset_s
+        self.totals = totals  # counts its dead letters
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Take requests in until `stop` is set (or the task is cancelled)."""
+        while not stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
+            room = self.requests.room()
+            if room <= 0:
+                await self.requests.wait_for_room()
+                continue
+            # The batch lane only into free slots: read ahead, its lines would make an
+            # interactive request that comes next wait behind them.
+            free = max(0, room - self.settings.prefetch)
+            if not free and self.streams.batch_lines_waiting:
+                # Every slot is held and batch lines wait: the next slot to free goes to what
+                # waits then (interactive first), so wait for it rather than block on Redis.
+                deliveries = await self._reclaimed(room) or await self._read(room, 0, 0)
+                if not deliveries:
+                    await self.requests.wait_for_leave(self.settings.block_ms / 1000)
+                    continue
+            else:
+                deliveries = await self._reclaimed(room) or await self._read(room, self.settings.block_ms, free)
+            for delivery in deliveries:
+                await self._accept(delivery)
+
+    async def _read(self, room: int, block_ms: int, free: int) -> list[Delivery]:
+        read = partial(self.streams.read, room, block_ms, free)
+        return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
+                await retrying(read, "reading requests")]
+
+    async def _reclaimed(self, room: int) -> list[Delivery]:
+        """Entries to take over, if any; a scan that fails (no group after Redis restarted
+        empty, a consumer name that is not text) is tried again at the next interval."""
+        try:
+            return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
+        except Exception as e:  # noqa: BLE001 - finding abandoned work is upkeep: it must not stop the worker
+            if is_permission_error(e):
+                raise
+            log.warning("could not look for abandoned requests", error=describe(e))
+            return []
+
+    async def _accept(self, delivery: Delivery) -> None:
+        """Take one entry in; whatever goes wrong with it stays with it."""
+        try:
+            await self._take_in(delivery)
+        except Exception as e:  # noqa: BLE001 - one entry's failure must not stop the others
+            if is_permission_error(e):
+                raise  # Redis refuses the worker's own keys: that is the worker's failure, not the entry's
+            await self._fail_entry(delivery, e)
+
+    async def _take_in(self, delivery: Delivery) -> None:
+        """Hold a new entry and start it, unless it has no id or is a repeat."""
+        stream, entry_id, fields = delivery.stream, delivery.entry_id, delivery.fields
+        if fields is None:  # deleted from the stream before we read it
+            await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a deleted entry")
+            return
+        try:
+            request_id = read_id(fields)
+        except Undeliverable as e:
+            log.warning("dead letter", entry_id=entry_id, reason=str(e))
+            await retrying(partial(self.streams.dead_letter, stream, entry_id, fields, str(e),
+                                   deliveries=delivery.deliveries), "dead-lettering")
+            self.totals.count("dead_letters")
+            return
+        held = self.requests.get(request_id)
+        if held is not None:
+            if held.route.entry_id != entry_id:  # the same id in another entry: a repeat
+                log.info("repeat of a running request ignored", request_id=request_id, entry_id=entry_id)
+                await retrying(partial(self.streams.settle, stream, [entry_id]), "settling a repeat")
+            return
+        own = self.streams.keys.output(self.streams.queue, request_id)
+        # read before the flag check, so that no cancel slips between
+        held = self.requests.read(Route(request_id, entry_id, own, "json", stream))
+        arrival = await retrying(partial(self.marks.arrive, request_id, self.settings.result_ttl_s),
+                                 "checking an arriving request")
+        try:
+            await self._start(delivery, held, arrival)
+        finally:
+            await retrying(partial(self.marks.close_attempt, request_id, arrival.attempt), "closing an attempt")
+
+    async def _start(self, delivery: Delivery, held: HeldRequest, arrival: Arrival) -> None:
+        """Answer a finished or poisoned request; else prepare it and hand it to the engine."""
+        route = held.route
+        if arrival.done:
+            log.info("repeat of a finished request ignored", request_id=route.id, entry_id=route.entry_id)
+            await retrying(partial(self.streams.settle, route.stream, [route.entry_id]), "settling a repeat")
+            self.requests.end(route.id, RequestStatus.SETTLED)
+            return
+        if arrival.crashes >= self.settings.max_crashes:
+            await self._poisoned(delivery, route, f"{arrival.crashes} worker(s) died while preparing it "
+                                 f"(max_crashes is {self.settings.max_crashes})")
+            return
+        fields = delivery.fields
+        assert fields is not None
+        read = partial(read_envelope, fields, max_body_bytes=self.settings.max_body_bytes,
+                       max_depth=self.settings.max_nesting_depth)
+        # Decoding and walking megabytes of body would stall every stream's publishing: off the loop.
+        large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
+        envelope = await asyncio.to_thread(read) if large else read()
+        reply_to = envelope.reply_to
+        if reply_to is not None and self.streams.keys.reply_to_problem(self.streams.queue, reply_to):
+            reply_to = None  # its error goes to the request's own stream
+        if self.requests.reroute(route.id, reply_to=reply_to or route.reply_to, encoding=envelope.encoding) is None:
+            return  # taken over while it was read: the other worker serves it
+        taken = await take_fence(self.fencing, self.streams, self.requests, held)
+        if taken is None:  # a repeat, or its output already complete
+            return
+        route, resume = held.route, None
+        if taken.written:  # an earlier delivery wrote output: continue after it
+            earlier = await retrying(partial(self.fencing.earlier_output, route, taken.written),
+                                     "reading earlier output")
+            if not earlier.whole:
+                self._answer(failed(route.ref, ErrorCode.INTERNAL, (
+                    f"{earlier.written} events were written by an earlier delivery but only {len(earlier.deltas)} "
+                    "remain in the output stream (expired?); continuing would repeat or skip text")))
+                return
+            resume = earlier.resume()
+        if delivery.deliveries > self.settings.max_deliveries:
+            await self._poisoned(delivery, route, f"delivered {delivery.deliveries} times (max_deliveries is "
+                                 f"{self.settings.max_deliveries}); the workers that took it stopped without "
+                                 "finishing it")
+            return
+        await self._submit(delivery, envelope, held, arrival, resume)
+
+    async def _submit(self, delivery: Delivery, envelope: Envelope, held: HeldRequest, arrival: Arrival,
+                      resume: Resume | None) -> None:
+        route = held.route
+        arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
+        prepare = partial(self.preparer.prepare, envelope, route.ref, arrived_at, self.clock_offset_s, resume)
+        # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
+        # Off the loop too: compiling a grammar, decoding media.
+        raw = envelope.raw or {}
+        inline = envelope.size <= INLINE_BODY_BYTES and not any(field in raw for field in OFF_LOOP_FIELDS)
+        request = await self._prepared(delivery, route, prepare, inline, arrival.crashes)
+        if request is None:
+            return
+        if self.requests.holding(route.ref) is None:
+            return  # taken over while it was prepared: the other worker serves it
+        self.requests.prepared(route.id, arrived_at)
+        if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
+            self._answer(not_started(request, time.time()))
+            return
+        if isinstance(request, EngineRequest) and request.count_only:  # its templated, tokenized prompt: the answer
+            self._answer(not_started(request, time.time(), "length"))
+            return
+        if route.stream == self.streams.batch_lane:  # behind every interactive request waiting here
+            request = replace(request, priority=request.priority + BATCH_PRIORITY)
+        if resume is not None:
+            log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
+        self.requests.advance(route.id, RequestStatus.ADMITTED)
+        self.engine.submit(request)  # it checks the deadline when it admits the request, before any compute
+
+    async def _prepared(self, delivery: Delivery, route: Route,
+                        prepare: Callable[[], EngineRequest | PoolingRequest], inline: bool,
+                        crashes: int) -> EngineRequest | PoolingRequest | None:
+        """The request, prepared; None once it is answered instead: refused, or
+        dead-lettered when a media decoder died on it as often as `max_crashes` allows
+        (a decoder's death counts as a crash, beside the workers that died on it)."""
+        while True:
+            try:
+                return prepare() if inline else await asyncio.to_thread(prepare)
+            except RequestRejected as e:
+                self._answer(failed(route.ref, e.code, str(e)))
+                return None
+            except DecoderDied as e:
+                crashes += 1
+                log.warning("media decoder died", request_id=route.id, reason=str(e), crashes=crashes)
+                if crashes >= self.settings.max_crashes:
+                    await self._poisoned(delivery, route, f"{e}; it has crashed {crashes} time(s) while prepared "
+                                         f"(max_crashes is {self.settings.max_crashes})")
+                    return None
+
+    async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
+        """An entry that keeps killing or outliving workers: dead letter, and say so."""
+        log.error("poisoned request", request_id=route.id, entry_id=route.entry_id, reason=reason)
+        assert delivery.fields is not None
+        await retrying(partial(self.streams.record_dead, route.stream, route.entry_id, delivery.fields, reason,
+                               deliveries=delivery.deliveries), "dead-lettering")
+        self.totals.count("dead_letters")
+        self._answer(failed(route.ref, ErrorCode.POISONED, f"{reason}; moved to {self.streams.dead}"))
+
+    async def _fail_entry(self, delivery: Delivery, error: Exception) -> None:
+        """An entry whose intake failed in a way nobody foresaw: its reader gets an
+        `internal` error, or, if not even its id was read, it is dead-lettered."""
+        reason = ascii(f"{type(error).__name__}: {error}"[:300])
+        log.error("could not take in a request", entry_id=delivery.entry_id, error=reason, exc_info=error)
+        held = self.requests.by_entry(delivery.entry_id)
+        if held is not None:
+            self._answer(failed(held.route.ref, ErrorCode.INTERNAL,
+                                f"the worker could not start this request: {reason}"))
+            return
+        if delivery.fields is not None:
+            await retrying(partial(self.streams.dead_letter, delivery.stream, delivery.entry_id, delivery.fields,
+                                   f"the worker could not read this entry: {reason}",
+                                   deliveries=delivery.deliveries), "dead-lettering")
+            self.totals.count("dead_letters")
+
+    def _answer(self, outgoing: Outgoing) -> None:
+        """The request's terminal event, made here rather than by the engine. One that
+        already reached the engine (its intake failed after the hand-over) is dropped
+        there: a written terminal tells the engine nothing (`RequestTable.end`)."""
+        held = self.requests.get(outgoing.ref.id)
+        if held is not None and held.status is RequestStatus.ADMITTED:
+            self.engine.abandon(outgoing.ref.id)
+        self.requests.advance(outgoing.ref.id, RequestStatus.FINISHING)
+        self.emit(outgoing)
