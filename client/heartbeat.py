@@ -16,6 +16,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast, get_args
 
+from .protocol import Task
+
 WorkerState = Literal["ready", "draining", "stopped"]
 ModelLoad = Literal["loaded", "loading", "draining", "available"]
 
@@ -31,17 +33,18 @@ class ModelState:
     lanes: tuple[str, ...] = ()  # the queue's lanes this worker reads too
     tool_call: tuple[str, str] | None = None  # the model's tool-call markers (start, end), when it has a format
     memory_bytes: int | None = None  # what it holds in memory, where counted
-    task: str = "generate"  # what its queue serves: "generate", "embed" or "rerank"
+    task: Task = "generate"  # what its queue serves
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelState | None:
         name, queue, path = (raw.get(k) for k in ("name", "queue", "path"))
         if not isinstance(queue, str) or not isinstance(path, str):
             return None
-        state = raw.get("state")
+        state, task = raw.get("state"), raw.get("task")
         return cls(name if isinstance(name, str) else queue, queue, path,
                    cast(ModelLoad, state if state in get_args(ModelLoad) else "available"), _strings(raw.get("lanes")),
-                   _markers(raw.get("tool_call")), _int(raw.get("memory_bytes")), _str(raw.get("task"), "generate"))
+                   _markers(raw.get("tool_call")), _int(raw.get("memory_bytes")),
+                   cast(Task, task if task in get_args(Task) else "generate"))
 
 
 @dataclass(frozen=True)

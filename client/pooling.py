@@ -16,7 +16,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from ._errors import JobFailed, RequestRejected
-from .protocol import Done, Encoding, Ranked, RequestBody, describe_validation_error, validate_body
+from .protocol import (
+    Done,
+    Encoding,
+    PoolingTask,
+    Ranked,
+    RequestBody,
+    describe_validation_error,
+    validate_body,
+)
 
 MAX_INPUTS = 2048  # inputs of one embedding request, as OpenAI's API allows
 MAX_DOCUMENTS = 1024  # documents of one rerank request
@@ -82,7 +90,7 @@ class RerankBody(_PoolingBody):
         return documents
 
 
-def pooling_kind(raw: dict[str, Any]) -> Literal["embed", "rerank"] | None:
+def pooling_kind(raw: dict[str, Any]) -> PoolingTask | None:
     """Which kind of pooling request a body is, by its inputs (`input`; `query` or
     `documents`); None for a generation request."""
     if "input" in raw:

@@ -23,6 +23,10 @@ from ._errors import ErrorCode, RequestRejected, Undeliverable
 from .replies import as_text
 
 Encoding = Literal["json", "msgpack"]
+# What a queue's model serves: the one declaration of the tasks (a new task is one entry
+# here, plus its preparer and its engine core).
+Task = Literal["generate", "embed", "rerank"]
+PoolingTask = Literal["embed", "rerank"]
 ENCODINGS: tuple[Encoding, ...] = ("json", "msgpack")
 ID_PATTERN = re.compile(r"[A-Za-z0-9_.:\-]{1,128}")
 MAX_NESTING_DEPTH = 32  # maps and lists inside a body, metadata included
@@ -109,7 +113,7 @@ class TextPart(_Format):
 class MediaPart(_Format):
     """A media item's place in a message: `index` points into the request's list of that kind."""
 
-    type: Literal["image", "video", "audio"]
+    type: MediaKind
     index: int = Field(ge=0, lt=2**31)
 
 
@@ -303,6 +307,11 @@ class RequestBody(BaseModel):
     def media_of(self, kind: MediaKind) -> list[bytes | str]:
         """The request's items of one media kind (`image`, `video`, `audio`)."""
         return getattr(self, MEDIA_FIELDS[kind]) or []
+
+    @property
+    def first_media_field(self) -> str | None:
+        """The first of the media fields the request fills (for an error naming it)."""
+        return next((field for kind, field in MEDIA_FIELDS.items() if self.media_of(kind)), None)
 
     @property
     def has_media(self) -> bool:

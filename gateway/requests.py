@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from client.protocol import MEDIA_FIELDS, MediaKind, Task
 from common.media_formats import AUDIO_FORMATS, audio_format
 
 from .errors import ApiError
@@ -142,9 +143,8 @@ class ChatRequest(_Sampling):
         self._refuse_unsupported()
         body = self._common_body()
         messages, media = _messages(self.messages)
-        body.update(messages=messages, images=media["image"] or None, videos=media["video"] or None,
-                    audio=media["audio"] or None,
-                    logprobs=self.logprobs, top_logprobs=self.top_logprobs, tools=self.tools,
+        body.update({field: media[kind] or None for kind, field in MEDIA_FIELDS.items()})
+        body.update(messages=messages, logprobs=self.logprobs, top_logprobs=self.top_logprobs, tools=self.tools,
                     tool_choice=self.tool_choice, chat_template_kwargs=self.chat_template_kwargs)
         body["max_tokens"] = self.max_completion_tokens or self.max_tokens
         if self.response_format is not None and self.response_format.get("type") != "text":
@@ -211,12 +211,12 @@ def _prompt(prompt: str | list[str] | list[int] | list[list[int]]) -> dict[str, 
     return {"prompt": only} if isinstance(only, str) else {"prompt_tokens": only}
 
 
-def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[str, list[bytes]]]:
+def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[MediaKind, list[bytes]]]:
     """mlxq's messages and the request's media: OpenAI's content parts become mlxq's, an
     `image_url` part an `{"type": "image", "index": i}` part where it was, its bytes the
     request's i-th image (a `video_url` part likewise a video, an `input_audio` part audio)."""
     out: list[dict[str, Any]] = []
-    media: dict[str, list[bytes]] = {"image": [], "video": [], "audio": []}
+    media: dict[MediaKind, list[bytes]] = {kind: [] for kind in MEDIA_FIELDS}
     for i, message in enumerate(messages):
         content: Any = message.content
         if isinstance(message.content, list):
@@ -226,6 +226,7 @@ def _messages(messages: list[ChatMessage]) -> tuple[list[dict[str, Any]], dict[s
                     content.append({"type": "text", "text": part.text or ""})
                     continue
                 where = f"messages.{i}.content.{j}.{part.type}"
+                kind: MediaKind
                 if part.type == "input_audio":
                     kind, data = "audio", _input_audio(where, part.input_audio)
                 else:
@@ -290,9 +291,9 @@ class Call:
     returns_documents: bool = False  # a rerank call's response repeats each document
 
     @property
-    def task(self) -> str:
+    def task(self) -> Task:
         """What the serving model must do: the `task` its workers' heartbeats name."""
-        return {"embeddings": "embed", "rerank": "rerank"}.get(self.kind, "generate")
+        return "embed" if self.kind == "embeddings" else "rerank" if self.kind == "rerank" else "generate"
 
 
 def read_call(kind: Literal["chat", "completion"], raw: Any) -> Call:

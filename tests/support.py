@@ -31,6 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KEYS = Keys()  # the default prefix's key names, as every process here uses them
 MLXQ = [sys.executable, "-m", "mlxq"]  # the `mlxq` command, run from this checkout
 
+SERVER_START_S = 60.0  # a Valkey server's start, at most: seconds on a busy machine
+
 
 class ServiceProcess:
     """A real `mlxq` process (worker or gateway) with its log."""

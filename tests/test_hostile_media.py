@@ -45,7 +45,7 @@ def png() -> bytes:
 def worker(vision_model: Path, redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
     env = {"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode(), "MLXQ_TEST_DECODER_HANG_ON": HANG.decode()}
     process = start_worker(worker_url(redis_url), vision_model, f"hostile{uuid.uuid4().hex[:6]}", logs_dir, env=env,
-                           max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=3,
+                           max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=10,
                            max_crashes=2)
     yield process
     process.stop()

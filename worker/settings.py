@@ -13,6 +13,7 @@ from pydantic_settings import SettingsConfigDict
 
 from client import DEFAULT_URL
 from client.keys import BATCH_LANE, DEFAULT_PREFIX, DEFAULT_QUEUE
+from client.protocol import Task
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
@@ -70,7 +71,7 @@ class WorkerSettings(LayeredSettings):
     worker_index: int | None = Field(None, ge=0, description="names the worker <host>-<index>; unset: the lowest "
                                      "index no live worker on this host holds")
     model: str | None = Field(None, description="local path or Hugging Face id; unset uses the demo model")
-    task: Literal["auto", "generate", "embed", "rerank"] = Field(
+    task: Literal["auto"] | Task = Field(
         "auto", description="what the model's queue serves: generation, embeddings or rerank scores; auto: "
         "embed for a sentence-transformers model (modules.json), rerank for a sequence classifier, else "
         "generate (a generative reranker such as Qwen3-Reranker needs rerank)")

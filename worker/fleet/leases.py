@@ -21,6 +21,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from client.heartbeat import Heartbeat, ModelState, WorkerState
+from client.protocol import Task
 from worker.fleet.membership import Membership
 from worker.fleet.naming import claim_consumer_name
 from worker.messages import EngineStats
@@ -47,7 +48,7 @@ class Leases:
 
     def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
-                 task: str = "generate") -> None:
+                 task: Task = "generate") -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`

@@ -28,6 +28,8 @@ from client.protocol import ErrorCode, RequestRejected
 T = TypeVar("T")
 
 DECODERS = 2  # processes: decodes of this many requests at once
+READY = "ready"  # what a decoder process says once its decoders are imported
+START_LIMIT_S = 120.0  # a decoder process not ready in this long (a busy machine: seconds) is given up
 _context: Any = multiprocessing.get_context("spawn")
 
 # Fault injection for the tests: a decode whose bytes hold this marker kills its own
@@ -43,11 +45,21 @@ class _Decoder:
     """One decoder process and the pipe it is driven through."""
 
     def __init__(self, memory_bytes: int) -> None:
+        """Start the process and wait until it is ready: a decode's time limit counts the
+        decode alone, never the process's start (importing its decoders takes seconds on
+        a busy machine)."""
         self.connection, theirs = _context.Pipe()
         self.process = _context.Process(target=_serve, args=(theirs, memory_bytes), daemon=True,
                                         name="mlxq-decoder")
         self.process.start()
         theirs.close()
+        try:
+            ready = self.connection.poll(START_LIMIT_S) and self.connection.recv() == READY
+        except EOFError:
+            ready = False
+        if not ready:
+            self.close()
+            raise RuntimeError(f"the decoder process did not start ({_how(self.process.exitcode)})")
 
     def decode(self, decode: Callable[..., Any], data: bytes, args: tuple[Any, ...], where: str,
                timeout_s: float) -> tuple[bool, Any, bool]:
@@ -151,6 +163,7 @@ def _serve(connection: Connection, memory_bytes: int) -> None:
     import worker.media.audio  # noqa: F401 - the decoders, imported once
     import worker.media.videos  # noqa: F401
 
+    connection.send(READY)
     while True:
         try:
             decode, data, args = connection.recv()

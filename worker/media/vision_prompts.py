@@ -14,7 +14,6 @@ kept in its own turn, the embedding cache's key, and every failure made that req
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -34,29 +33,15 @@ from worker.media.images import decode_image
 from worker.media.isolated import run_isolated, warm_up
 from worker.media.videos import VideoLimits, decode_video
 from worker.messages import PreparedMedia
+from worker.settings import WorkerSettings
 
 # Gemma's chat templates open with the bos token themselves; mlx-vlm's server
 # tokenizes their prompts without adding another (`_cpu_preprocess`).
 TEMPLATE_ADDS_BOS = ("gemma3", "gemma3n", "gemma4", "gemma4_unified")
 
 
-@dataclass(frozen=True)
-class MediaLimits:
-    """This worker's limits on one request's media."""
-
-    max_images: int
-    max_image_pixels: int
-    max_videos: int
-    default_video_fps: float
-    max_video_frames: int
-    max_video_seconds: float
-    max_audios: int
-    max_audio_seconds: float
-    decode_timeout_s: float
-    decode_memory_bytes: int
-
-
-KINDS: tuple[MediaKind, ...] = ("image", "video", "audio")
+# Each kind's setting for the most items of it one request may carry.
+MOST_ITEMS: dict[MediaKind, str] = {"image": "max_images", "video": "max_videos", "audio": "max_audios"}
 # Families whose get_input_embeddings takes images or videos in one request, not both.
 ONE_VISUAL_KIND = ("qwen2_vl", "qwen2_5_vl")
 
@@ -64,20 +49,20 @@ ONE_VISUAL_KIND = ("qwen2_vl", "qwen2_5_vl")
 class VisionPrompts:
     """Builds the token ids and media inputs of requests for one vision model."""
 
-    def __init__(self, processor: Any, model_config: Any, model_name: str, limits: MediaLimits) -> None:
+    def __init__(self, processor: Any, model_config: Any, model_name: str, limits: WorkerSettings) -> None:
         from mlx_vlm.generate.video import processor_handles_video
 
         self.processor = processor
         self.model_config = model_config
         self.model_name = model_name
-        self.limits = limits
+        self.limits = limits  # the worker's media settings
         self.native_video = processor_handles_video(processor)
         extractor = getattr(processor, "feature_extractor", None)
         self.audio_rate: int | None = getattr(extractor, "sampling_rate", None) if extractor is not None else None
         self.add_special_tokens = not (model_config.model_type in TEMPLATE_ADDS_BOS
                                        and getattr(processor, "chat_template", None) is not None)
         if limits.max_videos or (limits.max_audios and self.audio_rate is not None):
-            warm_up(limits.decode_memory_bytes)
+            warm_up(limits.media_decode_memory_mb << 20)
 
     def prepare(self, body: RequestBody, template_kwargs: dict[str, Any] | None = None,
                 ) -> tuple[list[int], PreparedMedia]:
@@ -87,7 +72,7 @@ class VisionPrompts:
         assert body.has_media
         self._check(body)
         sampling = self._video_sampling(body)
-        data = {kind: decode_media(body.media_of(kind), MEDIA_FIELDS[kind]) for kind in KINDS}
+        data = {kind: decode_media(body.media_of(kind), MEDIA_FIELDS[kind]) for kind in MEDIA_FIELDS}
         images = [decode_image(item, i, self.limits.max_image_pixels) for i, item in enumerate(data["image"])]
         videos = [self._decode_video(item, i, sampling) for i, item in enumerate(data["video"])]
         clips = [self._decode_audio(item, i) for i, item in enumerate(data["audio"])]
@@ -115,11 +100,8 @@ class VisionPrompts:
         return f"{self.model_name}:" + ",".join(item(kind, index) for kind, index in order)
 
     def _check(self, body: RequestBody) -> None:
-        limits = self.limits
-        for field, setting, most in (("images", "max_images", limits.max_images),
-                                     ("videos", "max_videos", limits.max_videos),
-                                     ("audio", "max_audios", limits.max_audios)):
-            count = len(getattr(body, field) or [])
+        for kind, setting in MOST_ITEMS.items():
+            field, most, count = MEDIA_FIELDS[kind], getattr(self.limits, setting), len(body.media_of(kind))
             if count > most:
                 raise RequestRejected(f"{field}: {count} {'clips' if field == 'audio' else field}; this worker's "
                                       f"{setting} is {most}",
@@ -131,8 +113,7 @@ class VisionPrompts:
             raise RequestRejected(f"audio: this model ({model_type}) takes one audio clip a request",
                                   code=ErrorCode.TOO_LARGE)
         if body.prompt_tokens is not None:
-            field = next(f for f in ("images", "videos", "audio") if getattr(body, f))
-            raise RequestRejected(f"{field}: send them with prompt or messages, not prompt_tokens "
+            raise RequestRejected(f"{body.first_media_field}: send them with prompt or messages, not prompt_tokens "
                                   "(the worker places the media tokens)")
         if body.images and body.videos and self.native_video and model_type in ONE_VISUAL_KIND:
             raise RequestRejected(f"videos: this model ({model_type}) takes images or videos in one request, "
@@ -148,7 +129,8 @@ class VisionPrompts:
 
     def _decode_video(self, data: bytes, index: int, sampling: VideoLimits) -> tuple[np.ndarray, Any]:
         return run_isolated(decode_video, data, sampling, where=f"videos.{index}",
-                            timeout_s=self.limits.decode_timeout_s, memory_bytes=self.limits.decode_memory_bytes)
+                            timeout_s=self.limits.media_decode_timeout_s,
+                            memory_bytes=self.limits.media_decode_memory_mb << 20)
 
     def _template(self, conversation: str | list[Any], images: int, parts_in_place: bool,
                   template_kwargs: dict[str, Any]) -> str:
@@ -171,8 +153,8 @@ class VisionPrompts:
     def _decode_audio(self, data: bytes, index: int) -> np.ndarray:
         assert self.audio_rate is not None
         return run_isolated(decode_audio, data, AudioLimits(self.audio_rate, self.limits.max_audio_seconds),
-                            where=f"audio.{index}", timeout_s=self.limits.decode_timeout_s,
-                            memory_bytes=self.limits.decode_memory_bytes)
+                            where=f"audio.{index}", timeout_s=self.limits.media_decode_timeout_s,
+                            memory_bytes=self.limits.media_decode_memory_mb << 20)
 
     def _process(self, text: str, images: list[Any], videos: list[tuple[np.ndarray, Any]],
                  clips: list[np.ndarray]) -> dict[str, Any]:

@@ -208,8 +208,7 @@ class Preparer:
 
     def _tokenize_with_media(self, body: RequestBody) -> tuple[list[int], PreparedMedia]:
         if self.info.vision is None:
-            field = next(f for f in ("images", "videos", "audio") if getattr(body, f))
-            raise RequestRejected(f"{field}: this queue serves a text-only model ({self.info.name})")
+            raise RequestRejected(f"{body.first_media_field}: this queue serves a text-only model ({self.info.name})")
         return self.info.vision.prepare(body, template_kwargs(body))
 
     def _tokenize(self, body: RequestBody) -> list[int]:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from client.protocol import Task
 from worker.messages import CacheStats, PoolInput
 
 if TYPE_CHECKING:
@@ -73,7 +74,6 @@ class BatchBackend(Protocol):
     def close(self) -> None: ...
 
 
-Task = Literal["generate", "embed", "rerank"]
 RerankFormat = Literal["classifier", "qwen3"]
 
 

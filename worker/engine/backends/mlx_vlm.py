@@ -30,7 +30,7 @@ from worker.engine.backends.packed_prefix import PackedPrefixCoordinator, packed
 from worker.engine.backends.vision_features import Encoder, encoder_for, not_cached_because
 from worker.engine.scheduler import MIN_PREFILL_CHUNK, StepPlan
 from worker.media.vision_cache import VisionCache
-from worker.media.vision_prompts import MediaLimits, VisionPrompts
+from worker.media.vision_prompts import VisionPrompts
 from worker.messages import CacheStats, PreparedMedia
 from worker.settings import WorkerSettings
 
@@ -81,7 +81,7 @@ def load_through_mlx_vlm(settings: WorkerSettings, *, vision: bool) -> Loaded:
     # Nor eos stops its batch, as on mlx-lm's: each request's stop tokens (eos unless it
     # says ignore_eos, its stop_token_ids, min_tokens holding them back) are the engine's.
     _tokenizer_of(processor).stopping_criteria = _NoStops()
-    prompts = VisionPrompts(processor, model.config, name, media_limits(settings)) if vision else None
+    prompts = VisionPrompts(processor, model.config, name, settings) if vision else None
     info = ModelInfo(name=name, tokenizer=tokenizer, context_length=int(text_config.max_position_embeddings or 4096),
                      vocab_size=int(text_config.vocab_size), vision=prompts)
     vision_cache = VisionCache(settings.vision_cache_mb * 1024 * 1024 if vision else 0)
@@ -131,15 +131,6 @@ def _tokenizer_of(processor: Any) -> Any:
     """The tokenizer mlx-vlm's batch reads its stopping criteria from: a vision model's
     processor holds one, a text model's processor is one."""
     return processor.tokenizer if hasattr(processor, "tokenizer") else processor
-
-
-def media_limits(settings: WorkerSettings) -> MediaLimits:
-    return MediaLimits(max_images=settings.max_images, max_image_pixels=settings.max_image_pixels,
-                       max_videos=settings.max_videos, default_video_fps=settings.default_video_fps,
-                       max_video_frames=settings.max_video_frames, max_video_seconds=settings.max_video_seconds,
-                       max_audios=settings.max_audios, max_audio_seconds=settings.max_audio_seconds,
-                       decode_timeout_s=settings.media_decode_timeout_s,
-                       decode_memory_bytes=settings.media_decode_memory_mb << 20)
 
 
 def unbatchable(model: Any) -> str | None:
