@@ -11,7 +11,6 @@ asked for.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ import redis.asyncio as aioredis
 
 from .batches import Batch
 from .heartbeat import Heartbeat
+from .hosts import HostedModel, HostRecord
 from .keys import BATCH_LANE, GROUP, Keys
 from .replies import as_text
 
@@ -63,25 +63,12 @@ class StreamView:
 
 
 @dataclass
-class HostedModelView:
-    """One model of a worker of several models (`[[models]]`), and where it stands there."""
-
-    host: str  # the worker's name
-    name: str  # the model's, and its queue's
-    path: str
-    state: str  # loaded, loading, draining, available
-    memory_bytes: int | None
-    pin: bool
-    failed: str | None  # why the worker left it unloaded, if it did
-
-
-@dataclass
 class Fleet:
     """Every recent worker and every stream they serve."""
 
     workers: list[WorkerView] = field(default_factory=list)
     streams: list[StreamView] = field(default_factory=list)
-    models: list[HostedModelView] = field(default_factory=list)  # of the workers of several models
+    models: list[HostedModel] = field(default_factory=list)  # of the workers of several models
     batches: list[Batch] = field(default_factory=list)  # those not ended
 
     def serving(self, queue: str) -> list[WorkerView]:
@@ -122,41 +109,30 @@ def read_active_batches(redis: redis_py.Redis, keys: Keys) -> list[Batch]:
     return sorted(found, key=lambda b: b.created_at)
 
 
-def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModelView]:
+def read_hosted_models(redis: redis_py.Redis, keys: Keys) -> list[HostedModel]:
     """Each model of each live worker of several models, by worker then model."""
     seen: list[bytes] = redis.zrangebyscore(keys.hosts, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
     names = [as_text(n) for n in seen]
     with redis.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.get(keys.host(name))  # GET, not MGET: the gateway's ACL allows GET
-        return _hosted_models(names, pipe.execute())
+        return _hosted_models(pipe.execute())
 
 
-async def read_hosted_models_async(redis: aioredis.Redis, keys: Keys) -> list[HostedModelView]:
+async def read_hosted_models_async(redis: aioredis.Redis, keys: Keys) -> list[HostedModel]:
     """`read_hosted_models` for asyncio."""
     seen: list[bytes] = await redis.zrangebyscore(keys.hosts, time.time() - RECENT_S, "+inf")  # type: ignore[assignment]
     names = [as_text(n) for n in seen]
     async with redis.pipeline(transaction=False) as pipe:
         for name in names:
             pipe.get(keys.host(name))
-        return _hosted_models(names, await pipe.execute())
+        return _hosted_models(await pipe.execute())
 
 
-def _hosted_models(names: list[str], raws: list[bytes | None]) -> list[HostedModelView]:
+def _hosted_models(raws: list[bytes | None]) -> list[HostedModel]:
     """The models of the hosts whose key is still there (it expires soon after a host dies)."""
-    models = []
-    for name, raw in zip(names, raws, strict=True):
-        try:
-            body = json.loads(raw) if raw else {}
-        except ValueError:
-            continue
-        for m in body.get("models", []) if isinstance(body, dict) else []:
-            if isinstance(m, dict) and isinstance(m.get("name"), str):
-                memory, failed = m.get("memory_bytes"), m.get("failed")
-                models.append(HostedModelView(name, m["name"], str(m.get("path", "?")), str(m.get("state", "?")),
-                                              memory if isinstance(memory, int) else None, m.get("pin") is True,
-                                              failed if isinstance(failed, str) else None))
-    return models
+    records = [HostRecord.from_wire(raw) for raw in raws]
+    return [model for record in records if record is not None for model in record.models]
 
 
 def _by_name(item: tuple[str, str | None]) -> tuple[str, str]:

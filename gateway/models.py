@@ -15,8 +15,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from client.fleet import HostedModelView, read_hosted_models_async, read_workers_async
+from client.fleet import read_hosted_models_async, read_workers_async
 from client.heartbeat import Heartbeat
+from client.hosts import HostedModel
 from client.keys import Keys
 
 from .errors import ApiError
@@ -96,7 +97,7 @@ class ModelDirectory:
         self._read_at = time.monotonic()
 
 
-def _served(heartbeats: list[Heartbeat], loadable: list[HostedModelView]) -> list[Served]:
+def _served(heartbeats: list[Heartbeat], loadable: list[HostedModel]) -> list[Served]:
     """One entry per (model, queue), its oldest worker's start (0 for a model no worker
     has loaded yet, whose tool-call format is unknown until then); ordered by queue."""
     found: dict[tuple[str, str], Served] = {(m.path, m.name): Served(m.path, m.name, 0, None)

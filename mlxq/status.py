@@ -8,7 +8,8 @@ from typing import Any
 
 import redis as redis_py
 
-from client.fleet import Fleet, HostedModelView, StreamView, WorkerView, read_fleet
+from client.fleet import Fleet, StreamView, WorkerView, read_fleet
+from client.hosts import HostedModel
 from client.keys import Keys
 
 
@@ -55,7 +56,7 @@ def render(fleet: Fleet) -> str:
     return "\n".join(lines)
 
 
-def _hosted_row(m: HostedModelView) -> list[str]:
+def _hosted_row(m: HostedModel) -> list[str]:
     gb = "-" if m.memory_bytes is None else f"{m.memory_bytes / 1024 ** 3:.2f}"
     return [m.host, m.name, m.state if m.failed is None else f"failed: {m.failed}", "yes" if m.pin else "-", gb, m.path]
 

@@ -46,13 +46,13 @@ def test_names_are_queue_names():
 
 
 def test_the_gateway_routes_to_a_model_a_worker_can_load():
-    from client.fleet import HostedModelView
     from client.heartbeat import Heartbeat, ModelState
+    from client.hosts import HostedModel
     from gateway.models import _served
 
-    loadable = [HostedModelView("h", "vl", "org/VL", "available", 1, False, None),
-                HostedModelView("h", "broken", "org/B", "available", 1, False, "exited 3 times"),
-                HostedModelView("h", "chat", "org/Chat", "loaded", 1, True, None)]
+    loadable = [HostedModel("vl", "org/VL", "available", 1, host="h"),
+                HostedModel("broken", "org/B", "available", 1, failed="exited 3 times", host="h"),
+                HostedModel("chat", "org/Chat", "loaded", 1, pin=True, host="h")]
     chat = ModelState("chat", "chat", "org/Chat", tool_call=("<a>", "</a>"))
     live = [Heartbeat("h.chat", started_at=100.0, models=(chat,))]
     served = {(s.model, s.queue): s for s in _served(live, loadable)}
@@ -71,3 +71,22 @@ def test_a_models_worker_reads_back_every_value_its_file_holds(value):
 
     read = tomllib.loads(f"v = {_toml(value)}")["v"]
     assert read == value or (isinstance(value, float) and math.isinf(value) and math.isinf(read))
+
+
+def test_a_host_record_reads_back_as_written_and_junk_reads_as_none():
+    """The host key's one encoding: what a host writes is what readers get; a key another
+    writer left (not JSON, not an object, models of the wrong shape) reads as None or
+    loses only what is wrong."""
+    from client.hosts import HostedModel, HostRecord
+
+    models = (HostedModel("chat", "org/Chat", "loaded", 3 << 30, pin=True, consumer="h.chat", host="h"),
+              HostedModel("vl", "org/VL", "available", None, failed="exited 3 times", consumer="h.vl", host="h"))
+    record = HostRecord("h", "mac-1", 42, 16 << 30, 13 << 30, 7, models)
+    assert HostRecord.from_wire(record.to_wire()) == record
+    assert [m.offered for m in record.models] == [False, False]
+    assert HostedModel("x", "p", "available").offered
+    for junk in (None, b"", b"not json", b"[1, 2]", b'{"no": "name"}'):
+        assert HostRecord.from_wire(junk) is None, junk
+    odd = HostRecord.from_wire(b'{"name": "h", "free_bytes": "lots", "models": [1, {"path": "p"}, '
+                               b'{"name": "m", "state": "exploded", "pin": "yes"}]}')
+    assert odd == HostRecord("h", models=(HostedModel("m", "?", "available", host="h"),))

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,15 @@ from redis.exceptions import RedisError
 
 from client.connect import connect
 from client.fleet import WorkerView, read_stream, read_workers
-from client.heartbeat import ModelLoad, ModelState
+from client.heartbeat import ModelLoad
+from client.hosts import HostedModel, HostRecord
 from client.keys import BATCH_LANE, Keys
-from client.replies import as_text
 from worker.host import metrics as host_metrics
 from worker.host.models_config import HOST_ONLY, child_settings, footprint_bytes, host_name
+from worker.host.placement import Decision, Demand, Look, Model, Policy, decide, gb
+from worker.host.publishing import HostKey
 from worker.queue.retrying import describe
-from worker.settings import ModelEntry, ModelsConfigError
+from worker.settings import ModelEntry, ModelsConfigError, WorkerSettings
 
 log = structlog.get_logger("mlxq.host")
 
@@ -54,11 +56,11 @@ MAX_FAILURES = 3  # loads in a row that fail before a model is reported failed a
 
 
 @dataclass
-class HostedModel:
+class ModelProcess:
     """One configured model and its process, if it has one."""
 
     entry: ModelEntry
-    settings: Any  # its worker's WorkerSettings
+    settings: WorkerSettings  # its worker's
     footprint: int  # bytes estimated (`footprint_bytes`)
     state: ModelLoad = "available"
     process: subprocess.Popen[bytes] | None = None
@@ -84,11 +86,16 @@ class HostedModel:
     def holds_memory(self) -> bool:
         return self.process is not None and not self.refusing
 
+    def view(self) -> Model:
+        """What placement knows of it."""
+        return Model(self.queue, self.counted(), self.entry.pin, self.state, self.last_used, self.holds_memory(),
+                     self.refusing, self.failed)
+
 
 class Host:
     """Keeps the right models loaded, one process each; `run` until SIGTERM or SIGINT."""
 
-    def __init__(self, settings: Any, redis_url: str) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str) -> None:
         self.settings = settings
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
@@ -97,31 +104,33 @@ class Host:
         self.models = [self._hosted(entry) for entry in settings.models]
         self._check_budget()
         self.redis = connect(redis_url, socket_timeout=10)
+        self.host_key = HostKey(self.redis, self.keys, self.name, settings.heartbeat_s)
         self._configs = Path(tempfile.mkdtemp(prefix="mlxq-host-"))  # each model's worker's settings
         self._stopping = False
         self._looks = 0  # ticks done, in its key: a reader can wait for the host to have looked again
         self._tick_s = min(MAX_TICK_S, settings.heartbeat_s / 2)
+        self.policy = Policy(self.name, self.budget, settings.idle_unload_s, settings.scale_up_after_s, self._tick_s)
 
-    def _hosted(self, entry: ModelEntry) -> HostedModel:
+    def _hosted(self, entry: ModelEntry) -> ModelProcess:
         child = child_settings(self.settings, entry, f"{self.name}.{entry.name}")
-        return HostedModel(entry, child, footprint_bytes(entry, child))
+        return ModelProcess(entry, child, footprint_bytes(entry, child))
 
     def _check_budget(self) -> None:
         for model in self.models:
             if model.footprint > self.budget:
-                raise ModelsConfigError(f"models: {model.queue} needs {_gb(model.footprint)} GB, more than "
-                                        f"memory_budget_gb {_gb(self.budget)}")
+                raise ModelsConfigError(f"models: {model.queue} needs {gb(model.footprint)} GB, more than "
+                                        f"memory_budget_gb {gb(self.budget)}")
         pinned = sum(m.footprint for m in self.models if m.entry.pin)
         if pinned > self.budget:
-            raise ModelsConfigError(f"models: the pinned models need {_gb(pinned)} GB, more than memory_budget_gb "
-                                    f"{_gb(self.budget)}")
+            raise ModelsConfigError(f"models: the pinned models need {gb(pinned)} GB, more than memory_budget_gb "
+                                    f"{gb(self.budget)}")
 
     # ---- the loop ---------------------------------------------------------------
 
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        if not self._claim_name():
+        if not self.host_key.claim(HostRecord(self.name, pid=os.getpid()), lambda: self._stopping, self._tick_s):
             log.critical("worker exiting: another worker of several models runs under this name; give this one "
                          "another --consumer", name=self.name)
             return 2
@@ -132,7 +141,7 @@ class Host:
                 log.critical("worker exiting: the metrics port cannot be opened; choose another --metrics-port",
                              port=self.settings.metrics_port, error=str(e))
                 return 2
-        log.info("host ready", host=self.name, models=[m.queue for m in self.models], budget_gb=_gb(self.budget))
+        log.info("host ready", host=self.name, models=[m.queue for m in self.models], budget_gb=gb(self.budget))
         for model in self.models:
             if model.entry.pin:
                 self._load(model)
@@ -148,54 +157,51 @@ class Host:
             self._stop_all()
         return 0
 
-    def _claim_name(self) -> bool:
-        """Take the host key, waiting out one left by a host that died (it expires)."""
-        deadline = time.monotonic() + self._ttl_s() + 1
-        while not self._stopping:
-            try:
-                if self.redis.set(self.keys.host(self.name), json.dumps({"name": self.name, "pid": os.getpid()}),
-                                  nx=True, px=int(self._ttl_s() * 1000)):
-                    return True
-            except RedisError as e:  # not up yet: wait for it, as a worker does
-                log.warning("redis does not answer yet; trying again", error=describe(e))
-                deadline = time.monotonic() + self._ttl_s() + 1
-                time.sleep(1.0)
-                continue
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(self._tick_s)
-        return False
-
     def tick(self) -> None:
+        """One look: take in what the fleet did, decide (`placement.decide`), carry it out."""
         now = time.monotonic()
         workers = read_workers(self.redis, self.keys)
         live = {w.name: w for w in workers if w.alive}
         for model in self.models:
             self._observe(model, live, now)
-        served_elsewhere = {m.queue for w in workers if w.alive and w.name not in self._children()
-                            for m in w.heartbeat.models}
+        look = self._look(now, workers)
         for model in self.models:
-            unread, pending, oldest_s = self._demand(model)
-            if unread:
+            if look.demand[model.queue].unread:
                 model.last_used = now
-            # Entries read but unfinished are work only where no live worker holds them (a dead one's).
-            waiting = unread or (pending and model.queue not in served_elsewhere)
-            idle_s = now - model.last_used
-            unloadable = not model.entry.pin or model.refusing  # a refusing one is tried again once idle
-            if model.state == "loaded" and unloadable and idle_s >= self.settings.idle_unload_s:
-                log.info("unloading an idle model", model=model.queue, idle_s=round(idle_s, 1))
-                self._unload(model)
-            elif model.state == "available" and waiting and not self._loading_elsewhere(model):
-                backlog = oldest_s is not None and oldest_s >= self.settings.scale_up_after_s
-                if model.queue in served_elsewhere and not backlog:
-                    continue
-                if model.failed is None:
-                    self._place(model, now, served_elsewhere)
-                elif model.queue not in served_elsewhere:
-                    self._refuse(model)
+        for decision in decide(self.policy, [m.view() for m in self.models], look):
+            self._carry_out(decision, now)
         self._beat()
 
-    def _observe(self, model: HostedModel, live: dict[str, WorkerView], now: float) -> None:
+    def _look(self, now: float, workers: list[WorkerView]) -> Look:
+        """What placement needs of Redis: each queue's demand, who else serves or loads it,
+        and (only when a model may load here) the other hosts."""
+        demand = {model.queue: self._demand(model) for model in self.models}
+        served_elsewhere = frozenset(m.queue for w in workers if w.alive and w.name not in self._children()
+                                     for m in w.heartbeat.models)
+        wanted = [m for m in self.models if m.state == "available"
+                  and (demand[m.queue].unread or demand[m.queue].pending)]
+        loading_elsewhere = self.host_key.loaders_elsewhere([m.queue for m in wanted])
+        return Look(now, demand, served_elsewhere, loading_elsewhere, self.host_key.other_hosts() if wanted else ())
+
+    def _carry_out(self, decision: Decision, now: float) -> None:
+        model = next(m for m in self.models if m.queue == decision.queue)
+        if decision.action == "load":
+            if self.host_key.take_load(model.queue):
+                self._load(model)
+        elif decision.action == "unload":
+            if decision.why == "idle":
+                log.info("unloading an idle model", model=model.queue, idle_s=round(now - model.last_used, 1))
+            else:
+                log.info("unloading a model to make room", model=model.queue)
+            self._unload(model)
+        elif decision.action == "refuse":
+            self._refuse(model)
+        else:
+            model.failed = decision.why
+            log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
+                      "idle_unload_s", model=model.queue, reason=model.failed)
+
+    def _observe(self, model: ModelProcess, live: dict[str, WorkerView], now: float) -> None:
         """Take in what its process did: started serving, exited, had work."""
         if model.process is None:
             return
@@ -208,7 +214,7 @@ class Host:
             return
         if model.state == "loading" and beat.heartbeat.pid == model.process.pid:
             model.state, model.failures, model.last_used = "loaded", 0, now
-            self.redis.delete(self.keys.loading(model.queue))
+            self.host_key.end_load(model.queue)
             log.info("answering its requests model_unavailable" if model.refusing else "model loaded",
                      model=model.queue, consumer=model.consumer)
         if beat.heartbeat.in_flight:
@@ -218,10 +224,10 @@ class Host:
             held = sum(v for k, v in memory.items() if k in ("active", "cache") and isinstance(v, int))
             model.measured = max(model.measured, held)
 
-    def _exited(self, model: HostedModel, code: int) -> None:
+    def _exited(self, model: ModelProcess, code: int) -> None:
         expected = model.state == "draining"
         if model.state == "loading":
-            self.redis.delete(self.keys.loading(model.queue))
+            self.host_key.end_load(model.queue)
         model.process, model.state = None, "available"
         if expected and model.refusing:  # idle: the next request tries to load it again
             model.refusing, model.failed, model.failures = False, None, 0
@@ -236,91 +242,30 @@ class Host:
             log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
                       "idle_unload_s", model=model.queue, reason=model.failed)
 
-    def _demand(self, model: HostedModel) -> tuple[bool, bool, float | None]:
-        """Whether its queue (or any of its lanes) has requests unread, and read but
-        unfinished, and how long the oldest unread one has waited."""
+    def _demand(self, model: ModelProcess) -> Demand:
+        """Its queue's (and its lanes') requests unread, and read but unfinished, and how
+        long the oldest unread one has waited."""
         views = [read_stream(self.redis, self.keys, model.queue, lane) for lane in
                  [None, BATCH_LANE, *model.settings.lanes]]
         ages = [v.oldest_waiting_s for v in views if v.oldest_waiting_s is not None]
-        return any(v.waiting for v in views), any(v.pending for v in views), max(ages, default=None)
-
-    def _loading_elsewhere(self, model: HostedModel) -> bool:
-        loader = self.redis.get(self.keys.loading(model.queue))
-        return loader is not None and as_text(loader) != self.name
+        return Demand(any(v.waiting for v in views), any(v.pending for v in views), max(ages, default=None))
 
     def _children(self) -> set[str]:
         return {m.consumer for m in self.models}
 
-    def _place(self, model: HostedModel, now: float, served_elsewhere: set[str]) -> None:
-        """Load it if it fits, else unload idle models to make room: extra copies (models
-        other workers serve too) first, then the least recently used."""
-        if not self._preferred_for(model):
-            return
-        room = self.budget - sum(m.counted() for m in self.models if m.entry.pin and m is not model)
-        if model.counted() > room:  # seen to hold more than its estimate: it cannot fit here at all
-            model.failed = (f"it needs {_gb(model.counted())} GB, more than the {_gb(room)} GB memory_budget_gb "
-                            "leaves beside the pinned models")
-            log.error("model left unloaded; its requests are answered model_unavailable until it is idle for "
-                      "idle_unload_s", model=model.queue, reason=model.failed)
-            return
-        if model.counted() > self._free():
-            self._make_room(model, now, served_elsewhere)
-            return  # loaded once the unloaded ones have exited
-        if self.redis.set(self.keys.loading(model.queue), self.name, nx=True, px=self._lease_ms()):
-            self._load(model)
-
-    def _make_room(self, model: HostedModel, now: float, served_elsewhere: set[str]) -> None:
-        """Unload idle models until `model` will fit, counting those already unloading."""
-        coming = sum(m.counted() for m in self.models if m.state == "draining" and m.holds_memory())
-        short = model.counted() - self._free() - coming
-        idle = sorted((m for m in self.models if m.state == "loaded" and not m.entry.pin and m is not model
-                       and now - m.last_used > self._tick_s),
-                      key=lambda m: (m.queue not in served_elsewhere, m.last_used))
-        for victim in idle:
-            if short <= 0:
-                return
-            log.info("unloading a model to make room", model=victim.queue, for_model=model.queue)
-            self._unload(victim)
-            short -= victim.counted()
-
-    def _preferred_for(self, model: HostedModel) -> bool:
-        """Whether this host has the most free budget (then the lowest name) among the
-        live hosts that can load the model now."""
-        mine = self._free()
-        for other in self._other_hosts():
-            models = other.get("models")
-            offers = {m.get("queue") for m in models if isinstance(m, dict) and m.get("state") == "available"
-                      and not m.get("failed")} if isinstance(models, list) else set()
-            free, name = other.get("free_bytes"), str(other.get("name"))
-            if model.queue in offers and isinstance(free, int) and free >= model.counted() \
-                    and (free > mine or (free == mine and name < self.name)):
-                return False
-        return True
-
-    def _other_hosts(self) -> list[dict[str, Any]]:
-        """The keys of the other live hosts, as written; what does not read as a JSON object is left out."""
-        seen: list[bytes] = self.redis.zrangebyscore(self.keys.hosts, time.time() - self._ttl_s(),  # type: ignore[assignment]
-                                                     "+inf")
-        others = [name for name in map(as_text, seen) if name != self.name]
-        with self.redis.pipeline(transaction=False) as pipe:  # GETs, not one MGET: the keys may sit on other slots
-            for name in others:
-                pipe.get(self.keys.host(name))
-            raws = pipe.execute()
-        return [value for raw in raws if raw and isinstance(value := _json(raw), dict)]
-
     # ---- processes --------------------------------------------------------------
 
-    def _load(self, model: HostedModel) -> None:
-        log.info("loading a model", model=model.queue, path=model.entry.path, gb=_gb(model.counted()))
+    def _load(self, model: ModelProcess) -> None:
+        log.info("loading a model", model=model.queue, path=model.entry.path, gb=gb(model.counted()))
         self._start(model)
 
-    def _start(self, model: HostedModel) -> None:
+    def _start(self, model: ModelProcess) -> None:
         model.metrics_port = None if self.settings.metrics_port is None else host_metrics.free_local_port()
         model.process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config",
                                           str(self._child_config(model))], env=self._child_env(model))
         model.state = "loading"
 
-    def _refuse(self, model: HostedModel) -> None:
+    def _refuse(self, model: ModelProcess) -> None:
         """Answer its waiting requests with why it is not loaded: a worker that loads nothing
         and refuses each request (`unavailable`), so no request waits for it forever."""
         reason = f"model {model.queue} ({model.entry.path}) could not be loaded on {self.name}: {model.failed}"
@@ -332,17 +277,17 @@ class Host:
             model.settings = settings
         model.refusing = True
 
-    def _unload(self, model: HostedModel) -> None:
+    def _unload(self, model: ModelProcess) -> None:
         """Its worker drains: stops reading, finishes what runs, hands back the rest."""
         if model.process is not None:
             model.process.send_signal(signal.SIGTERM)
             model.state = "draining"
 
-    def _child_env(self, model: HostedModel) -> dict[str, str]:
+    def _child_env(self, model: ModelProcess) -> dict[str, str]:
         """The host's environment without its MLXQ_* settings: the child's are all in its file."""
         return {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k.startswith("MLXQ_TEST_")}
 
-    def _child_config(self, model: HostedModel) -> Path:
+    def _child_config(self, model: ModelProcess) -> Path:
         """Its worker's settings as a TOML file."""
         values = {name: value for name, value in model.settings.model_dump(mode="json").items()
                   if value is not None and name not in HOST_ONLY}
@@ -356,7 +301,7 @@ class Host:
 
     def _stop_all(self) -> None:
         running = [m for m in self.models if m.process is not None]
-        leases = [self.keys.loading(m.queue) for m in running if m.state == "loading"]
+        loading = [m.queue for m in running if m.state == "loading"]
         for model in running:
             self._unload(model)
         deadline = time.monotonic() + self.settings.drain_timeout_s + 30
@@ -368,7 +313,7 @@ class Host:
                 log.error("a model's worker did not stop; killing it", model=model.queue)
                 model.process.kill()
         with contextlib.suppress(RedisError):  # else they expire
-            self.redis.delete(self.keys.host(self.name), *leases)
+            self.host_key.release(loading)
         shutil.rmtree(self._configs, ignore_errors=True)
         log.info("host stopped", host=self.name)
 
@@ -389,27 +334,12 @@ class Host:
         return self.budget - sum(m.counted() for m in self.models if m.holds_memory())
 
     def _beat(self) -> None:
-        models = [{**asdict(ModelState(m.queue, m.queue, m.entry.path, "available" if m.refusing else m.state,
-                                       memory_bytes=m.counted())),
-                   "consumer": m.consumer, "pin": m.entry.pin, "failed": m.failed} for m in self.models]
+        models = tuple(HostedModel(m.queue, m.entry.path, "available" if m.refusing else m.state, m.counted(),
+                                   m.entry.pin, m.failed, m.consumer) for m in self.models)
         self._looks += 1
-        body = {"name": self.name, "host": socket.gethostname(), "pid": os.getpid(), "budget_bytes": self.budget,
-                "free_bytes": self._free(), "looks": self._looks, "models": models}
-        with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.host(self.name), json.dumps(body), px=int(self._ttl_s() * 1000))
-            pipe.zadd(self.keys.hosts, {self.name: time.time()})
-            for m in self.models:
-                if m.state == "loading":
-                    pipe.pexpire(self.keys.loading(m.queue), self._lease_ms())
-            pipe.execute()
-
-    def _ttl_s(self) -> float:
-        return max(3.0, 3 * self.settings.heartbeat_s)
-
-    def _lease_ms(self) -> int:
-        """A load's lease: outlives a few missed ticks, ends soon after a host that died mid-load."""
-        return int(max(10.0, 4 * self.settings.heartbeat_s) * 1000)
-
+        record = HostRecord(self.name, socket.gethostname(), os.getpid(), self.budget, self._free(), self._looks,
+                            models)
+        self.host_key.publish(record, [m.queue for m in self.models if m.state == "loading"])
 
 def _toml(value: Any) -> str:
     """A setting's value in TOML: strings, numbers, booleans and lists of strings, as JSON
@@ -417,14 +347,3 @@ def _toml(value: Any) -> str:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else "inf" if value > 0 else "-inf"
     return json.dumps(value)
-
-
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return None
-
-
-def _gb(nbytes: int) -> float:
-    return round(nbytes / 1024 ** 3, 3)
