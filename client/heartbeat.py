@@ -16,6 +16,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast, get_args
 
+from .engine_stats import EngineStats
 from .protocol import Task
 
 WorkerState = Literal["ready", "draining", "stopped"]
@@ -65,7 +66,7 @@ class Heartbeat:
     tok_s: float | None = None  # generated over the last minute
     totals: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, Any] | None = None  # {code, message, request_id, at}
-    stats: dict[str, Any] = field(default_factory=dict)  # the engine's figures: running, waiting, memory, caches
+    stats: EngineStats | None = None  # the engine's figures (None until its model is loaded)
 
     @property
     def model(self) -> ModelState | None:
@@ -82,7 +83,7 @@ class Heartbeat:
         body = {k: v for k, v in asdict(self).items() if k != "stats"}
         flat = {"queue": first.queue, "lanes": list(first.lanes), "model": first.path,
                 "tool_call": first.tool_call} if first else {}
-        return {**self.stats, **body, **flat}
+        return {**(self.stats.to_wire() if self.stats else {}), **body, **flat}
 
     def to_json(self) -> str:
         return json.dumps(self.as_json())
@@ -100,7 +101,6 @@ class Heartbeat:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Heartbeat:
-        known = {f for f in cls.__dataclass_fields__} | {"queue", "lanes", "model", "tool_call"}
         state = raw.get("state")
         totals = raw.get("totals")
         last_error = raw.get("last_error")
@@ -114,7 +114,7 @@ class Heartbeat:
             tok_s=_float(raw.get("tok_s")),
             totals={k: v for k, v in totals.items() if isinstance(v, int)} if isinstance(totals, dict) else {},
             last_error=last_error if isinstance(last_error, dict) else None,
-            stats={k: v for k, v in raw.items() if k not in known})
+            stats=EngineStats.from_wire(raw))
 
 
 def _models(raw: dict[str, Any]) -> tuple[ModelState, ...]:

@@ -8,6 +8,7 @@ from typing import Any
 
 import redis as redis_py
 
+from client.engine_stats import CacheStats
 from client.fleet import Fleet, StreamView, WorkerView, read_fleet
 from client.hosts import HostedModel
 from client.keys import Keys
@@ -72,12 +73,12 @@ def _worker_row(w: WorkerView) -> list[str]:
     errors = " ".join(f"{name.removeprefix('errors:')}={n}" for name, n in sorted(totals.items())
                       if name.startswith("errors:") and n) or "-"
     stats, model = beat.stats, beat.model
-    running = f"{stats.get('running', '-')}/{stats.get('waiting', '-')}" if w.alive else "-"
+    running = f"{stats.running}/{stats.waiting}" if w.alive and stats else "-"
     served = _model(model.path if model else None) + (f" ({model.task})" if model and model.task != "generate" else "")
     return [w.name, w.state, beat.host, model.queue if model else "?", served,
             running, str(beat.tok_s if beat.tok_s is not None else "-") if w.alive else "-", str(requests),
-            str(totals.get("generation_tokens", 0)), errors, _rate(stats.get("prefix_cache")),
-            _rate(stats.get("vision_cache")), _bytes((stats.get("memory") or {}).get("active")),
+            str(totals.get("generation_tokens", 0)), errors, _rate(stats.prefix_cache if stats else None),
+            _rate(stats.vision_cache if stats else None), _bytes(stats.memory.get("active") if stats else None),
             beat.version, beat.blas, _ago(w.last_seen_s) + " ago"]
 
 
@@ -94,8 +95,8 @@ def _model(name: Any) -> str:
     return text if len(text) <= 32 else "..." + text[-29:]
 
 
-def _rate(cache: Any) -> str:
-    rate = cache.get("hit_rate") if isinstance(cache, dict) else None
+def _rate(cache: CacheStats | None) -> str:
+    rate = None if cache is None else cache.hit_rate
     return "-" if rate is None else f"{100 * rate:.0f}%"
 
 

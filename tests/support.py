@@ -402,6 +402,6 @@ def scrape_metrics(port: int) -> dict[str, dict[tuple, float]]:
 
 
 def heartbeat_stats(r: redis.Redis, consumer: str) -> dict[str, Any]:
-    """The engine's figures in a worker's heartbeat ({} before its first)."""
+    """The engine's figures in a worker's heartbeat, as written ({} before its first)."""
     beat = Heartbeat.from_json(r.get(KEYS.worker(consumer)))
-    return {} if beat is None else beat.stats
+    return {} if beat is None or beat.stats is None else beat.stats.to_wire()

@@ -11,11 +11,12 @@ from dataclasses import replace
 import pytest
 from support import build_demo_model
 
+from client.engine_stats import EngineTime
 from client.protocol import Done, Envelope, Error, RequestRejected
 from worker.engine.backends import PoolingInfo, load_model
 from worker.engine.pooling_core import PoolingCore
 from worker.engine.scheduler import SchedulingPolicy
-from worker.messages import EngineTime, PoolingRequest, PoolInput, RequestRef, StepOutput
+from worker.messages import PoolingRequest, PoolInput, RequestRef, StepOutput
 from worker.prepare.pooling import PoolingPreparer
 from worker.settings import WorkerSettings
 

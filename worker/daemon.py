@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 
 from client.connect import connect_async
 from client.diagnose import redacted
+from client.engine_stats import EngineStats
 from client.keys import Keys
 from client.protocol import Event
 from worker.engine.backends import Loaded, ModelInfo
@@ -34,7 +35,7 @@ from worker.fleet.leases import Leases
 from worker.fleet.membership import Membership
 from worker.fleet.metrics import Metrics
 from worker.fleet.naming import NameTaken
-from worker.messages import EngineStats, StepOutput, ToolFormat
+from worker.messages import StepOutput, ToolFormat
 from worker.prepare.generation import Preparer
 from worker.prepare.pooling import PoolingPreparer
 from worker.queue.cancels import listen_for_cancels
@@ -116,7 +117,7 @@ class Worker:
             return 1
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
-        tools = ToolFormat.of(info.tokenizer) if info.pooling is None else None
+        tools = ToolFormat.of(info.tokenizer) if info.task == "generate" else None
         leases = self._leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals,
                                        self.blas, (tools.start, tools.end) if tools else None, info.task)
         if self._stats is not None:
@@ -175,7 +176,7 @@ class Worker:
         reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
         return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults) if info.pooling is None
+                      Preparer(info, self.settings, self.faults) if info.task == "generate"
                       else PoolingPreparer(info, self.settings), self.engine, publisher.emit, clock_offset_s,
                       self.totals)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from client.protocol import (
@@ -295,64 +295,11 @@ def failed(ref: RequestRef, code: ErrorCode, message: str) -> Outgoing:
 
 
 @dataclass(frozen=True)
-class CacheStats:
-    """One shape for every cache: the prefix cache, mlx-vlm's block cache (entries are
-    blocks), the vision-embedding cache."""
-
-    entries: int
-    hits: int
-    misses: int
-    bytes: int | None = None  # None where the cache does not count them
-    capacity: int | None = None  # most entries it can hold, where that is fixed
-    refused: int = 0  # entries too large to keep
-
-    @property
-    def hit_rate(self) -> float | None:
-        looked_up = self.hits + self.misses
-        return None if looked_up == 0 else round(self.hits / looked_up, 3)
-
-    def as_json(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
-
-
-@dataclass
-class EngineTime:
-    """Seconds of the engine thread: inside the model's step (the forward pass and sampling,
-    `model_s`), around it (admitting, masks, logprobs, detokenizing, stop strings, events:
-    `other_s`), handing each step's events to the event loop (`handoff_s`: until its publisher has
-    taken them, see `Publisher.hand_over`), and waiting for work (`idle_s`); and the steps taken."""
-
-    steps: int = 0
-    model_s: float = 0.0
-    other_s: float = 0.0
-    handoff_s: float = 0.0
-    idle_s: float = 0.0
-
-    def as_json(self) -> dict[str, Any]:
-        return {"steps": self.steps, **{name: round(getattr(self, name), 3)
-                                        for name in ("model_s", "other_s", "handoff_s", "idle_s")}}
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What the engine thread tells the event loop about itself, now and then."""
+class CoreStats:
+    """What a core counts of its requests: running and waiting; and for generation, the
+    batch fills of constrained rows' masks and the time they took."""
 
     running: int
     waiting: int
-    memory: dict[str, int]  # the framework's figures, in bytes
-    prefix_cache: CacheStats | None = None
-    vision_cache: CacheStats | None = None
-    ssd_cache: CacheStats | None = None  # the prefix cache's SSD tier
-    speculation: dict[str, Any] | None = None  # speculative decoding's counters, where it runs
-    mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
+    mask_fills: int = 0
     mask_fill_ms: float = 0.0
-    time: EngineTime | None = None  # where the engine thread's time went, since it started
-
-    def as_json(self) -> dict[str, Any]:
-        return {"running": self.running, "waiting": self.waiting, "memory": self.memory,
-                "constraints": {"mask_fills": self.mask_fills, "mask_fill_ms": round(self.mask_fill_ms, 1)},
-                "engine": None if self.time is None else self.time.as_json(),
-                "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.as_json(),
-                "vision_cache": None if self.vision_cache is None else self.vision_cache.as_json(),
-                "ssd_cache": None if self.ssd_cache is None else self.ssd_cache.as_json(),
-                "speculation": self.speculation}

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Any
 
 import structlog
 
+from client.engine_stats import EngineTime
 from client.protocol import ErrorCode
 from worker.engine.backends import Coverage, Loaded
 from worker.engine.constraints import Guides
@@ -26,8 +26,8 @@ from worker.engine.sampling import build_logits_processors, build_sampler
 from worker.engine.scheduler import Scheduler, SchedulingPolicy
 from worker.faults import NONE, Faults
 from worker.messages import (
+    CoreStats,
     EngineRequest,
-    EngineTime,
     Outgoing,
     PoolingRequest,
     RequestRef,
@@ -59,10 +59,8 @@ class EngineCore:
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
 
-    def counts(self) -> dict[str, Any]:
-        """Its part of `EngineStats`."""
-        return {"running": len(self.running), "waiting": len(self.scheduler), "mask_fills": self.guides.fills,
-                "mask_fill_ms": self.guides.fill_s * 1000}
+    def stats(self) -> CoreStats:
+        return CoreStats(len(self.running), len(self.scheduler), self.guides.fills, self.guides.fill_s * 1000)
 
     def submit(self, request: EngineRequest | PoolingRequest, out: StepOutput) -> None:
         assert isinstance(request, EngineRequest), "the preparer makes generation requests for a generating model"

@@ -21,12 +21,13 @@ from typing import Any
 import numpy as np
 import structlog
 
+from client.engine_stats import EngineTime
 from client.protocol import Done, ErrorCode, Ranked, Timing, Usage
 from worker.engine.backends import Loaded
 from worker.engine.scheduler import Scheduler, SchedulingPolicy
 from worker.messages import (
+    CoreStats,
     EngineRequest,
-    EngineTime,
     Outgoing,
     PoolingRequest,
     RequestRef,
@@ -77,15 +78,14 @@ class PoolingCore:
         self.scheduler: Scheduler[PoolingRequest] = Scheduler(policy)
         self.running: dict[str, Pooling] = {}  # by request id
         self.clock = clock
-        self.aging_s = policy.priority_aging_s
         self.max_inputs = policy.max_num_seqs
         self.max_tokens = policy.prefill_batch_size * policy.prefill_step_size
 
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
 
-    def counts(self) -> dict[str, Any]:
-        return {"running": len(self.running), "waiting": len(self.scheduler)}
+    def stats(self) -> CoreStats:
+        return CoreStats(len(self.running), len(self.scheduler))
 
     def submit(self, request: EngineRequest | PoolingRequest, out: StepOutput) -> None:
         assert isinstance(request, PoolingRequest), "the preparer makes pooling requests for a pooling model"
@@ -123,7 +123,7 @@ class PoolingCore:
             if request.deadline_at is not None and now > request.deadline_at:
                 out.outgoing.append(deadline_exceeded(request))
             else:
-                rank = request.priority + request.arrived_at / self.aging_s  # as the scheduler ranks
+                rank = self.scheduler.rank(request)  # it runs its passes in the order it was admitted in
                 self.running[request.id] = Pooling(request, now, rank, list(range(len(request.inputs))))
         taken = self._next_pass()
         if not taken:

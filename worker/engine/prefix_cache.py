@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
-from worker.messages import CacheStats
+from client.engine_stats import CacheStats
 
 MODEL = "model"  # the trie's namespace (with the salt): one model per worker
 

@@ -103,9 +103,13 @@ class Scheduler(Generic[R]):
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._waiting
 
+    def rank(self, request: R) -> float:
+        """Lower runs first: its priority, less a level for each `priority_aging_s` it has waited."""
+        return request.priority + request.arrived_at / self.policy.priority_aging_s
+
     def add(self, request: R) -> None:
         """Queue a request."""
-        rank = request.priority + request.arrived_at / self.policy.priority_aging_s  # first: it is what can fail
+        rank = self.rank(request)  # first: it is what can fail
         order = next(self._order)
         heapq.heappush(self._heap, (rank, order, request.id))
         self._waiting[request.id] = (order, request)

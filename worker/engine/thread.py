@@ -17,25 +17,13 @@ from dataclasses import replace
 import mlx.core as mx
 import structlog
 
+from client.engine_stats import CacheStats, EngineStats, EngineTime
 from worker.engine.backends import Loaded, ModelInfo
-from worker.engine.core import EngineCore
+from worker.engine.cores import Core, make_core
 from worker.engine.cpu_scheduling import use_batch_scheduling
-from worker.engine.pooling_core import PoolingCore
 from worker.engine.scheduler import SchedulingPolicy
 from worker.faults import NONE, SLOW_STEP_S, Faults
-from worker.messages import (
-    Abandon,
-    CacheStats,
-    Cancel,
-    Command,
-    EngineRequest,
-    EngineStats,
-    EngineTime,
-    PoolingRequest,
-    Shutdown,
-    StepOutput,
-    Submit,
-)
+from worker.messages import Abandon, Cancel, Command, EngineRequest, PoolingRequest, Shutdown, StepOutput, Submit
 
 log = structlog.get_logger("mlxq.engine")
 
@@ -64,7 +52,7 @@ class Engine:
         self._info: ModelInfo | None = None
         self._error: BaseException | None = None
         # Engine-thread state from here on.
-        self._core: EngineCore | PoolingCore  # made once the model is loaded
+        self._core: Core  # made once the model is loaded
         self._drain_until: float | None = None
         self._next_housekeeping = 0.0
         self._time = EngineTime()
@@ -122,8 +110,7 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._load()
-            core: EngineCore | PoolingCore = EngineCore(loaded, self._policy, self._time, self._faults) \
-                if loaded.pooler is None else PoolingCore(loaded, self._policy, self._time)
+            core = make_core(loaded, self._policy, self._time, self._faults)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self._error = e
             self._ready.set()
@@ -178,10 +165,11 @@ class Engine:
         cache = self._loaded.prefix_cache
         caches: dict[str, CacheStats | None] = {"prefix_cache": None if cache is None else cache.stats()}
         caches.update(self._loaded.cache_stats())
-        core = self._core
-        self._on_stats(EngineStats(**core.counts(), memory=self._loaded.memory(), time=replace(self._time),
-                                   speculation=None if self._loaded.speculation is None else self._loaded.speculation(),
-                                   **caches))  # type: ignore[arg-type]
+        counts = self._core.stats()
+        self._on_stats(EngineStats(counts.running, counts.waiting, self._loaded.memory(), caches["prefix_cache"],
+                                   caches.get("vision_cache"), caches.get("ssd_cache"),
+                                   None if self._loaded.speculation is None else self._loaded.speculation(),
+                                   counts.mask_fills, counts.mask_fill_ms, replace(self._time)))
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _apply_commands(self, out: StepOutput, block: bool) -> None:

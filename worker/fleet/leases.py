@@ -20,11 +20,11 @@ from functools import partial
 import structlog
 from redis.exceptions import RedisError
 
+from client.engine_stats import EngineStats
 from client.heartbeat import Heartbeat, ModelState, WorkerState
 from client.protocol import Task
 from worker.fleet.membership import Membership
 from worker.fleet.naming import claim_consumer_name
-from worker.messages import EngineStats
 from worker.queue.requests import RequestStatus, RequestTable
 from worker.queue.retrying import describe, retrying
 from worker.queue.totals import Totals
@@ -135,4 +135,4 @@ class Leases:
             pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
-            stats=self.stats.as_json() if self.stats else {}).to_json()
+            stats=self.stats).to_json()

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
+from client.engine_stats import EngineStats
 from client.protocol import Delta, Done, Event
-from worker.messages import EngineStats
 from worker.queue.requests import RequestStatus, RequestTable
 from worker.queue.totals import Totals, field_names
 

@@ -219,10 +219,9 @@ class Host:
                      model=model.queue, consumer=model.consumer)
         if beat.heartbeat.in_flight:
             model.last_used = now
-        memory = beat.heartbeat.stats.get("memory")
-        if isinstance(memory, dict) and not model.refusing:
-            held = sum(v for k, v in memory.items() if k in ("active", "cache") and isinstance(v, int))
-            model.measured = max(model.measured, held)
+        stats = beat.heartbeat.stats
+        if stats is not None and not model.refusing:
+            model.measured = max(model.measured, stats.memory_held)
 
     def _exited(self, model: ModelProcess, code: int) -> None:
         expected = model.state == "draining"

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from worker.messages import CacheStats
+from client.engine_stats import CacheStats
 
 Features = mx.array | Sequence[mx.array]
 

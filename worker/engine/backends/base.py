@@ -8,8 +8,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from client.engine_stats import CacheStats
 from client.protocol import Task
-from worker.messages import CacheStats, PoolInput
+from worker.messages import PoolInput
 
 if TYPE_CHECKING:
     from mlx_lm.sample_utils import LogitsProcessor, Sampler

@@ -23,6 +23,7 @@ import structlog
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 from mlx_vlm.models.cache import should_quantize_kv_layer
 
+from client.engine_stats import CacheStats
 from worker.engine.backends.base import Coverage, Loaded, ModelInfo, TokenOut
 from worker.engine.backends.kv_start import QuantizeFrom
 from worker.engine.backends.mlx_lm import mlx_memory, upcoming_tokens
@@ -31,7 +32,7 @@ from worker.engine.backends.vision_features import Encoder, encoder_for, not_cac
 from worker.engine.scheduler import MIN_PREFILL_CHUNK, StepPlan
 from worker.media.vision_cache import VisionCache
 from worker.media.vision_prompts import VisionPrompts
-from worker.messages import CacheStats, PreparedMedia
+from worker.messages import PreparedMedia
 from worker.settings import WorkerSettings
 
 log = structlog.get_logger()
