@@ -6,10 +6,19 @@ worker (and any other implementation in Python) speaks through them too.
 """
 
 from ._async import DEFAULT_URL, AsyncClient, AsyncJob
-from ._batch_jobs import AsyncBatchHandle, BatchHandle
-from ._errors import JobFailed, JobTimeout, MlxqError, QueueFull, RequestRejected, Undeliverable
+from ._batch_jobs import AsyncBatchHandle
+from ._errors import (
+    JobFailed,
+    JobTimeout,
+    MlxqError,
+    QueueFull,
+    RedisFailed,
+    RedisUnavailable,
+    RequestRejected,
+    Undeliverable,
+)
 from ._jobs import JobCancelled
-from ._sync import Client, Job
+from ._sync import BatchHandle, Client, Job
 from .batches import Batch, LineResult
 from .keys import GROUP, Keys
 from .protocol import (
@@ -50,6 +59,8 @@ __all__ = [
     "LineResult",
     "MlxqError",
     "QueueFull",
+    "RedisFailed",
+    "RedisUnavailable",
     "Ranked",
     "RequestRejected",
     "Timing",

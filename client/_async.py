@@ -7,13 +7,22 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from ._batch_jobs import AsyncBatchHandle, native_lines
-from ._errors import RequestRejected
-from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
+from ._errors import RedisUnavailable, RequestRejected, redis_errors
+from ._jobs import (
+    BLOCK_MS,
+    ENQUEUE,
+    Bounds,
+    Cursor,
+    Deadline,
+    Outage,
+    Submission,
+    build_submission,
+    enqueue_args,
+    queue_full,
+)
 from .batches import BatchStore, completion_window_s
 from .connect import connect_async
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
@@ -64,17 +73,23 @@ class AsyncClient:
         body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
         queue = queue or self.queue
         submission = build_submission(self.keys, queue, id, encoding, body, lane)
-        bound = self._bounds.cached(queue)
+        with redis_errors():
+            await self._send(submission)
+        return AsyncJob(self, submission.id, submission.output, submission.queue)
+
+    async def _send(self, submission: Submission) -> None:
+        """XADD the request, through the bounded enqueue where the queue's workers published a bound."""
+        bound = self._bounds.cached(submission.queue)
         if bound is None:
-            bound = self._bounds.remember(queue, await self.redis.hget(self.keys.limits(queue), "max_len"))
+            bound = self._bounds.remember(submission.queue,
+                                          await self.redis.hget(self.keys.limits(submission.queue), "max_len"))
         if not bound:
             await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
-        else:
-            try:
-                await self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
-            except ResponseError as e:
-                raise queue_full(e, submission, bound) from e
-        return AsyncJob(self, submission.id, submission.output, submission.queue)
+            return
+        try:
+            await self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
+        except ResponseError as e:
+            raise queue_full(e, submission, bound) from e
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
@@ -110,9 +125,10 @@ class AsyncClient:
             completion_window_s(completion_window)
         except ValueError as e:
             raise RequestRejected(str(e)) from e
-        batch = await BatchStore(self.redis, self.keys).create(checked, queue=queue, endpoint="mlxq",
-                                                               completion_window=completion_window,
-                                                               metadata=metadata)
+        with redis_errors():
+            batch = await BatchStore(self.redis, self.keys).create(checked, queue=queue, endpoint="mlxq",
+                                                                   completion_window=completion_window,
+                                                                   metadata=metadata)
         return AsyncBatchHandle(self, batch.id)
 
     def batch(self, batch_id: str) -> AsyncBatchHandle:
@@ -124,13 +140,15 @@ class AsyncClient:
         nothing if it already finished."""
         queue = queue or self.queue
         # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
-        await self.redis.set(self.keys.cancel_flag(queue, request_id), 1, ex=CANCEL_TTL_S)
-        await self.redis.publish(self.keys.cancel_channel(queue), request_id)
+        with redis_errors():
+            await self.redis.set(self.keys.cancel_flag(queue, request_id), 1, ex=CANCEL_TTL_S)
+            await self.redis.publish(self.keys.cancel_channel(queue), request_id)
 
     async def events(self, stream: str, *, last_id: str = "0-0") -> AsyncIterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""
         while True:
-            reply = await self.redis.xread({stream: last_id}, count=100, block=BLOCK_MS)
+            with redis_errors():
+                reply = await self.redis.xread({stream: last_id}, count=100, block=BLOCK_MS)
             for entry_id, fields in stream_entries(reply):
                 last_id = entry_id
                 if fields is not None:
@@ -150,9 +168,10 @@ class AsyncJob:
 
     async def _read(self, deadline: Deadline) -> list[Event]:
         try:
-            reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
-                                                  block=deadline.block_ms())
-        except (RedisConnectionError, RedisTimeoutError) as e:
+            with redis_errors():
+                reply = await self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
+                                                      block=deadline.block_ms())
+        except RedisUnavailable as e:
             await asyncio.sleep(min(self._outage.failed(e), deadline.left()))
             return []
         self._outage.ended()

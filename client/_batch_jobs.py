@@ -4,11 +4,10 @@ waited on (driving it whenever nobody else does), cancelled, its results read.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeVar
 
-from ._errors import RequestRejected
+from ._errors import RequestRejected, redis_errors
 from ._jobs import build_submission
 from .batch_driver import BatchClient, drive_until_ended
 from .batches import MAX_LINES, Batch, BatchLine, BatchStore, LineResult
@@ -61,7 +60,8 @@ class AsyncBatchHandle:
 
     async def progress(self) -> Batch:
         """The batch now: status and request counts (done, failed, total)."""
-        batch = await self._store.get(self.id)
+        with redis_errors():
+            batch = await self._store.get(self.id)
         if batch is None:
             raise KeyError(f"no batch {self.id} (never made, or ended more than a week ago)")
         return batch
@@ -72,38 +72,13 @@ class AsyncBatchHandle:
 
     async def results(self) -> list[LineResult]:
         """Every line's end so far, in line order: `event` is the line's `Done` or `Error`."""
-        return await self._store.results(self.id)
+        with redis_errors():
+            return await self._store.results(self.id)
 
     async def cancel(self) -> Batch:
         """Stop it: running lines are cancelled, lines not started never run."""
-        batch = await self._store.cancel(self.id)
+        with redis_errors():
+            batch = await self._store.cancel(self.id)
         if batch is None:
             raise KeyError(f"no batch {self.id}")
         return batch
-
-
-class BatchHandle:
-    """The blocking `AsyncBatchHandle`: each call runs on a connection of its own."""
-
-    def __init__(self, connect: Callable[[], AbstractAsyncContextManager[BatchClient]], batch_id: str) -> None:
-        self.connect = connect  # a client of its own, for each call
-        self.id = batch_id
-
-    def progress(self) -> Batch:
-        return self._run(lambda h: h.progress())
-
-    def wait(self, timeout: float | None = None, on_progress: Callable[[Batch], None] = lambda _: None) -> Batch:
-        return self._run(lambda h: h.wait(timeout, on_progress))
-
-    def results(self) -> list[LineResult]:
-        return self._run(lambda h: h.results())
-
-    def cancel(self) -> Batch:
-        return self._run(lambda h: h.cancel())
-
-    def _run(self, call: Callable[[AsyncBatchHandle], Awaitable[T]]) -> T:
-        async def run() -> T:
-            async with self.connect() as client:
-                return await call(AsyncBatchHandle(client, self.id))
-
-        return asyncio.run(run())

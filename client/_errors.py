@@ -7,7 +7,14 @@
     ├── QueueFull            the queue's backlog is at its bound; nothing was sent (.queue, .waiting, .max_len)
     ├── JobFailed            the worker answered with an `error` event (.code, .message)
     ├── JobCancelled         the request ended with finish_reason `cancelled` (.done)
-    └── JobTimeout           no terminal event within the timeout (also a TimeoutError)
+    ├── JobTimeout           no terminal event within the timeout (also a TimeoutError)
+    ├── RedisFailed          Redis refused a command (NOPERM, OOM, ...; also redis-py's ResponseError)
+    └── RedisUnavailable     Redis could not be reached or did not answer in time (also
+                             redis-py's ConnectionError and TimeoutError)
+
+redis-py's errors become these where the client calls Redis (`redis_errors`), the one
+boundary: a caller catches `MlxqError` alone, and code written against redis-py's
+exceptions still catches them.
 
 Every one carries `request_id` where there is one. `ErrorCode` lives here too: the codes
 of `error` events, which a rejection carries before anything is sent. (`JobCancelled`,
@@ -16,7 +23,11 @@ which carries the request's `Done`, is `client._jobs`': it stands above the prot
 
 from __future__ import annotations
 
+import contextlib
 import enum
+from collections.abc import Iterator
+
+from redis import exceptions as redis_exceptions
 
 
 class ErrorCode(str, enum.Enum):
@@ -78,3 +89,25 @@ class JobTimeout(MlxqError, TimeoutError):
         super().__init__(f"request {request_id}: no result within {timeout} s")
         self.request_id = request_id
         self.timeout = timeout
+
+
+class RedisFailed(MlxqError, redis_exceptions.ResponseError):
+    """Redis refused a command (an ACL's NOPERM, OOM, a wrong type); `__cause__` is redis-py's."""
+
+
+class RedisUnavailable(MlxqError, redis_exceptions.ConnectionError, redis_exceptions.TimeoutError):
+    """Redis could not be reached, or did not answer within the socket timeout."""
+
+
+@contextlib.contextmanager
+def redis_errors() -> Iterator[None]:
+    """Around the client's Redis calls: redis-py's errors raised as `RedisFailed` or
+    `RedisUnavailable` (an MlxqError already, such as QueueFull, passes as it is)."""
+    try:
+        yield
+    except MlxqError:
+        raise
+    except (redis_exceptions.ConnectionError, redis_exceptions.TimeoutError) as e:
+        raise RedisUnavailable(f"Redis did not answer: {e}") from e
+    except redis_exceptions.RedisError as e:
+        raise RedisFailed(f"Redis refused: {e}") from e

@@ -1,25 +1,20 @@
-"""The blocking client: the same API as `AsyncClient`, without an event loop."""
+"""The blocking client: `AsyncClient` itself, run on an event loop of its own (`Portal`),
+so that both have one implementation. The same calls, the same errors, without `await`."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import redis as redis_py
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from ._async import CANCEL_TTL_S, DEFAULT_URL, AsyncClient
-from ._batch_jobs import BatchHandle
-from ._jobs import BLOCK_MS, ENQUEUE, Bounds, Cursor, Deadline, Outage, build_submission, enqueue_args, queue_full
+from ._async import DEFAULT_URL, AsyncClient, AsyncJob
+from ._batch_jobs import AsyncBatchHandle
+from ._portal import Portal
+from .batches import Batch, LineResult
 from .connect import connect
-from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
-from .pooling import embeddings_of, ranked_of
-from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
-from .replies import stream_entries
+from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from .protocol import Delta, Done, Encoding, Event, Ranked
 
 
 class Client:
@@ -30,14 +25,12 @@ class Client:
     ...         print(delta.text, end="")
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
-                 redis: redis_py.Redis | None = None) -> None:
-        self.redis = redis or connect(url, socket_timeout=10)
-        self.url = url
-        self.queue = queue
-        self.keys = Keys(prefix)
-        self._bounds = Bounds()
-        self._enqueue = self.redis.register_script(ENQUEUE)
+    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX) -> None:
+        self._portal = Portal()
+        self._client = AsyncClient(url, queue=queue, prefix=prefix)
+        self.url, self.queue, self.keys = url, queue, self._client.keys
+        # A blocking connection for the caller's own commands (it connects on first use).
+        self.redis: redis_py.Redis = connect(url, socket_timeout=10)
 
     def __enter__(self) -> Client:
         return self
@@ -46,86 +39,57 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Close the Redis connections."""
+        """Close the Redis connections and the client's event loop."""
+        self._portal.call(self._client.aclose)
+        self._portal.close()
         self.redis.close()
 
     def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
                lane: str | None = None, encoding: Encoding = "json", **params: Any) -> Job:
-        """Queue a request (`params` are the body fields of docs/protocol.md) and return its job.
-        `lane` puts it on a priority lane of the queue (workers read the lanes they are
-        configured with before the queue itself).
-
-        Raises `RequestRejected` before sending anything if the request is invalid, and
-        `QueueFull` if the queue already holds as many waiting requests as its workers accept.
-        """
-        body = {"prompt": prompt, "messages": messages, "prompt_tokens": prompt_tokens, **params}
-        queue = queue or self.queue
-        submission = build_submission(self.keys, queue, id, encoding, body, lane)
-        bound = self._bounds.cached(queue)
-        if bound is None:
-            bound = self._bounds.remember(queue, self.redis.hget(self.keys.limits(queue), "max_len"))
-        if not bound:
-            self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
-        else:
-            try:
-                self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
-            except ResponseError as e:
-                raise queue_full(e, submission, bound) from e
-        return Job(self, submission.id, submission.output, submission.queue)
+        """Queue a request and return its job (see `AsyncClient.submit`)."""
+        job = self._portal.call(lambda: self._client.submit(prompt, messages=messages, prompt_tokens=prompt_tokens,
+                                                            id=id, queue=queue, lane=lane, encoding=encoding,
+                                                            **params))
+        return Job(self, job.id, job.output, job.queue)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
-        return self.submit(prompt, **kwargs).result(timeout=timeout)
+        return self._portal.call(lambda: self._client.generate(prompt, timeout=timeout, **kwargs))
 
     def embed(self, input: str | list[str] | list[list[int]], *, dimensions: int | None = None,
               truncate: bool = False, queue: str | None = None, timeout: float | None = None,
               **params: Any) -> list[list[float]]:
-        """One vector per input, in order, from the embedding model serving `queue` (sent as
-        base64 float32, compact and exact). `params` are the body's other fields (priority,
-        deadline_ms, metadata, ...); `submit(input=...)` gives the whole `done` (usage, timing)."""
-        job = self.submit(input=input, dimensions=dimensions, truncate=truncate or None, encoding_format="base64",
-                          queue=queue, **params)
-        return embeddings_of(job.result(timeout=timeout))
+        """One vector per input, in order (see `AsyncClient.embed`)."""
+        return self._portal.call(lambda: self._client.embed(input, dimensions=dimensions, truncate=truncate,
+                                                            queue=queue, timeout=timeout, **params))
 
     def rerank(self, query: str, documents: list[str], *, top_n: int | None = None,
                queue: str | None = None, timeout: float | None = None, **params: Any) -> list[Ranked]:
-        """The documents' relevance to the query (`index` into `documents`, `relevance_score`),
-        best first, `top_n` of them, from the reranker serving `queue`."""
-        job = self.submit(query=query, documents=documents, top_n=top_n, queue=queue, **params)
-        return ranked_of(job.result(timeout=timeout))
+        """The documents' relevance to the query, best first (see `AsyncClient.rerank`)."""
+        return self._portal.call(lambda: self._client.rerank(query, documents, top_n=top_n, queue=queue,
+                                                             timeout=timeout, **params))
 
     def submit_batch(self, lines: Iterable[Mapping[str, Any]], *, queue: str | None = None,
                      completion_window: str = "24h", metadata: dict[str, str] | None = None) -> BatchHandle:
-        """Queue many requests as one batch (see `AsyncClient.submit_batch`); batch calls use
-        connections of their own to this client's URL."""
-        async def create() -> str:
-            async with AsyncClient(self.url, queue=self.queue, prefix=self.keys.prefix) as client:
-                return (await client.submit_batch(lines, queue=queue, completion_window=completion_window,
-                                                  metadata=metadata)).id
-
-        return self.batch(asyncio.run(create()))
+        """Queue many requests as one batch (see `AsyncClient.submit_batch`)."""
+        handle = self._portal.call(lambda: self._client.submit_batch(lines, queue=queue,
+                                                                     completion_window=completion_window,
+                                                                     metadata=metadata))
+        return BatchHandle(self._portal, handle)
 
     def batch(self, batch_id: str) -> BatchHandle:
         """A batch made earlier, by id."""
-        return BatchHandle(lambda: AsyncClient(self.url, prefix=self.keys.prefix), batch_id)
+        return BatchHandle(self._portal, self._client.batch(batch_id))
 
     def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         """Cancel a request of `queue` (default: this client's), running or queued; does
         nothing if it already finished."""
-        queue = queue or self.queue
-        # Two calls, not a pipeline: a Redis Cluster pipeline refuses PUBLISH.
-        self.redis.set(self.keys.cancel_flag(queue, request_id), 1, ex=CANCEL_TTL_S)
-        self.redis.publish(self.keys.cancel_channel(queue), request_id)
+        self._portal.call(lambda: self._client.cancel(request_id, queue=queue))
 
     def events(self, stream: str, *, last_id: str = "0-0") -> Iterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""
-        while True:
-            reply = self.redis.xread({stream: last_id}, count=100, block=BLOCK_MS)
-            for entry_id, fields in stream_entries(reply):
-                last_id = entry_id
-                if fields is not None:
-                    yield entry_id, decode_event(fields)
+        return self._portal.iterate(self._client.events(stream, last_id=last_id))
 
 
 class Job:
@@ -136,35 +100,36 @@ class Job:
         self.id = request_id
         self.output = output
         self.queue = queue
-        self._cursor = Cursor(request_id, output)
-        self._outage = Outage()
-
-    def _read(self, deadline: Deadline) -> list[Event]:
-        try:
-            reply = self.client.redis.xread({self.output: self._cursor.last_id}, count=100,
-                                            block=deadline.block_ms())
-        except (RedisConnectionError, RedisTimeoutError) as e:
-            time.sleep(min(self._outage.failed(e), deadline.left()))
-            return []
-        self._outage.ended()
-        return self._cursor.feed(stream_entries(reply))
+        self._job = AsyncJob(client._client, request_id, output, queue)
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yield deltas as they arrive; at the end raise if the request failed or was cancelled."""
-        deadline = Deadline(self.id, timeout)
-        while self._cursor.terminal is None:
-            for event in self._read(deadline):
-                if isinstance(event, Delta):
-                    yield event
-        self._cursor.outcome()
+        return self.client._portal.iterate(self._job.stream(timeout))
 
     def result(self, timeout: float | None = None) -> Done:
         """Wait for the terminal event; raises `JobFailed`, `JobCancelled` or `JobTimeout`."""
-        deadline = Deadline(self.id, timeout)
-        while self._cursor.terminal is None:
-            self._read(deadline)
-        return self._cursor.outcome()
+        return self.client._portal.call(lambda: self._job.result(timeout))
 
     def cancel(self) -> None:
         """Cancel this request."""
         self.client.cancel(self.id, queue=self.queue)
+
+
+class BatchHandle:
+    """The blocking `AsyncBatchHandle`."""
+
+    def __init__(self, portal: Portal, handle: AsyncBatchHandle) -> None:
+        self._portal, self._handle = portal, handle
+        self.id = handle.id
+
+    def progress(self) -> Batch:
+        return self._portal.call(self._handle.progress)
+
+    def wait(self, timeout: float | None = None, on_progress: Callable[[Batch], None] = lambda _: None) -> Batch:
+        return self._portal.call(lambda: self._handle.wait(timeout, on_progress))
+
+    def results(self) -> list[LineResult]:
+        return self._portal.call(self._handle.results)
+
+    def cancel(self) -> Batch:
+        return self._portal.call(self._handle.cancel)

@@ -25,12 +25,17 @@ from .errors import EX_TEMPFAIL, CommandError, on_path
 NO_WORKER_WARNING_S = 5.0  # `mlxq submit` says so when nothing has come back by then and no worker serves
 
 
-def connect(args: argparse.Namespace) -> redis_py.Redis:
-    """A client for `--redis-url`, checked (one line, not a traceback, for a bad URL)."""
+def checked_url(args: argparse.Namespace) -> str:
+    """`--redis-url`, checked (one line, not a traceback, for a bad URL)."""
     problem = redis_url_problem(args.redis_url)
     if problem:
         raise CommandError(f"--redis-url: {problem}", status=2)
-    return redis_for_url(args.redis_url, socket_timeout=10)
+    return str(args.redis_url)
+
+
+def connect(args: argparse.Namespace) -> redis_py.Redis:
+    """A client for `--redis-url`, checked."""
+    return redis_for_url(checked_url(args), socket_timeout=10)
 
 
 def run_submit(args: argparse.Namespace) -> int:
@@ -45,7 +50,7 @@ def run_submit(args: argparse.Namespace) -> int:
             params["images"] = [path.read_bytes() for path in args.image]
         except OSError as e:
             raise CommandError(f"cannot read the image: {e}") from e
-    with Client(queue=args.queue, redis=connect(args)) as client:
+    with Client(checked_url(args), queue=args.queue) as client:
         try:
             job = client.submit(id=args.id, lane=args.lane, encoding="msgpack" if args.image else "json",
                                 **prompt, **params)
@@ -85,7 +90,7 @@ def _run_pooling(args: argparse.Namespace) -> int:
         raise CommandError(f"{', '.join(generating)}: generation options, not for --embed or --rerank")
     body: dict[str, Any] = {"input": args.prompt, "dimensions": args.dimensions} if args.embed else \
         {"query": args.prompt, "documents": args.rerank, "top_n": args.top_n}
-    with Client(queue=args.queue, redis=connect(args)) as client:
+    with Client(checked_url(args), queue=args.queue) as client:
         try:
             job = client.submit(id=args.id, lane=args.lane, priority=args.priority, **body)
             done = job.result(timeout=args.timeout)

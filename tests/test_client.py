@@ -6,7 +6,8 @@ import asyncio
 import uuid
 
 import pytest
-from support import HELD, KEYS, ON_BOTH, worker_fixture
+import redis
+from support import HELD, KEYS, ON_BOTH, free_port, worker_fixture
 
 import client
 from client import AsyncClient, Client, Delta, Done, JobCancelled, JobFailed, JobTimeout, RequestRejected
@@ -25,9 +26,30 @@ def test_public_names():
     assert set(client.__all__) == {
         "DEFAULT_URL", "GROUP", "AsyncBatchHandle", "AsyncClient", "AsyncJob", "Batch", "BatchHandle", "Client",
         "LineResult", "Delta", "Done", "Error", "ErrorCode", "Event",
-        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "Ranked", "RequestRejected",
+        "Job", "JobCancelled", "JobFailed", "JobTimeout", "Keys", "MlxqError", "QueueFull", "Ranked", "RedisFailed",
+        "RedisUnavailable", "RequestRejected",
         "Timing",
         "TokenLogprob", "TopLogprob", "Undeliverable", "Usage", "decode_event", "encode_event", "encode_request"}
+
+
+def test_a_redis_nobody_answers_is_an_mlxq_error_from_both_clients():
+    """redis-py's errors become the client's at its one boundary, sync and async alike
+    (and code that catches redis-py's ConnectionError still catches them)."""
+
+    url = f"redis://127.0.0.1:{free_port()}"
+    with Client(url) as c:
+        with pytest.raises(client.RedisUnavailable) as sync_error:
+            c.submit("x")
+        with pytest.raises(client.RedisUnavailable):
+            c.cancel("some-id")
+    assert isinstance(sync_error.value, redis.ConnectionError)
+
+    async def submit() -> None:
+        async with AsyncClient(url) as c:
+            await c.submit("x")
+
+    with pytest.raises(client.MlxqError):
+        asyncio.run(submit())
 
 
 def test_every_error_the_client_raises_is_an_mlxq_error():

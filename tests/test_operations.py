@@ -278,7 +278,8 @@ def test_status_renders_every_column_from_a_fleet_view():
     from mlxq.status import render
 
     beat = {"host": "mac-7", "queue": "q", "model": "qwen", "running": 2, "waiting": 1, "tok_s": 41.5,
-            "prefix_cache": {"entries": 2, "hits": 1, "misses": 3}, "memory": {"active": 3 * 1024**3}, "version": "0.1.0", "blas": "mkl",
+            "prefix_cache": {"entries": 2, "hits": 1, "misses": 3}, "memory": {"active": 3 * 1024**3},
+            "version": "0.1.0", "blas": "mkl",
             "last_error": {"code": "too_large", "message": "max_tokens: 9 is above", "at": time.time() - 30}}
     fleet = Fleet(workers=[WorkerView("mac-7-0", "ready", 1.0, Heartbeat.from_dict(beat),
                                       {"finished:stop": 5, "errors:too_large": 2, "generation_tokens": 640})],

@@ -32,7 +32,7 @@ from support import (
     wait_for,
 )
 
-from client import AsyncClient, Client, JobCancelled
+from client import AsyncClient, Client, JobCancelled, RedisFailed
 from client.batch_driver import drive_until_ended
 
 QUEUE = ACL_QUEUE
@@ -143,8 +143,9 @@ def test_a_producer_cannot_cancel_another_queue_s_request(secure_worker, other_w
         job = owner.submit(**HELD)  # runs until cancelled
         deltas = iter(job.stream(timeout=60))
         next(deltas)
-        with pytest.raises(redis.exceptions.NoPermissionError):
+        with pytest.raises(RedisFailed) as refused:  # the client's own error, redis-py's as its cause
             producer.cancel(job.id, queue=other_worker.queue)
+        assert isinstance(refused.value.__cause__, redis.exceptions.NoPermissionError)
         producer.cancel(job.id)  # its own queue's flag and channel: another request, if any
         seen = [next(deltas) for _ in range(3)]  # still running after the attempts
         assert [d.seq for d in seen] == sorted(d.seq for d in seen)
