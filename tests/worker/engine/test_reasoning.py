@@ -4,11 +4,10 @@ answer after it."""
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import replace
 
 import pytest
-from support import Outputs, check_stream, start_worker
+from support import Outputs, check_stream, worker_fixture
 
 from client import Delta, Done
 
@@ -16,11 +15,7 @@ THINK, END_THINK = 3, 4  # the thinking demo model's <think> and </think> (check
 ASK = [{"role": "user", "content": "Think first."}]
 
 
-@pytest.fixture(scope="module")
-def worker(valkey, thinking_model, logs_dir):
-    process = start_worker(valkey, thinking_model, f"think{uuid.uuid4().hex[:6]}", logs_dir)
-    yield process
-    process.stop()
+worker = worker_fixture("thinking_model", redis="valkey")
 
 
 def test_the_model_knows_its_think_tokens(thinking_model):

@@ -25,8 +25,8 @@ import numpy as np
 import openai
 import pytest
 import redis
-from support import HELD, KEYS, ON_BOTH, ROOT, start_gateway, start_worker, wait_for
-from test_vision import png
+from media import png
+from support import HELD, KEYS, ON_BOTH, ROOT, start_gateway, start_worker, wait_for, worker_fixture
 
 from client import Client, JobCancelled
 
@@ -44,20 +44,11 @@ TOOLS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def worker(redis_url, demo_model, logs_dir):
-    process = start_worker(redis_url, demo_model, f"gw{uuid.uuid4().hex[:6]}", logs_dir)
-    yield process
-    process.stop()
+worker = worker_fixture()
 
 
-@pytest.fixture(scope="module")
-def one_slot(redis_url, demo_model, logs_dir):
-    """A worker that runs one request at a time and reads nothing ahead; its queue holds 2 waiting."""
-    process = start_worker(redis_url, demo_model, f"one{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=1, prefetch=0,
-                           max_queue_len=2)
-    yield process
-    process.stop()
+# Runs one request at a time and reads nothing ahead; its queue holds 2 waiting.
+one_slot = worker_fixture(max_num_seqs=1, prefetch=0, max_queue_len=2)
 
 
 @pytest.fixture(scope="module")

