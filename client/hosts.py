@@ -55,7 +55,8 @@ class HostRecord:
 
     def to_wire(self) -> str:
         body = asdict(self)
-        body["models"] = [{k: v for k, v in asdict(m).items() if k != "host"} for m in self.models]
+        # each model's queue is its name; written too, as docs/protocol.md has it
+        body["models"] = [{**{k: v for k, v in asdict(m).items() if k != "host"}, "queue": m.name} for m in self.models]
         return json.dumps(body)
 
     @classmethod

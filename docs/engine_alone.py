@@ -30,7 +30,7 @@ from mlxq.bench import Planned, Workload
 from worker.engine.backends.mlx_lm import load_text_model
 from worker.engine.scheduler import SchedulingPolicy
 from worker.engine.thread import Engine
-from worker.messages import EngineRequest, RequestRef, SamplingParams
+from worker.messages import EngineRequest, Queueing, RequestRef, SamplingParams, Stopping
 from worker.settings import WorkerSettings
 
 Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs
@@ -43,8 +43,8 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
         def submit() -> None:
             request, rid = waiting.pop(0), f"r{time.time_ns()}"
             started[rid] = time.perf_counter()
-            engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens,
-                                        request.max_tokens, SamplingParams(), [], 1, 0, time.time(), None))
+            engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens, SamplingParams(),
+                                        Stopping(request.stopping.max_tokens), Queueing(0, time.time())))
 
         for _ in range(min(width, len(waiting))):
             submit()

@@ -408,6 +408,9 @@ def _flag_type(annotation: Any) -> tuple[type, list[Any] | None]:
         values = get_args(annotation)
         return type(values[0]), list(values)  # kv_bits' choices are ints, log_format's strings
     inner = [a for a in get_args(annotation) if a is not type(None)]
+    if inner and all(get_origin(a) is Literal for a in inner):  # Literal["auto"] | Task: every value
+        merged = [value for a in inner for value in get_args(a)]
+        return type(merged[0]), merged
     if inner:  # Optional[X]
         return _flag_type(inner[0])
     return (annotation if annotation in (int, float, Path) else str), None

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     from common import logs
     from worker.daemon import Worker
     from worker.engine.backends import load_model
-    from worker.settings import WorkerSettings, load_settings
+    from worker.settings import Hosting, WorkerSettings, load_settings
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
@@ -32,7 +32,9 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
     server, url = _redis_for(settings)
     try:
-        return _run_on_fast_loop(Worker(settings, url, partial(load_model, settings), blas=blas.in_use()).run())
+        hosting = Hosting.from_environment()
+        load = partial(load_model, settings, refusing=hosting.refusal is not None)
+        return _run_on_fast_loop(Worker(settings, url, load, blas=blas.in_use(), hosting=hosting).run())
     finally:
         if server is not None:
             _release(server, settings.embedded_port)

@@ -54,7 +54,7 @@ from worker.queue.streams import (
     server_clock_offset_s,
 )
 from worker.queue.totals import Totals
-from worker.settings import WorkerSettings
+from worker.settings import Hosting, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -65,8 +65,9 @@ class Worker:
     """One worker: a consumer in the queue's group, with one engine."""
 
     def __init__(self, settings: WorkerSettings, redis_url: str, load: Callable[[], Loaded],
-                 blas: str = "platform") -> None:
+                 blas: str = "platform", hosting: Hosting | None = None) -> None:
         self.settings = settings
+        self.hosting = hosting or Hosting()  # set by a worker of several models that started this one
         self.blas = blas  # which BLAS MLX's CPU backend runs on (the command line put it in front)
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
@@ -176,7 +177,7 @@ class Worker:
         reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
         return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults) if info.task == "generate"
+                      Preparer(info, self.settings, self.faults, self.hosting.refusal) if info.task == "generate"
                       else PoolingPreparer(info, self.settings), self.engine, publisher.emit, clock_offset_s,
                       self.totals)
 
@@ -189,7 +190,7 @@ class Worker:
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases"),
-                  *([asyncio.create_task(self._watch_host(), name="host")] if self.settings.host_pid else [])]
+                  *([asyncio.create_task(self._watch_host(), name="host")] if self.hosting.host_pid else [])]
         for task in (reading, *others):
             task.add_done_callback(self._on_task_done)
         await self._stop.wait()
@@ -207,10 +208,10 @@ class Worker:
     async def _watch_host(self) -> None:
         """As a model's worker of a worker of several models: drain and exit once that
         process is gone (killed with -9, its children would serve on, unseen)."""
-        while os.getppid() == self.settings.host_pid:
+        while os.getppid() == self.hosting.host_pid:
             await asyncio.sleep(1.0)
         log.warning("the worker of several models that started this one is gone; stopping",
-                    host_pid=self.settings.host_pid)
+                    host_pid=self.hosting.host_pid)
         self._stop.set()
 
     # What the engine thread hands the loop, on the engine thread: a step's output, its

@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from client.protocol import (
     Delta,
@@ -124,46 +124,78 @@ class Thinking:
     end: int
     open: bool
 
+    def place(self, token: int, inside: bool, answered: bool) -> tuple[Literal["reasoning", "text", "marker"], bool]:
+        """Where one token of the output goes, given whether the output is inside the
+        reasoning and has begun its answer: into the reasoning, the text, or neither (a
+        marker); and whether the output is inside the reasoning after it. The markers count
+        only until the answer starts (then they are text)."""
+        if inside:
+            return ("marker", False) if token == self.end else ("reasoning", True)
+        if token == self.start and not answered:
+            return "marker", True
+        return "text", False
+
     def after(self, tokens: list[int]) -> tuple[bool, list[int]]:
-        """Where an output made of `tokens` stands: still inside the reasoning, and the
-        answer's tokens. The markers count only until the answer starts (then they are text)."""
+        """Where an output made of `tokens` stands: still inside the reasoning, and the answer's tokens."""
         inside, answer = self.open, list[int]()
         for token in tokens:
-            if inside:
-                inside = token != self.end
-            elif token == self.start and not answer:
-                inside = True
-            else:
+            where, inside = self.place(token, inside, bool(answer))
+            if where == "text":
                 answer.append(token)
         return inside, answer
 
 
 @dataclass(frozen=True)
-class EngineRequest:
-    """A validated, tokenized request, ready for the engine."""
+class Queueing:
+    """How a request waits, and what its answer carries back: the same for generation and pooling."""
 
-    ref: RequestRef
-    prompt_tokens: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop: list[str]
-    stream_interval: int
     priority: int
     arrived_at: float  # unix seconds on this host's clock (the entry id's stamp): ages it, times it
-    deadline_at: float | None  # unix seconds, or None
+    deadline_at: float | None = None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
-    resume: Resume | None = None
-    media: PreparedMedia | None = None  # what the media placeholder tokens in prompt_tokens stand for
-    logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
+
+    def expired(self, now: float) -> bool:
+        """Whether its deadline passed before `now` (unix seconds)."""
+        return self.deadline_at is not None and now > self.deadline_at
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """When a generation ends. `max_tokens` 0: it is only counted (`count_only`), never run."""
+
+    max_tokens: int
+    stop: list[str] = field(default_factory=list)
     stop_tokens: frozenset[int] = frozenset()  # token ids that end it (eos unless ignore_eos, stop_token_ids)
     min_tokens: int = 0  # before this many tokens, stop tokens are masked and stop strings not looked for
     include_stop: bool = False  # the stop string that ended the text stays in it
-    constraint: LLMatcher | None = None  # for its response_format (or forced call), advanced over `resume`'s tokens
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """What a generation's events carry besides its text, and how often deltas go out."""
+
+    stream_interval: int = 1
+    logprobs: int | None = None  # alternatives per token with each token's logprob; None: no logprobs
     tools: ToolUse | None = None  # when its output may call tools: they are parsed at the end
     thinking: Thinking | None = None  # on a thinking model: reasoning goes apart from the text
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated, tokenized request, ready for the engine: its prompt and how it is
+    sampled, when it stops, how it waits, what it reports."""
+
+    ref: RequestRef
+    prompt_tokens: list[int]
+    sampling: SamplingParams
+    stopping: Stopping
+    queueing: Queueing
+    reporting: Reporting = field(default_factory=Reporting)
+    resume: Resume | None = None
+    media: PreparedMedia | None = None  # what the media placeholder tokens in prompt_tokens stand for
+    constraint: LLMatcher | None = None  # for its response_format (or forced call), advanced over `resume`'s tokens
     speculative: bool = True  # False: the request opted out of speculative decoding
     cache_salt: str = ""  # its prefix and vision caches' namespace: it hits only what its salt stored
-    count_only: bool = False  # prepared only, to count its prompt: answered without the engine
 
     @property
     def id(self) -> str:
@@ -176,7 +208,12 @@ class EngineRequest:
     @property
     def tokens_to_generate(self) -> int:
         """What is left of `max_tokens` after the tokens already streamed."""
-        return self.max_tokens - (len(self.resume.tokens) if self.resume else 0)
+        return self.stopping.max_tokens - (len(self.resume.tokens) if self.resume else 0)
+
+    @property
+    def counted_only(self) -> bool:
+        """Prepared only to count its prompt: answered without the engine."""
+        return self.stopping.max_tokens == 0
 
 
 @dataclass(frozen=True)
@@ -193,10 +230,7 @@ class PoolingRequest:
 
     ref: RequestRef
     inputs: list[PoolInput]
-    priority: int
-    arrived_at: float  # unix seconds on this host's clock, as `EngineRequest.arrived_at`
-    deadline_at: float | None
-    metadata: dict[str, Any] | None = None
+    queueing: Queueing
     dimensions: int | None = None  # embeddings cut to this many, and normalized again
     base64: bool = False  # embeddings as base64 of little-endian float32, as OpenAI's encoding_format
     top_n: int | None = None  # a rerank's best documents to return (None: all)
@@ -277,10 +311,10 @@ class StepOutput:
 def not_started(request: EngineRequest | PoolingRequest, now: float | None = None,
                 reason: FinishReason = "cancelled") -> Outgoing:
     """The `done` of a request that ends before it was computed: no deltas, no tokens."""
-    waited = round(((time.time() if now is None else now) - request.arrived_at) * 1000.0, 1)
+    waited = round(((time.time() if now is None else now) - request.queueing.arrived_at) * 1000.0, 1)
     done = Done(id=request.id, finish_reason=reason, text="",
                 usage=Usage(request.prompt_size, 0),
-                timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.metadata)
+                timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.queueing.metadata)
     return Outgoing(request.ref, done)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -20,7 +21,7 @@ from common.settings_layers import SettingsError as SettingsError  # where the w
 EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
 # MLXQ_* variables that are not worker settings: the crash tests' faults, the gateway's, the BLAS re-exec's.
-OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS")
+OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS", "MLXQ_HOSTED_")
 HF_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)?")
 
 
@@ -194,12 +195,6 @@ class WorkerSettings(LayeredSettings):
     scale_up_after_s: float = Field(30.0, gt=0, description="a model whose queue's oldest unread request has "
                                     "waited this long is loaded here too, beside the workers serving it, if it "
                                     "fits (an extra copy, the first unloaded when room is needed)")
-    host_pid: int | None = Field(None, ge=1, description="the worker of several models that started this one "
-                                 "(set by it): this one drains and exits once that process is gone, whatever "
-                                 "killed it; unset: none")
-    unavailable: str | None = Field(None, description="answer every request with this message (error "
-                                    "model_unavailable) instead of loading the model: what a worker of several "
-                                    "models runs on the queue of a model that failed to load; unset: serve")
 
     _redis_url = field_validator("redis_url")(check_redis_url)
 
@@ -272,3 +267,23 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> WorkerSe
     Raises `SettingsError` for a file that cannot be read or an unknown setting (file key
     or `MLXQ_*` variable), and pydantic's `ValidationError` for a bad value."""
     return load_layered(WorkerSettings, config_file, OTHER_VARIABLES, "worker setting", **overrides)
+
+
+@dataclass(frozen=True)
+class Hosting:
+    """What a worker of several models tells a model's worker process it starts, beside
+    its settings (none of the user's): the host's pid (the child drains and exits once that
+    process is gone), and a refusal (answer every request with it, error model_unavailable,
+    loading nothing: the queue of a model that failed to load)."""
+
+    host_pid: int | None = None
+    refusal: str | None = None
+
+    @classmethod
+    def from_environment(cls) -> Hosting:
+        pid = os.environ.get("MLXQ_HOSTED_BY_PID", "")
+        return cls(int(pid) if pid.isdigit() else None, os.environ.get("MLXQ_HOSTED_REFUSAL") or None)
+
+    def to_environment(self) -> dict[str, str]:
+        return {**({"MLXQ_HOSTED_BY_PID": str(self.host_pid)} if self.host_pid else {}),
+                **({"MLXQ_HOSTED_REFUSAL": self.refusal} if self.refusal else {})}

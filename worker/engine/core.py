@@ -122,7 +122,8 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - fail this batch, keep serving
             self._fail_batch(e, out)
             return
-        wanted = {uid: o.request.logprobs for uid, o in self.running.items() if o.request.logprobs is not None}
+        wanted = {uid: o.request.reporting.logprobs for uid, o in self.running.items()
+                  if o.request.reporting.logprobs is not None}
         picked = token_logprobs(tokens, wanted, self.loaded.info.tokenizer) if wanted else {}
         outgoing, finished = process_step(self.running, tokens, time.time(), picked, self._flush_due())
         out.outgoing.extend(outgoing)
@@ -158,11 +159,11 @@ class EngineCore:
                 out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
 
     def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
-        if request.deadline_at is not None and now > request.deadline_at:
+        if request.queueing.expired(now):
             out.outgoing.append(deadline_exceeded(request))
             return
         output = RequestOutput(request, self.loaded.new_detokenizer(), now,
-                               self.loaded.new_detokenizer() if request.thinking else None)
+                               self.loaded.new_detokenizer() if request.reporting.thinking else None)
         if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
             out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
             return
@@ -177,16 +178,16 @@ class EngineCore:
         hit = cache.fetch(prompt, request.cache_salt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
-                                             request.stop_tokens, request.min_tokens)
+                                             request.stopping.stop_tokens, request.stopping.min_tokens)
         guide = None
         if request.constraint is not None:  # last: it masks what the others left
-            guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stop_tokens),
+            guide = self.guides.processor(request.constraint, len(prompt), sorted(request.stopping.stop_tokens),
                                           _thinking_left(request))
             processors.append(guide)
         try:
             uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
                                       request.tokens_to_generate, build_sampler(request.sampling), processors,
-                                      cached, request.media, logprobs=request.logprobs is not None,
+                                      cached, request.media, logprobs=request.reporting.logprobs is not None,
                                       speculative=request.speculative, cache_salt=request.cache_salt)
         except Exception:
             if guide is not None:
@@ -229,7 +230,7 @@ def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str]]
 def _thinking_left(request: EngineRequest) -> Thinking | None:
     """Where a constrained thinking request stands before its first new token: still
     reasoning (the prompt opened it, or a resumed output is inside it), or not."""
-    thinking = request.thinking
+    thinking = request.reporting.thinking
     if thinking is None:
         return None
     tokens = request.resume.tokens if request.resume else []

@@ -30,8 +30,8 @@ class RequestOutput:
                  reasoning_detokenizer: Any = None) -> None:
         self.request = request
         self.detokenizer = detokenizer
-        self.reasoning_detokenizer = reasoning_detokenizer  # with `request.thinking`
-        self.in_thought = request.thinking is not None and request.thinking.open
+        self.reasoning_detokenizer = reasoning_detokenizer  # with `request.reporting.thinking`
+        self.in_thought = request.reporting.thinking is not None and request.reporting.thinking.open
         self.answered = False  # a token of the answer came: a reasoning marker is text from now on
         self.reasoning_sent = 0  # characters of the reasoning already in deltas
         self.admitted_at = admitted_at
@@ -46,7 +46,7 @@ class RequestOutput:
         self.seq = 0
         self.done: Done | None = None
         self.stop_reason: str | None = None  # the stop string that ended the text
-        self._hold = max((len(s) for s in request.stop), default=1) - 1
+        self._hold = max((len(s) for s in request.stopping.stop), default=1) - 1
         if request.resume is not None:
             self._replay(request.resume)
 
@@ -63,24 +63,20 @@ class RequestOutput:
 
     def _take(self, token: int) -> None:
         """Into the reasoning or the text; the reasoning markers into neither."""
-        thinking = self.request.thinking
+        thinking = self.request.reporting.thinking
+        where = "text"
         if thinking is not None:
-            if self.in_thought:
-                if token == thinking.end:
-                    self.in_thought = False
-                else:
-                    self.reasoning_detokenizer.add_token(token)
-                return
-            if token == thinking.start and not self.answered:
-                self.in_thought = True
-                return
-        self.answered = True
-        self.detokenizer.add_token(token)
+            where, self.in_thought = thinking.place(token, self.in_thought, self.answered)
+        if where == "reasoning":
+            self.reasoning_detokenizer.add_token(token)
+        elif where == "text":
+            self.answered = True
+            self.detokenizer.add_token(token)
 
     @property
     def reasoning(self) -> str | None:
         """The reasoning so far, on a thinking model."""
-        return None if self.request.thinking is None else self.reasoning_detokenizer.text
+        return None if self.request.reporting.thinking is None else self.reasoning_detokenizer.text
 
     def add(self, out: TokenOut, now: float, logprob: TokenLogprob | None = None, flush: bool = True) -> list[Event]:
         """Take one generated token (and its logprob, when asked for); returns the events it
@@ -92,7 +88,7 @@ class RequestOutput:
             self.cached_tokens = out.cached_tokens
         self.last_token_at = now
         # A stop token (eos unless ignore_eos, stop_token_ids) is not output.
-        stopped = out.finish_reason == "stop" or out.token in self.request.stop_tokens
+        stopped = out.finish_reason == "stop" or out.token in self.request.stopping.stop_tokens
         if not stopped:
             self._take(out.token)
             self.pending.append(out.token)
@@ -107,7 +103,7 @@ class RequestOutput:
             return self.finish("stop", now)
         if out.finish_reason is not None:
             return self.finish("length", now)
-        if len(self.pending) >= self.request.stream_interval and (flush or self.seq == 0):
+        if len(self.pending) >= self.request.reporting.stream_interval and (flush or self.seq == 0):
             return [self._delta(len(self.text) - self._held_back())]
         return []
 
@@ -116,14 +112,14 @@ class RequestOutput:
         events: list[Event] = []
         if self.pending or self.sent < len(self.text) or self.reasoning_sent < len(self.reasoning or ""):
             events.append(self._delta(len(self.text)))
-        tool_calls = parse_tool_calls(self.text, self.request.tools) if self.request.tools else None
+        tool_calls = parse_tool_calls(self.text, tools) if (tools := self.request.reporting.tools) else None
         self.done = Done(
             id=self.request.id,
             finish_reason="tool_calls" if tool_calls and reason == "stop" else reason,
             text=self.text,
             usage=Usage(len(self.request.prompt_tokens), self.completion_tokens, self.cached_tokens),
             timing=self._timing(now),
-            metadata=self.request.metadata,
+            metadata=self.request.queueing.metadata,
             tool_calls=tool_calls or None,
             reasoning=self.reasoning,
             stop_reason=self.stop_reason,
@@ -135,13 +131,14 @@ class RequestOutput:
         there, or after it with `include_stop`). None is looked for before `min_tokens`."""
         full = self.detokenizer.text
         start = max(0, len(self.text) - self._hold)
-        stops = self.request.stop if self.completion_tokens >= self.request.min_tokens else []
+        stopping = self.request.stopping
+        stops = stopping.stop if self.completion_tokens >= stopping.min_tokens else []
         hits = [(i, i + len(s)) for i, s in ((full.find(s, start), s) for s in stops) if i >= 0]
         if not hits:
             self.text = full
             return False
         at, end = min(hits)
-        self.text = full[:end] if self.request.include_stop else full[:at]
+        self.text = full[:end] if self.request.stopping.include_stop else full[:at]
         self.stop_reason = full[at:end]
         return True
 
@@ -149,14 +146,14 @@ class RequestOutput:
         """Length of the text's tail that could still grow into a stop string."""
         for size in range(min(self._hold, len(self.text) - self.sent), 0, -1):
             tail = self.text[-size:]
-            if any(s.startswith(tail) for s in self.request.stop):
+            if any(s.startswith(tail) for s in self.request.stopping.stop):
                 return size
         return 0
 
     def _delta(self, upto: int) -> Delta:
         reasoning = self.reasoning
         delta = Delta(id=self.request.id, seq=self.seq, text=self.text[self.sent:upto], tokens=self.pending,
-                      logprobs=None if self.request.logprobs is None else self.pending_logprobs,
+                      logprobs=None if self.request.reporting.logprobs is None else self.pending_logprobs,
                       reasoning=None if reasoning is None else reasoning[self.reasoning_sent:])
         self.reasoning_sent = len(reasoning or "")
         self.seq += 1
@@ -167,7 +164,7 @@ class RequestOutput:
     def _timing(self, now: float) -> Timing:
         """Queue time, time to first token and total from arrival; then, over this run's
         tokens after the first, mean inter-token latency and tokens per second."""
-        arrived, first, last = self.request.arrived_at, self.first_token_at, self.last_token_at
+        arrived, first, last = self.request.queueing.arrived_at, self.first_token_at, self.last_token_at
         resumed = len(self.request.resume.tokens) if self.request.resume else 0
         after_first = self.completion_tokens - resumed - 1
         decoding = None if first is None or last is None or after_first < 1 else last - first

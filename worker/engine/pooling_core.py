@@ -62,11 +62,11 @@ class Pooling:
         else:
             best = sorted(range(len(ordered)), key=lambda i: -ordered[i])[: request.top_n]
             results = [Ranked(i, ordered[i]) for i in best]
-        queued = self.admitted_at - request.arrived_at
+        queued = self.admitted_at - request.queueing.arrived_at
         return Done(id=request.id, finish_reason="stop", text="", usage=Usage(request.prompt_size, 0),
                     timing=Timing(queued_ms=round(queued * 1000, 1), ttft_ms=None,
-                                  total_ms=round((now - request.arrived_at) * 1000, 1)),
-                    metadata=request.metadata, embeddings=embeddings, results=results)
+                                  total_ms=round((now - request.queueing.arrived_at) * 1000, 1)),
+                    metadata=request.queueing.metadata, embeddings=embeddings, results=results)
 
 
 class PoolingCore:
@@ -120,7 +120,7 @@ class PoolingCore:
         """Admit what fits, run one pass, and end the requests whose last inputs it ran."""
         now = time.time()
         for request in self.scheduler.admit(len(self.running)):
-            if request.deadline_at is not None and now > request.deadline_at:
+            if request.queueing.expired(now):
                 out.outgoing.append(deadline_exceeded(request))
             else:
                 rank = self.scheduler.rank(request)  # it runs its passes in the order it was admitted in

@@ -10,6 +10,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
+from worker.messages import Queueing
 from worker.settings import WorkerSettings
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
@@ -72,9 +73,7 @@ class Waiting(Protocol):
     @property
     def id(self) -> str: ...
     @property
-    def priority(self) -> int: ...
-    @property
-    def arrived_at(self) -> float: ...
+    def queueing(self) -> Queueing: ...
 
 
 R = TypeVar("R", bound=Waiting)
@@ -105,7 +104,7 @@ class Scheduler(Generic[R]):
 
     def rank(self, request: R) -> float:
         """Lower runs first: its priority, less a level for each `priority_aging_s` it has waited."""
-        return request.priority + request.arrived_at / self.policy.priority_aging_s
+        return request.queueing.priority + request.queueing.arrived_at / self.policy.priority_aging_s
 
     def add(self, request: R) -> None:
         """Queue a request."""

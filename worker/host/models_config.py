@@ -4,7 +4,6 @@ on one worker")."""
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from worker.settings import ModelEntry, ModelsConfigError, WorkerSettings
 HOST_ONLY = frozenset({"models", "memory_budget_gb", "memory_budget_percent", "idle_unload_s", "scale_up_after_s",
                        "worker_index", "embedded_port", "embedded_dir", "metrics_port"})
 # Settings of the worker as a whole, which a model's table cannot set.
-WHOLE_WORKER = HOST_ONLY | {"model", "queue", "consumer", "redis_url", "prefix", "unavailable", "host_pid"}
+WHOLE_WORKER = HOST_ONLY | {"model", "queue", "consumer", "redis_url", "prefix"}
 WEIGHTS_HEADROOM = 1.2  # activations and a running batch's KV beside the weights, in the estimate
 
 
@@ -29,7 +28,7 @@ def child_settings(host: WorkerSettings, entry: ModelEntry, consumer: str) -> Wo
     shared = {k: v for k, v in host.model_dump().items() if k not in WHOLE_WORKER}
     try:
         return WorkerSettings(**{**shared, **entry.overrides(), "model": entry.path, "queue": entry.name,
-                                 "consumer": consumer, "prefix": host.prefix, "host_pid": os.getpid()})
+                                 "consumer": consumer, "prefix": host.prefix})
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first["loc"])

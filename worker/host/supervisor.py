@@ -45,7 +45,7 @@ from worker.host.models_config import HOST_ONLY, child_settings, footprint_bytes
 from worker.host.placement import Decision, Demand, Look, Model, Policy, decide, gb
 from worker.host.publishing import HostKey
 from worker.queue.retrying import describe
-from worker.settings import ModelEntry, ModelsConfigError, WorkerSettings
+from worker.settings import Hosting, ModelEntry, ModelsConfigError, WorkerSettings
 
 log = structlog.get_logger("mlxq.host")
 
@@ -258,22 +258,17 @@ class Host:
         log.info("loading a model", model=model.queue, path=model.entry.path, gb=gb(model.counted()))
         self._start(model)
 
-    def _start(self, model: ModelProcess) -> None:
+    def _start(self, model: ModelProcess, refusal: str | None = None) -> None:
         model.metrics_port = None if self.settings.metrics_port is None else host_metrics.free_local_port()
         model.process = subprocess.Popen([sys.executable, "-m", "mlxq", "worker", "--config",
-                                          str(self._child_config(model))], env=self._child_env(model))
+                                          str(self._child_config(model))], env=self._child_env(refusal))
         model.state = "loading"
 
     def _refuse(self, model: ModelProcess) -> None:
         """Answer its waiting requests with why it is not loaded: a worker that loads nothing
         and refuses each request (`unavailable`), so no request waits for it forever."""
-        reason = f"model {model.queue} ({model.entry.path}) could not be loaded on {self.name}: {model.failed}"
-        settings = model.settings
-        model.settings = settings.model_copy(update={"unavailable": reason})
-        try:
-            self._start(model)
-        finally:
-            model.settings = settings
+        self._start(model, f"model {model.queue} ({model.entry.path}) could not be loaded on {self.name}: "
+                           f"{model.failed}")
         model.refusing = True
 
     def _unload(self, model: ModelProcess) -> None:
@@ -282,9 +277,11 @@ class Host:
             model.process.send_signal(signal.SIGTERM)
             model.state = "draining"
 
-    def _child_env(self, model: ModelProcess) -> dict[str, str]:
-        """The host's environment without its MLXQ_* settings: the child's are all in its file."""
-        return {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k.startswith("MLXQ_TEST_")}
+    def _child_env(self, refusal: str | None) -> dict[str, str]:
+        """The host's environment without its MLXQ_* settings (the child's are all in its
+        file), and what the host tells it (`Hosting`)."""
+        inherited = {k: v for k, v in os.environ.items() if not k.startswith("MLXQ_") or k.startswith("MLXQ_TEST_")}
+        return {**inherited, **Hosting(os.getpid(), refusal).to_environment()}
 
     def _child_config(self, model: ModelProcess) -> Path:
         """Its worker's settings as a TOML file."""

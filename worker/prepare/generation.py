@@ -19,9 +19,12 @@ from worker.faults import NONE, Faults
 from worker.messages import (
     EngineRequest,
     PreparedMedia,
+    Queueing,
+    Reporting,
     RequestRef,
     Resume,
     SamplingParams,
+    Stopping,
     Thinking,
     ToolFormat,
     ToolUse,
@@ -37,10 +40,12 @@ log = structlog.get_logger("mlxq.worker")
 class Preparer:
     """Validates and tokenizes requests against one model and one worker's limits."""
 
-    def __init__(self, info: ModelInfo, settings: WorkerSettings, faults: Faults = NONE) -> None:
+    def __init__(self, info: ModelInfo, settings: WorkerSettings, faults: Faults = NONE,
+                 refusal: str | None = None) -> None:
         self.info = info
         self.settings = settings
         self.faults = faults
+        self.refusal = refusal  # every request answered with it (`Hosting.refusal`)
         self.keys = Keys(settings.prefix)
         self.queue = settings.queue
         self.prompt_token_limit = min(settings.max_prompt_tokens or info.context_length, info.context_length)
@@ -53,8 +58,8 @@ class Preparer:
         """An engine request; raises `RequestRejected` with the field and the reason."""
         if envelope.error is not None:
             raise envelope.error
-        if self.settings.unavailable is not None:
-            raise RequestRejected(self.settings.unavailable, code=ErrorCode.MODEL_UNAVAILABLE)
+        if self.refusal is not None:
+            raise RequestRejected(self.refusal, code=ErrorCode.MODEL_UNAVAILABLE)
         assert envelope.raw is not None
         try:
             body = validate_body(envelope.raw)
@@ -83,29 +88,26 @@ class Preparer:
         return EngineRequest(
             ref=ref,
             prompt_tokens=tokens,
-            max_tokens=min(max_tokens, room),
             sampling=SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                     min_p=body.min_p, repetition_penalty=body.repetition_penalty, seed=body.seed,
                                     presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                     logit_bias=body.logit_bias),  # type: ignore[arg-type]  # keys made ints
-            stop=body.stop,
-            stream_interval=body.stream_interval or self.settings.stream_interval,
-            priority=body.priority,
-            arrived_at=arrived_at,
-            deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
-            metadata=body.metadata,
+            stopping=Stopping(
+                max_tokens=0 if body.count_only else min(max_tokens, room), stop=body.stop,
+                stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
+                min_tokens=self._min_tokens(body, max_tokens), include_stop=body.include_stop_str_in_output),
+            queueing=Queueing(
+                priority=body.priority, arrived_at=arrived_at,
+                deadline_at=None if body.deadline_ms is None else body.deadline_ms / 1000.0 - clock_offset_s,
+                metadata=body.metadata),
+            reporting=Reporting(stream_interval=body.stream_interval or self.settings.stream_interval,
+                                logprobs=(body.top_logprobs or 0) if body.logprobs else None, tools=tools,
+                                thinking=thinking),
             resume=resume,
             media=media,
-            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            stop_tokens=frozenset(body.stop_token_ids) | (frozenset() if body.ignore_eos else self.eos_ids),
-            min_tokens=self._min_tokens(body, max_tokens),
-            include_stop=body.include_stop_str_in_output,
             constraint=constraint,
-            tools=tools,
-            thinking=thinking,
             speculative=body.speculative,
             cache_salt=body.cache_salt or "",
-            count_only=body.count_only,
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:

@@ -14,7 +14,7 @@ from client.keys import Keys
 from client.pooling import EmbeddingBody, RerankBody, validate_embedding_body, validate_rerank_body
 from client.protocol import Envelope, ErrorCode, RequestRejected
 from worker.engine.backends import ModelInfo, PoolingInfo
-from worker.messages import PoolingRequest, PoolInput, RequestRef, Resume
+from worker.messages import PoolingRequest, PoolInput, Queueing, RequestRef, Resume
 from worker.prepare.generation import check_metadata, longest_token
 from worker.settings import WorkerSettings
 
@@ -67,7 +67,7 @@ class PoolingPreparer:
         if body.metadata is not None:
             check_metadata(body.metadata, envelope.encoding, self.settings.max_metadata_bytes)
         deadline_at = None if body.deadline_ms is None else body.deadline_ms / 1000 - clock_offset_s
-        request = PoolingRequest(ref, [], body.priority, arrived_at, deadline_at, metadata=body.metadata)
+        request = PoolingRequest(ref, [], Queueing(body.priority, arrived_at, deadline_at, body.metadata))
         if isinstance(body, EmbeddingBody):
             return replace(request, inputs=self._embedding_inputs(body), dimensions=self._dimensions(body.dimensions),
                            base64=body.encoding_format == "base64")

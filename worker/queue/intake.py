@@ -200,11 +200,12 @@ class Intake:
         if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
             self._answer(not_started(request, time.time()))
             return
-        if isinstance(request, EngineRequest) and request.count_only:  # its templated, tokenized prompt: the answer
+        if isinstance(request, EngineRequest) and request.counted_only:  # its templated, tokenized prompt: the answer
             self._answer(not_started(request, time.time(), "length"))
             return
         if route.stream == self.streams.batch_lane:  # behind every interactive request waiting here
-            request = replace(request, priority=request.priority + BATCH_PRIORITY)
+            request = replace(request, queueing=replace(request.queueing,
+                                                            priority=request.queueing.priority + BATCH_PRIORITY))
         if resume is not None:
             log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
         self.requests.advance(route.id, RequestStatus.ADMITTED)

@@ -15,7 +15,7 @@ from worker.engine.backends import Loaded, ModelInfo, TokenOut
 from worker.engine.backends.sim import Letters, SimBackend
 from worker.engine.scheduler import Scheduler, SchedulingPolicy, StepPlan
 from worker.engine.thread import Engine
-from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, StepOutput
+from worker.messages import EngineRequest, Queueing, RequestRef, Resume, SamplingParams, StepOutput, Stopping
 
 
 class CountingBackend(SimBackend):
@@ -50,9 +50,9 @@ class CountingBackend(SimBackend):
 
 def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None,
             resume: Resume | None = None) -> EngineRequest:
-    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=[1], max_tokens=max_tokens,
-                         sampling=SamplingParams(), stop=[], stream_interval=1, priority=priority,
-                         arrived_at=time.time(), deadline_at=deadline_at, resume=resume)
+    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=[1], sampling=SamplingParams(),
+                         stopping=Stopping(max_tokens), queueing=Queueing(priority, time.time(), deadline_at),
+                         resume=resume)
 
 
 class Harness:
@@ -289,11 +289,11 @@ def test_aging_lets_a_starved_request_in_eventually():
     one that has waited 4 does not."""
     s = Scheduler(SchedulingPolicy(4, priority_aging_s=1.0))
     now = time.time()
-    starved = dataclasses.replace(request("starved", priority=5), arrived_at=now - 6)
-    patient = dataclasses.replace(request("patient", priority=5), arrived_at=now - 4)
+    starved = dataclasses.replace(request("starved"), queueing=Queueing(5, now - 6))
+    patient = dataclasses.replace(request("patient"), queueing=Queueing(5, now - 4))
     s.add(patient)
     s.add(starved)
-    s.add(dataclasses.replace(request("fresh", priority=0), arrived_at=now))
+    s.add(dataclasses.replace(request("fresh"), queueing=Queueing(0, now)))
     assert [r.id for r in s.take(3)] == ["starved", "fresh", "patient"]
 
 

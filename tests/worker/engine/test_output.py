@@ -10,7 +10,7 @@ import pytest
 from client import Delta, Done, Timing
 from worker.engine.backends import TokenOut
 from worker.engine.output import RequestOutput, process_step
-from worker.messages import EngineRequest, RequestRef, SamplingParams
+from worker.messages import EngineRequest, Queueing, Reporting, RequestRef, SamplingParams, Stopping
 
 
 @pytest.fixture(scope="module")
@@ -21,9 +21,9 @@ def tokenizer(demo_model: Path):
 
 
 def make_request(stop: list[str] | None = None, interval: int = 1, max_tokens: int = 100) -> EngineRequest:
-    return EngineRequest(ref=RequestRef("r1", "1-0"), prompt_tokens=[1, 2, 3], max_tokens=max_tokens,
-                         sampling=SamplingParams(), stop=stop or [], stream_interval=interval, priority=0,
-                         arrived_at=100.0, deadline_at=None)
+    return EngineRequest(ref=RequestRef("r1", "1-0"), prompt_tokens=[1, 2, 3], sampling=SamplingParams(),
+                         stopping=Stopping(max_tokens, stop or []), queueing=Queueing(0, 100.0),
+                         reporting=Reporting(stream_interval=interval))
 
 
 def feed(tokenizer, request: EngineRequest, tokens: list[int], last_reason: str | None = "length",
@@ -131,7 +131,7 @@ def test_tokens_after_a_stop_in_the_same_step_are_dropped(tokenizer):
     """A speculative step gives a sequence several tokens; a stop token among them ends it
     there, once, and what follows it in the step is not output."""
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    request = replace(make_request(), stop_tokens=frozenset([eos]))
+    request = replace(make_request(), stopping=Stopping(100, stop_tokens=frozenset([eos])))
     streams = {3: RequestOutput(request, tokenizer.detokenizer, 100.0)}
     hello = tokenizer.encode("hello")
     step = [TokenOut(3, t, None) for t in [*hello, eos, *tokenizer.encode(" world")]]

@@ -16,7 +16,7 @@ from client.protocol import Done, Envelope, Error, RequestRejected
 from worker.engine.backends import PoolingInfo, load_model
 from worker.engine.pooling_core import PoolingCore
 from worker.engine.scheduler import SchedulingPolicy
-from worker.messages import PoolingRequest, PoolInput, RequestRef, StepOutput
+from worker.messages import PoolingRequest, PoolInput, Queueing, RequestRef, StepOutput
 from worker.prepare.pooling import PoolingPreparer
 from worker.settings import WorkerSettings
 
@@ -41,7 +41,7 @@ class Counting:
 
 def request(name: str, lengths: list[int], priority: int = 0, **fields) -> PoolingRequest:
     inputs = [PoolInput([(7 * i + n) % 900 + 10 for i in range(n)]) for n in lengths]
-    return PoolingRequest(RequestRef(name, "0-1"), inputs, priority, time.time(), None, **fields)
+    return PoolingRequest(RequestRef(name, "0-1"), inputs, Queueing(priority, time.time()), **fields)
 
 
 def core_of(pooling_model, max_num_seqs: int = 8, prefill_batch_size: int = 8, prefill_step_size: int = 512):

@@ -83,13 +83,22 @@ def test_a_resumed_output_keeps_reasoning_and_text_apart(thinking_model):
 
     from worker.engine.backends import TokenOut
     from worker.engine.output import RequestOutput
-    from worker.messages import EngineRequest, RequestRef, Resume, SamplingParams, Thinking
+    from worker.messages import (
+        EngineRequest,
+        Queueing,
+        Reporting,
+        RequestRef,
+        Resume,
+        SamplingParams,
+        Stopping,
+        Thinking,
+    )
 
     tokenizer = load_tokenizer(thinking_model)
     r1, r2, a1, a2 = 300, 301, 400, 401
-    request = EngineRequest(ref=RequestRef("t", "1-0"), prompt_tokens=[1, 2, THINK], max_tokens=10,
-                            sampling=SamplingParams(), stop=[], stream_interval=1, priority=0, arrived_at=0.0,
-                            deadline_at=None, thinking=Thinking(THINK, END_THINK, open=True))
+    request = EngineRequest(ref=RequestRef("t", "1-0"), prompt_tokens=[1, 2, THINK], sampling=SamplingParams(),
+                            stopping=Stopping(10), queueing=Queueing(0, 0.0),
+                            reporting=Reporting(thinking=Thinking(THINK, END_THINK, open=True)))
     whole = RequestOutput(request, tokenizer.detokenizer, 0.0, tokenizer.detokenizer)
     events = [e for i, t in enumerate([r1, r2, END_THINK, a1, a2])
               for e in whole.add(TokenOut(0, t, "length" if i == 4 else None), now=1.0)]

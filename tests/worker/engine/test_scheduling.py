@@ -13,7 +13,7 @@ from client import Delta, Done
 from worker.engine.backends.mlx_lm import load_text_model
 from worker.engine.scheduler import SchedulingPolicy
 from worker.engine.thread import Engine
-from worker.messages import EngineRequest, RequestRef, SamplingParams, StepOutput
+from worker.messages import EngineRequest, Queueing, RequestRef, SamplingParams, StepOutput, Stopping
 from worker.settings import WorkerSettings
 
 worker = worker_fixture(prefill_step_size=128)
@@ -39,9 +39,8 @@ def test_a_long_prefill_does_not_freeze_running_streams(worker, r, outputs):
 
 
 def _request(rid: str, tokens: list[int], max_tokens: int = 8) -> EngineRequest:
-    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=tokens,
-                         max_tokens=max_tokens, sampling=SamplingParams(), stop=[], stream_interval=1, priority=0,
-                         arrived_at=time.time(), deadline_at=None)
+    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=tokens, sampling=SamplingParams(),
+                         stopping=Stopping(max_tokens), queueing=Queueing(0, time.time()))
 
 
 def _until_done(outputs: queue.Queue[StepOutput], request_id: str) -> tuple[float, Done]:

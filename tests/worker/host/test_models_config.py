@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from worker.host.models_config import child_settings, footprint_bytes
@@ -83,6 +85,9 @@ def test_a_host_record_reads_back_as_written_and_junk_reads_as_none():
               HostedModel("vl", "org/VL", "available", None, failed="exited 3 times", consumer="h.vl", host="h"))
     record = HostRecord("h", "mac-1", 42, 16 << 30, 13 << 30, 7, models)
     assert HostRecord.from_wire(record.to_wire()) == record
+    written = json.loads(record.to_wire())["models"][0]  # docs/protocol.md's fields
+    assert written == {"name": "chat", "queue": "chat", "path": "org/Chat", "state": "loaded", "memory_bytes": 3 << 30,
+                       "pin": True, "failed": None, "consumer": "h.chat"}
     assert [m.offered for m in record.models] == [False, False]
     assert HostedModel("x", "p", "available").offered
     for junk in (None, b"", b"not json", b"[1, 2]", b'{"no": "name"}'):

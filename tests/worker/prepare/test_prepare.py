@@ -35,9 +35,10 @@ def prepare(preparer: Preparer, body: dict) -> object:
 
 def test_a_valid_request_becomes_an_engine_request(preparer):
     request = prepare(preparer, {"prompt": "abc", "max_tokens": 5, "stop": ["x"], "priority": 2})
-    assert (request.ref, request.prompt_tokens, request.max_tokens, request.stop, request.priority) == (
+    assert (request.ref, request.prompt_tokens, request.stopping.max_tokens, request.stopping.stop,
+            request.queueing.priority) == (
         REF, [ord(c) % 26 for c in "abc"], 5, ["x"], 2)  # the simulated tokenizer's ids
-    assert request.media is None and request.constraint is None and request.tools is None
+    assert request.media is None and request.constraint is None and request.reporting.tools is None
 
 
 @pytest.mark.parametrize(("body", "message"), [

@@ -37,14 +37,15 @@ __all__ = ["VISION_EXTRA", "BatchBackend", "Coverage", "Loaded", "ModelInfo", "P
            "TokenOut", "has_model_file", "is_vision_model", "load_model", "mlx_vlm_only", "model_file", "task_of"]
 
 
-def load_model(settings: WorkerSettings) -> Loaded:
+def load_model(settings: WorkerSettings, refusing: bool = False) -> Loaded:
     """The configured model (a local path or a Hugging Face id), loaded by mlx-vlm if its
-    config has a vision tower, else by mlx-lm."""
+    config has a vision tower, else by mlx-lm; nothing (a simulated model under its name)
+    for a worker `refusing` every request."""
     assert settings.model is not None, "the command line resolves the demo model"
-    if settings.model.startswith("sim:") or settings.unavailable is not None:
+    if settings.model.startswith("sim:") or refusing:
         from worker.engine.backends.sim import load_sim
 
-        return load_sim(settings.model if settings.unavailable is None else "sim:", name=settings.model)
+        return load_sim("sim:" if refusing else settings.model, name=settings.model)
     task = task_of(settings)
     if task != "generate":
         try:
