@@ -19,7 +19,7 @@ import redis as redis_py
 import redis.asyncio as aioredis
 
 from .batches import Batch
-from .heartbeat import Heartbeat
+from .heartbeat import Heartbeat, StatsRecord
 from .hosts import HostedModel, HostRecord
 from .keys import BATCH_LANE, GROUP, Keys
 from .replies import as_text
@@ -173,23 +173,17 @@ def _workers(names: list[str], replies: list[Any], now: float) -> list[WorkerVie
     per = 1 + len(STATS_READ)
     workers = []
     for i, name in enumerate(names):
-        live, last, stored_state, last_seen = replies[i * per:(i + 1) * per]
-        workers.append(_worker(name, live, last, stored_state, last_seen, now))
+        live, *stored = replies[i * per:(i + 1) * per]
+        record = StatsRecord.from_wire({field.encode(): value for field, value in zip(STATS_READ, stored, strict=True)})
+        workers.append(_worker(name, live, record, now))
     return sorted(workers, key=lambda w: w.name)
 
 
-def _worker(name: str, live: bytes | None, last: bytes | None, stored_state: bytes | None, last_seen: bytes | None,
-            now: float) -> WorkerView:
-    heartbeat = Heartbeat.from_json(live) or Heartbeat.from_json(last) or Heartbeat(name)
-    if live is not None:
-        state: str = heartbeat.state
-    else:
-        state = "stopped" if as_text(stored_state or b"") == "stopped" else "gone"
-    try:
-        seen = float(last_seen or 0)
-    except ValueError:
-        seen = 0.0
-    return WorkerView(name, state, round(max(0.0, now - seen), 1), heartbeat, dict(heartbeat.totals))
+def _worker(name: str, live: bytes | None, stored: StatsRecord, now: float) -> WorkerView:
+    heartbeat = Heartbeat.from_json(live) or stored.heartbeat or Heartbeat(name)
+    state: str = heartbeat.state if live is not None else "stopped" if stored.state == "stopped" else "gone"
+    return WorkerView(name, state, round(max(0.0, now - (stored.last_seen or 0.0)), 1), heartbeat,
+                      dict(heartbeat.totals))
 
 
 def read_stream(redis: redis_py.Redis, keys: Keys, queue: str, lane: str | None = None) -> StreamView:

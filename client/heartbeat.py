@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, cast, get_args
 
 from .engine_stats import EngineStats
-from .protocol import Task
+from .protocol import ErrorCode, FinishReason, Task
 
 WorkerState = Literal["ready", "draining", "stopped"]
 ModelLoad = Literal["loaded", "loading", "draining", "available"]
@@ -149,3 +149,53 @@ def _markers(value: Any) -> tuple[str, str] | None:
     if isinstance(value, (list, tuple)) and len(value) == 2 and all(isinstance(v, str) for v in value):
         return value[0], value[1]
     return None
+
+
+TOKEN_COUNTS = ("prompt_tokens", "generation_tokens", "cached_tokens")
+EVENT_COUNTS = ("takeovers", "dead_letters")
+
+
+def counter_names() -> list[str]:
+    """Every counter a worker's stats record holds: a fixed set (finish reasons and error
+    codes are the protocol's), so the hash stays small whatever requests carry."""
+    return ([f"finished:{reason}" for reason in get_args(FinishReason)] + [f"errors:{code}" for code in ErrorCode]
+            + list(TOKEN_COUNTS) + list(EVENT_COUNTS))
+
+
+@dataclass(frozen=True)
+class StatsRecord:
+    """A worker's stats hash (`mlxq:stats:<consumer>`), kept for days past its heartbeat:
+    its counters, its last heartbeat, `stopped` once it said so on its way out, its last
+    error, and when it last wrote (unix s, added by the writer)."""
+
+    totals: dict[str, int] = field(default_factory=dict)
+    heartbeat: Heartbeat | None = None
+    state: str = ""
+    last_error: dict[str, Any] | None = None
+    last_seen: float | None = None
+
+    def to_wire(self) -> dict[str, str | int]:
+        return {**{name: self.totals.get(name, 0) for name in counter_names()},
+                "heartbeat": self.heartbeat.to_json() if self.heartbeat else "", "state": self.state,
+                "last_error": json.dumps(self.last_error)}
+
+    @classmethod
+    def from_wire(cls, stored: dict[bytes, bytes]) -> StatsRecord:
+        """The record in what HGETALL (or HGETs of some fields) gave; what is not one of its
+        fields, or not of its shape, is left out."""
+        fields = {name.decode(errors="replace"): value for name, value in stored.items() if value is not None}
+        known = set(counter_names())
+        try:
+            last_error = json.loads(fields.get("last_error", b"null"))
+        except ValueError:
+            last_error = None
+        return cls({k: int(v) for k, v in fields.items() if k in known and v.isdigit()},
+                   Heartbeat.from_json(fields.get("heartbeat")), fields.get("state", b"").decode(errors="replace"),
+                   last_error if isinstance(last_error, dict) else None, _float(_number_text(fields.get("last_seen"))))
+
+
+def _number_text(raw: bytes | None) -> float | None:
+    try:
+        return float(raw) if raw else None
+    except ValueError:
+        return None

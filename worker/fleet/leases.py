@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.metadata
-import json
 import os
 import socket
 import time
@@ -21,7 +20,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from client.engine_stats import EngineStats
-from client.heartbeat import Heartbeat, ModelState, WorkerState
+from client.heartbeat import Heartbeat, ModelState, StatsRecord, WorkerState
 from client.protocol import Task
 from worker.fleet.membership import Membership
 from worker.fleet.naming import claim_consumer_name
@@ -94,10 +93,10 @@ class Leases:
 
     async def _keep_alive(self) -> None:
         """Refresh the heartbeat and our entries' idle times; drop what another worker took."""
-        heartbeat = self._heartbeat(self.consumer)
-        lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat, ttl_s=self.ttl_s,
-                                                instance=self.instance)
-        await self._record(heartbeat)
+        beat = self._beat(self.consumer)
+        lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), beat.to_json(),
+                                                ttl_s=self.ttl_s, instance=self.instance)
+        await self._record(beat)
         for entry_id in lost:
             held = self.requests.by_entry(entry_id)
             if held is not None:
@@ -112,20 +111,22 @@ class Leases:
             await self.membership.keep_mine(self.consumer, self.requests.by_stream(), heartbeat="", ttl_s=0,
                                              instance=self.instance, idle_ms=HAND_BACK_IDLE_MS)
             self.state = "stopped"
-            await self._record(self._heartbeat(self.consumer))
+            await self._record(self._beat(self.consumer))
         except (RedisError, OSError) as e:
             log.warning("could not hand back; others take over when the heartbeat expires", reason=describe(e))
         for held in left:
             self.requests.end(held.route.id, RequestStatus.HANDED_BACK)
         log.info("worker stopped", handed_back=len(left))
 
-    async def _record(self, heartbeat: str) -> None:
+    async def _record(self, beat: Heartbeat) -> None:
         """Our totals and this heartbeat, kept in Redis past our heartbeat's expiry."""
-        fields = {**self.totals.as_fields(), "heartbeat": heartbeat, "state": self.state,
-                  "last_error": json.dumps(self.totals.last_error)}
-        await self.membership.record_stats(self.consumer, fields, STATS_KEEP_S)
+        record = StatsRecord(self.totals.as_fields(), beat, self.state, self.totals.last_error)
+        await self.membership.record_stats(self.consumer, record, STATS_KEEP_S)
 
     def _heartbeat(self, consumer: str) -> str:
+        return self._beat(consumer).to_json()
+
+    def _beat(self, consumer: str) -> Heartbeat:
         """What this worker tells the fleet about itself, under the name `consumer`
         (`mlxq:workers:<consumer>`)."""
         model = ModelState(self.settings.queue, self.settings.queue, self.model_name, "loaded",
@@ -135,4 +136,4 @@ class Leases:
             pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
-            stats=self.stats).to_json()
+            stats=self.stats)

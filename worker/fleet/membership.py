@@ -4,10 +4,10 @@ its entries' leases, and the totals it leaves under its name."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import redis.asyncio as aioredis
 
+from client.heartbeat import StatsRecord
 from client.keys import GROUP, Keys
 from client.replies import as_text
 from worker.queue import scripts
@@ -47,18 +47,18 @@ class Membership:
             lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, [stream], args)]
         return lost
 
-    async def read_stats(self, consumer: str) -> dict[bytes, bytes]:
-        """The stats hash an earlier run under our consumer name left (empty if none)."""
+    async def read_stats(self, consumer: str) -> StatsRecord:
+        """The stats record an earlier run under our consumer name left (empty if none)."""
         stored: dict[bytes, bytes] = await self.redis.hgetall(self.keys.stats(consumer))  # type: ignore[assignment]
-        return stored
+        return StatsRecord.from_wire(stored)
 
-    async def record_stats(self, consumer: str, fields: dict[str, Any], keep_s: int) -> None:
+    async def record_stats(self, consumer: str, record: StatsRecord, keep_s: int) -> None:
         """Write this worker's totals and last heartbeat where `mlxq status` finds them, for
         `keep_s` after its last write; workers not seen for that long leave the fleet set."""
         now = time.time()
         stats = self.keys.stats(consumer)
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(stats, mapping={**fields, "last_seen": round(now, 3)})  # type: ignore[dict-item]
+            pipe.hset(stats, mapping={**record.to_wire(), "last_seen": round(now, 3)})  # type: ignore[dict-item]
             pipe.expire(stats, keep_s)
             pipe.zadd(self.keys.fleet, {consumer: now})
             pipe.zremrangebyscore(self.keys.fleet, "-inf", now - keep_s)

@@ -26,9 +26,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from client.engine_stats import EngineStats
+from client.heartbeat import counter_names
 from client.protocol import Delta, Done, Event
 from worker.queue.requests import RequestStatus, RequestTable
-from worker.queue.totals import Totals, field_names
+from worker.queue.totals import Totals
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -101,7 +102,7 @@ class _Collected(Collector):
         finished = CounterMetricFamily("mlxq_request_success", "Requests finished, by reason",
                                        labels=["finished_reason"])
         errors = CounterMetricFamily("mlxq_request_errors", "Requests failed, by error code", labels=["code"])
-        for name in field_names():
+        for name in counter_names():
             kind, _, label = name.partition(":")
             if kind == "finished":
                 finished.add_metric([label], counts[name])

@@ -10,22 +10,14 @@ carry.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter, deque
-from typing import Any, get_args
+from typing import Any
 
-from client.protocol import Delta, Done, Error, ErrorCode, Event, FinishReason
+from client.heartbeat import EVENT_COUNTS, StatsRecord, counter_names
+from client.protocol import Delta, Done, Error, ErrorCode, Event
 
-TOKEN_COUNTS = ("prompt_tokens", "generation_tokens", "cached_tokens")
-EVENT_COUNTS = ("takeovers", "dead_letters")
 RATE_WINDOW_S = 60.0  # tok/s is over this last stretch
-
-
-def field_names() -> list[str]:
-    """Every counter a stats hash may hold."""
-    return ([f"finished:{reason}" for reason in get_args(FinishReason)] + [f"errors:{code}" for code in ErrorCode]
-            + list(TOKEN_COUNTS) + list(EVENT_COUNTS))
 
 
 class Totals:
@@ -36,20 +28,11 @@ class Totals:
         self.last_error: dict[str, Any] | None = None
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic, generation tokens so far)
 
-    def restore(self, stored: dict[bytes, bytes]) -> None:
-        """Continue from the counts an earlier run under this name left in Redis; what is
-        not one of our counters, or not a number, is ignored."""
-        known = set(field_names())
+    def restore(self, stored: StatsRecord) -> None:
+        """Continue from the counts an earlier run under this name left in Redis."""
         self._samples.clear()  # a rate sampled before would count the restored tokens as made now
-        for name, value in stored.items():
-            key = name.decode(errors="replace")
-            if key in known and value.isdigit():
-                self.counts[key] = int(value)
-        try:
-            last_error = json.loads(stored.get(b"last_error", b"null"))
-        except ValueError:
-            last_error = None
-        self.last_error = last_error if isinstance(last_error, dict) else None
+        self.counts.update(stored.totals)
+        self.last_error = stored.last_error
 
     def observe(self, event: Event) -> None:
         """Count one event that was published."""
@@ -82,4 +65,4 @@ class Totals:
 
     def as_fields(self) -> dict[str, int]:
         """Every counter, zeros included, as the stats hash holds them."""
-        return {name: self.counts[name] for name in field_names()}
+        return {name: self.counts[name] for name in counter_names()}

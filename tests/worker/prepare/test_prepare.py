@@ -13,12 +13,13 @@ import sys
 
 import pytest
 
+from client.heartbeat import Heartbeat, StatsRecord, counter_names
 from client.protocol import Delta, Done, Error, RequestRejected, Timing, Usage, encode_request, read_envelope
 from worker.engine.backends.sim import load_sim
 from worker.fleet.naming import _left_by_dead_process
 from worker.messages import RequestRef
 from worker.prepare.generation import Preparer
-from worker.queue.totals import Totals, field_names
+from worker.queue.totals import Totals
 from worker.settings import WorkerSettings
 
 REF = RequestRef("r1", "1-0")
@@ -61,16 +62,29 @@ def test_totals_count_published_events_and_restore_only_their_own_fields():
                         timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0)))
     totals.observe(Error(id="b", code="from_a_newer_worker", message="m"))
     fields = totals.as_fields()
-    assert set(fields) == set(field_names())  # a fixed set, whatever the events carried
+    assert set(fields) == set(counter_names())  # a fixed set, whatever the events carried
     assert (fields["generation_tokens"], fields["prompt_tokens"], fields["cached_tokens"]) == (2, 3, 1)
     assert (fields["finished:length"], fields["errors:internal"]) == (1, 1)
     again = Totals()
     assert again.tok_s(now=100.0) == 0.0  # a heartbeat before the restore
-    again.restore({b"generation_tokens": b"7", b"made_up": b"9", b"prompt_tokens": b"many",
-                   b"last_error": b"not json"})
+    again.restore(StatsRecord.from_wire({b"generation_tokens": b"7", b"made_up": b"9", b"prompt_tokens": b"many",
+                                         b"last_error": b"not json"}))
     assert again.tok_s(now=101.0) == 0.0  # the restored tokens were not made in that second
     assert again.as_fields()["generation_tokens"] == 7 and "made_up" not in again.as_fields()
     assert again.as_fields()["prompt_tokens"] == 0 and again.last_error is None
+
+
+def test_a_stats_record_reads_back_as_written():
+    """The stats hash's one encoding: the worker writes it, `mlxq status` and the worker's
+    next run under the name read it (HGETALL, or the HGETs the gateway's ACL allows)."""
+    beat = Heartbeat(consumer="mac-0", state="stopped", totals={"generation_tokens": 5})
+    record = StatsRecord({"generation_tokens": 5, "errors:internal": 1}, beat, "stopped",
+                         {"code": "internal", "message": "m"})
+    wire = {k.encode(): str(v).encode() for k, v in {**record.to_wire(), "last_seen": 12.5}.items()}
+    assert StatsRecord.from_wire(wire) == StatsRecord({**{name: 0 for name in counter_names()},
+                                                       "generation_tokens": 5, "errors:internal": 1},
+                                                      beat, "stopped", {"code": "internal", "message": "m"}, 12.5)
+    assert StatsRecord.from_wire({b"heartbeat": b"[]", b"state": None, b"last_seen": b"soon"}) == StatsRecord()
 
 
 def test_a_name_is_free_when_its_holder_on_this_host_is_gone():
