@@ -44,9 +44,25 @@ class Portal:
             if aclose is not None and self.loop.is_running():
                 self.call(aclose)
 
-    def close(self) -> None:
-        """Stop the loop and its thread."""
-        if self.loop.is_running():
+    def close(self, last: Callable[[], Awaitable[object]] | None = None) -> None:
+        """Run `last` on the loop (a client's aclose), then stop the loop and its thread.
+        Called on the loop's own thread (a client collected there), it only schedules that."""
+        if not self.loop.is_running():
+            return
+        if threading.current_thread() is self._thread:
+            async def finish() -> None:
+                try:
+                    if last is not None:
+                        await last()
+                finally:
+                    self.loop.stop()
+
+            self.loop.create_task(finish())
+            return
+        try:
+            if last is not None:
+                self.call(last)
+        finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
-        self.loop.close()
+            self.loop.close()

@@ -3,8 +3,9 @@ so that both have one implementation. The same calls, the same errors, without `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+import weakref
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import redis as redis_py
 
@@ -15,6 +16,8 @@ from .batches import Batch, LineResult
 from .connect import connect
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from .protocol import Delta, Done, Encoding, Event, Ranked
+
+T = TypeVar("T")
 
 
 class Client:
@@ -31,6 +34,8 @@ class Client:
         self.url, self.queue, self.keys = url, queue, self._client.keys
         # A blocking connection for the caller's own commands (it connects on first use).
         self.redis: redis_py.Redis = connect(url, socket_timeout=10)
+        # Closed with `close()`, or once the client is collected: `Client(url).cancel(id)` leaks nothing.
+        self._release = weakref.finalize(self, _release, self._portal, self._client, self.redis)
 
     def __enter__(self) -> Client:
         return self
@@ -40,9 +45,7 @@ class Client:
 
     def close(self) -> None:
         """Close the Redis connections and the client's event loop."""
-        self._portal.call(self._client.aclose)
-        self._portal.close()
-        self.redis.close()
+        self._release()
 
     def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,
@@ -76,11 +79,11 @@ class Client:
         handle = self._portal.call(lambda: self._client.submit_batch(lines, queue=queue,
                                                                      completion_window=completion_window,
                                                                      metadata=metadata))
-        return BatchHandle(self._portal, handle)
+        return self.batch(handle.id)
 
     def batch(self, batch_id: str) -> BatchHandle:
         """A batch made earlier, by id."""
-        return BatchHandle(self._portal, self._client.batch(batch_id))
+        return BatchHandle(self.url, self.keys.prefix, batch_id)
 
     def cancel(self, request_id: str, *, queue: str | None = None) -> None:
         """Cancel a request of `queue` (default: this client's), running or queued; does
@@ -90,6 +93,11 @@ class Client:
     def events(self, stream: str, *, last_id: str = "0-0") -> Iterator[tuple[str, Event]]:
         """Every event on an output stream (a `reply_to` shared by many requests), forever."""
         return self._portal.iterate(self._client.events(stream, last_id=last_id))
+
+
+def _release(portal: Portal, client: AsyncClient, redis: redis_py.Redis) -> None:
+    portal.close(client.aclose)
+    redis.close()
 
 
 class Job:
@@ -116,20 +124,24 @@ class Job:
 
 
 class BatchHandle:
-    """The blocking `AsyncBatchHandle`."""
+    """The blocking `AsyncBatchHandle`. Each call runs on a client of its own, so a handle
+    outlives the client that made it (a batch runs for hours)."""
 
-    def __init__(self, portal: Portal, handle: AsyncBatchHandle) -> None:
-        self._portal, self._handle = portal, handle
-        self.id = handle.id
+    def __init__(self, url: str, prefix: str, batch_id: str) -> None:
+        self.url, self.prefix, self.id = url, prefix, batch_id
 
     def progress(self) -> Batch:
-        return self._portal.call(self._handle.progress)
+        return self._run(lambda h: h.progress())
 
     def wait(self, timeout: float | None = None, on_progress: Callable[[Batch], None] = lambda _: None) -> Batch:
-        return self._portal.call(lambda: self._handle.wait(timeout, on_progress))
+        return self._run(lambda h: h.wait(timeout, on_progress))
 
     def results(self) -> list[LineResult]:
-        return self._portal.call(self._handle.results)
+        return self._run(lambda h: h.results())
 
     def cancel(self) -> Batch:
-        return self._portal.call(self._handle.cancel)
+        return self._run(lambda h: h.cancel())
+
+    def _run(self, call: Callable[[AsyncBatchHandle], Awaitable[T]]) -> T:
+        with Client(self.url, prefix=self.prefix) as client:
+            return client._portal.call(lambda: call(client._client.batch(self.id)))

@@ -52,6 +52,18 @@ def test_a_redis_nobody_answers_is_an_mlxq_error_from_both_clients():
         asyncio.run(submit())
 
 
+def test_a_client_never_closed_leaks_no_connection(worker):
+    """`Client(url).cancel(id)` in one line: the client's connections and event loop go
+    when it is collected (an unclosed connection would warn, and warnings fail the suite)."""
+    import gc
+
+    Client(worker.redis_url, queue=worker.queue).cancel("nobody-runs-this")
+    job = Client(worker.redis_url, queue=worker.queue).submit("Hi", max_tokens=2)
+    assert job.result(timeout=60).finish_reason == "length"
+    del job
+    gc.collect()
+
+
 def test_every_error_the_client_raises_is_an_mlxq_error():
     """The helpers and the clients raise only `MlxqError`s, with the request id where there is one."""
     with pytest.raises(client.MlxqError):

@@ -123,7 +123,7 @@ def test_cancel_and_deadline(pooling_model):
     core, counting = core_of(pooling_model)
     out = StepOutput()
     core.submit(request("gone", [5]), out)
-    core.submit(replace(request("late", [5]), deadline_at=time.time() - 1), out)
+    core.submit(replace(request("late", [5]), queueing=Queueing(0, time.time(), time.time() - 1)), out)
     core.cancel("gone", out)
     ended = run(core)
     assert out.outgoing[0].event.finish_reason == "cancelled" and out.outgoing[0].event.embeddings is None

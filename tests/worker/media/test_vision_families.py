@@ -205,6 +205,7 @@ def test_audio_from_json_and_msgpack_equals_mlx_vlm_alone(family_worker, family_
     """An audio part reads as mlx-vlm reads the clip, on a family that takes audio; on
     the others it is an invalid_request that says so."""
     clip = wav()
+    (tmp_path / "clip.wav").write_bytes(clip)  # what mlx-vlm alone reads
     messages = [{"role": "user", "content": [{"type": "audio", "index": 0}, {"type": "text", "text": "What is it?"}]}]
     ids = in_json_and_msgpack(r, family_worker.queue, new_id, {"messages": messages, "max_tokens": MAX_TOKENS},
                               "audio", clip)
