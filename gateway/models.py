@@ -19,6 +19,7 @@ from client.fleet import read_hosted_models_async, read_workers_async
 from client.heartbeat import Heartbeat
 from client.hosts import HostedModel
 from client.keys import Keys
+from client.protocol import Task
 
 from .errors import ApiError
 from .tenants import ADMIN, Caller
@@ -34,7 +35,7 @@ class Served:
     queue: str
     since: int  # when its longest-running worker started (unix seconds)
     tool_call: tuple[str, str] | None  # how its model marks a tool call (start, end), when it has a format
-    task: str | None = None  # generate, embed or rerank; None until a worker has loaded it
+    task: Task | None = None  # None until a worker has loaded it
 
 
 class ModelDirectory:

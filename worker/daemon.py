@@ -80,12 +80,12 @@ class Worker:
                              on_stats=self._on_stats, faults=self.faults)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()
-        self.metrics = Metrics(self.totals, self.requests) if settings.metrics_port is not None else None
+        self.metrics = Metrics(self.totals, self.requests, lambda: self._stats) \
+            if settings.metrics_port is not None else None
         self.publisher: Publisher | None = None  # made with the consumer name, once claimed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop = asyncio.Event()
         self._fatal: BaseException | None = None
-        self._leases: Leases | None = None
         self._stats: EngineStats | None = None  # the engine's latest, kept for the heartbeat
         self._scrapes: socket.socket | None = None  # the metrics port, bound at start
 
@@ -119,10 +119,8 @@ class Worker:
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
         tools = ToolFormat.of(info.tokenizer) if info.task == "generate" else None
-        leases = self._leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals,
-                                       self.blas, (tools.start, tools.end) if tools else None, info.task)
-        if self._stats is not None:
-            leases.update(self._stats)
+        leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals, self.blas,
+                        (tools.start, tools.end) if tools else None, info.task, lambda: self._stats)
         try:
             consumer = await leases.claim_name()
         except NameTaken as e:
@@ -230,11 +228,7 @@ class Worker:
         self._loop.call_soon_threadsafe(self._die, error)
 
     def _update_stats(self, stats: EngineStats) -> None:
-        self._stats = stats
-        if self.metrics is not None:
-            self.metrics.engine_stats = stats
-        if self._leases is not None:
-            self._leases.update(stats)
+        self._stats = stats  # the one copy: the heartbeat and the metrics read it
 
     def _announce(self, info: ModelInfo, consumer: str) -> None:
         if self.settings.completion_batch_size < self.settings.max_num_seqs:

@@ -14,6 +14,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from functools import partial
 
 import structlog
@@ -47,7 +48,7 @@ class Leases:
 
     def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
-                 task: Task = "generate") -> None:
+                 task: Task = "generate", engine_stats: Callable[[], EngineStats | None] = lambda: None) -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`
@@ -61,7 +62,7 @@ class Leases:
         self.version = _version()
         self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
         self.started_at = time.time()
-        self.stats: EngineStats | None = None  # the engine's latest
+        self.engine_stats = engine_stats  # the engine's latest (the worker keeps them)
         self.ttl_s = 3 * settings.heartbeat_s
 
     async def claim_name(self) -> str:
@@ -71,10 +72,6 @@ class Leases:
                                            "reading this worker's totals"))
         await retrying(self._keep_alive, "writing the first heartbeat")  # with the totals restored
         return self.consumer
-
-    def update(self, stats: EngineStats) -> None:
-        """The engine's stats, for the next heartbeat."""
-        self.stats = stats
 
     async def run(self) -> None:
         """Renew every `heartbeat_s` until cancelled; a refusal of our own keys is raised."""
@@ -136,4 +133,4 @@ class Leases:
             pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
-            stats=self.stats)
+            stats=self.engine_stats())

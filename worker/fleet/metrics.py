@@ -42,9 +42,8 @@ WAITING = (RequestStatus.READ, RequestStatus.ADMITTED)
 class Metrics:
     """The worker's metrics registry: histograms observed here, the rest collected at scrape."""
 
-    def __init__(self, totals: Totals, requests: RequestTable) -> None:
+    def __init__(self, totals: Totals, requests: RequestTable, engine_stats: Callable[[], EngineStats | None]) -> None:
         self.registry = CollectorRegistry()
-        self.engine_stats: EngineStats | None = None  # the engine's latest
         self.ttft = self._histogram("time_to_first_token_seconds", "Time from arrival to the first token",
                                     LATENCY_BUCKETS)
         self.inter_token = self._histogram("inter_token_latency_seconds",
@@ -54,7 +53,7 @@ class Metrics:
         self.queue_time = self._histogram("request_queue_time_seconds", "Time from arrival to admission",
                                           LATENCY_BUCKETS)
         self._last_delta: dict[str, float] = {}  # request id -> when its last delta was published
-        self.registry.register(_Collected(totals, requests, lambda: self.engine_stats))
+        self.registry.register(_Collected(totals, requests, engine_stats))  # the engine's latest, the worker's
 
     def _histogram(self, name: str, documentation: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(f"mlxq_{name}", documentation, buckets=buckets, registry=self.registry)
