@@ -56,6 +56,9 @@ class Engine:
         self._drain_until: float | None = None
         self._next_housekeeping = 0.0
         self._time = EngineTime()
+        # Chosen once: the tests' slow-step fault, or nothing (the loop checks no fault per step).
+        self._before_step: Callable[[StepOutput], None] = \
+            self._hold_if_slowed if faults.slow_token is not None else lambda _: None
 
     # ---- called from other threads -------------------------------------------------
 
@@ -138,8 +141,7 @@ class Engine:
             if self._drain_until is not None and time.monotonic() >= self._drain_until:
                 out.abandoned.extend(core.abandon_running())  # past the drain deadline: left un-acked
             if core.busy():
-                if self._faults.slow_token is not None:
-                    self._hold_if_slowed(out)
+                self._before_step(out)
                 core.step(out)
             if out.outgoing or out.abandoned:
                 self._hand_off(out)
