@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -87,6 +88,42 @@ def test_fifty_requests_survive_a_redis_restart_with_its_aof(tmp_path, demo_mode
             assert isinstance(check_stream(outputs.of(request_id, timeout=120)), Done)
         assert settled(r, KEYS.queue(worker.queue))
         assert worker.process.poll() is None
+    finally:
+        r.close()
+        worker.stop()
+        server.stop()
+    assert worker.process.returncode == 0, worker.log()
+
+
+def test_a_read_whose_reply_was_lost_is_served_once_redis_answers_again(tmp_path, demo_model, logs_dir):
+    """A read Redis carried out but whose reply never reached the worker (Valkey stopped
+    mid-read) leaves an entry pending to the worker's own name, unknown to it: once Redis
+    answers again the worker lists its own pending entries and serves it. Here the lost
+    read is the test's, made in the worker's name in one transaction with the XADD."""
+    data = tmp_path / "valkey"
+    config = {"appendonly": "yes", "save": ""}
+    server = ValkeyServer(port=free_port(), data_dir=data, persist=True, config=config)
+    server.start(SERVER_START_S)
+    port = server.port
+    worker = start_worker(server.connection_url, demo_model, f"lost-{uuid.uuid4().hex[:6]}", logs_dir)
+    r = redis.Redis.from_url(server.connection_url)
+    try:
+        first = f"first-{uuid.uuid4().hex[:6]}"
+        xadd_json(r, worker.queue, first, {"prompt": "Ready?", "max_tokens": 2})
+        assert isinstance(check_stream(Outputs(r).of(first)), Done)
+        lost = f"lost-{uuid.uuid4().hex[:6]}"
+        with r.pipeline(transaction=True) as pipe:  # nobody else can read it in between
+            pipe.xadd(KEYS.queue(worker.queue), {"id": lost, "json": json.dumps({"prompt": "Hi", "max_tokens": 3})})
+            pipe.xreadgroup(GROUP, worker.consumer, {KEYS.queue(worker.queue): ">"}, count=1)
+            pipe.execute()
+        assert r.xpending(KEYS.queue(worker.queue), GROUP)["consumers"] == [
+            {"name": worker.consumer.encode(), "pending": 1}]
+        server.stop()
+        server = ValkeyServer(port=port, data_dir=data, persist=True, config=config)
+        server.start(SERVER_START_S)
+        done = check_stream(Outputs(r).of(lost, timeout=120))
+        assert isinstance(done, Done) and done.usage.completion_tokens == 3
+        assert settled(r, KEYS.queue(worker.queue))
     finally:
         r.close()
         worker.stop()

@@ -25,7 +25,7 @@ from worker.prepare.pooling import PoolingPreparer
 from worker.queue.fencing import Fencing, take_fence
 from worker.queue.recovery import Delivery, Reclaimer
 from worker.queue.requests import HeldRequest, RequestStatus, RequestTable
-from worker.queue.retrying import describe, is_permission_error, retrying
+from worker.queue.retrying import describe, is_permission_error, outage, retrying
 from worker.queue.streams import Arrival, RequestMarks, RequestStreams
 from worker.queue.totals import Totals
 from worker.settings import WorkerSettings
@@ -60,6 +60,7 @@ class Intake:
         self.emit = emit  # hands an event straight to the publisher
         self.clock_offset_s = clock_offset_s
         self.totals = totals  # counts its dead letters
+        self._outages_seen = outage.ended
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled)."""
@@ -92,12 +93,19 @@ class Intake:
         """Entries to take over, if any; a scan that fails (no group after Redis restarted
         empty, a consumer name that is not text) is tried again at the next interval."""
         try:
+            if outage.ended != self._outages_seen:  # a read in flight may have been lost with its reply
+                self._outages_seen = outage.ended
+                await retrying(partial(self.reclaimer.list_own, self._holds), "listing our own pending requests")
             return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
         except Exception as e:  # noqa: BLE001 - finding abandoned work is upkeep: it must not stop the worker
             if is_permission_error(e):
                 raise
             log.warning("could not look for abandoned requests", error=describe(e))
             return []
+
+    def _holds(self, stream: str, entry_id: str) -> bool:
+        held = self.requests.by_entry(entry_id)
+        return held is not None and held.route.stream == stream
 
     async def _accept(self, delivery: Delivery) -> None:
         """Take one entry in; whatever goes wrong with it stays with it."""

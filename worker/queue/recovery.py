@@ -11,6 +11,7 @@ moment from being robbed.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +34,10 @@ class Delivery:
 
 
 class Reclaimer:
-    """Takes over work left pending: first our own (listed once, at start, before the
-    first read, so that nothing read afterwards is mistaken for it), then, every
-    `interval_s`, what silent consumers held for at least `min_idle_ms`."""
+    """Takes over work left pending: first our own (listed at start, before the first read,
+    and again after a Redis outage: a read whose reply was lost leaves entries pending to
+    us that we never saw), then, every `interval_s`, what silent consumers held for at least
+    `min_idle_ms`."""
 
     def __init__(self, streams: RequestStreams, interval_s: float, min_idle_ms: int, totals: Totals) -> None:
         self.streams = streams
@@ -45,14 +47,16 @@ class Reclaimer:
         self._own: list[tuple[str, str, int]] = []  # (stream, entry id, deliveries) left by an earlier run
         self._next_scan = 0.0
 
-    async def list_own(self) -> None:
-        """List the entries an earlier run under our consumer name left pending."""
+    async def list_own(self, held: Callable[[str, str], bool] = lambda _stream, _entry: False) -> None:
+        """List the entries pending to our consumer name that we do not hold (`held`: by
+        stream and entry id): an earlier run's, or a lost read's."""
         self._own = []
         for stream in self.streams.request_streams:
             after = "-"
             while True:
                 rows = await self.streams.pending(stream, self.streams.consumer, 100, 0, after=after)
-                self._own += [(stream, entry_id, deliveries) for entry_id, deliveries in rows]
+                self._own += [(stream, entry_id, deliveries) for entry_id, deliveries in rows
+                          if not held(stream, entry_id)]
                 if len(rows) < 100:
                     break
                 after = rows[-1][0]

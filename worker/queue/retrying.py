@@ -51,6 +51,7 @@ class _Outage:
     def __init__(self) -> None:
         self.since: float | None = None
         self.reason: str | None = None
+        self.ended = 0  # outages over so far: a reader can tell that one passed since it last looked
 
     def failed(self, what: str, reason: str, retry_in_s: float) -> None:
         if self.since is None:
@@ -64,6 +65,7 @@ class _Outage:
         if self.since is not None:
             log.info("redis answers again", down_s=round(time.monotonic() - self.since, 1), last_reason=self.reason)
             self.since, self.reason = None, None
+            self.ended += 1
 
 
 outage = _Outage()
