@@ -39,9 +39,9 @@ class Portal:
                     yield self.call(items.__anext__)
                 except StopAsyncIteration:
                     return
-        finally:
+        finally:  # left early, or collected: close it there (never waiting on the loop from the loop)
             aclose = getattr(items, "aclose", None)
-            if aclose is not None and self.loop.is_running():
+            if aclose is not None and self.loop.is_running() and threading.current_thread() is not self._thread:
                 self.call(aclose)
 
     def close(self, last: Callable[[], Awaitable[object]] | None = None) -> None:
