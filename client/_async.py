@@ -24,7 +24,7 @@ from ._jobs import (
     queue_full,
 )
 from .batches import BatchStore, completion_window_s
-from .connect import connect_async
+from .connect import close_async, connect_async
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .pooling import embeddings_of, ranked_of
 from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
@@ -58,7 +58,7 @@ class AsyncClient:
 
     async def aclose(self) -> None:
         """Close the Redis connections."""
-        await self.redis.aclose()
+        await close_async(self.redis)
 
     async def submit(self, prompt: str | None = None, *, messages: list[dict[str, str]] | None = None,
                      prompt_tokens: list[int] | None = None, id: str | None = None, queue: str | None = None,

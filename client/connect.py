@@ -118,6 +118,15 @@ def connect_async(url: str, **kwargs: Any) -> aioredis.Redis:
     return aioredis.Redis.from_url(url, **kwargs)
 
 
+async def close_async(redis: aioredis.Redis) -> None:
+    """Close an asyncio client and, for one a Sentinel gave (`connect_async`), that
+    Sentinel's own connections to the sentinels, which the client's close leaves open."""
+    await redis.aclose()
+    sentinels = getattr(redis.connection_pool, "sentinel_manager", None)
+    if sentinels is not None:
+        await sentinels.aclose()
+
+
 class _AsyncCluster(aiocluster.RedisCluster):
     """redis-py's asyncio cluster client, made ready before its first command: left to
     itself, many coroutines making their first calls together break each other's

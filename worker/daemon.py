@@ -21,7 +21,7 @@ from functools import partial
 import structlog
 from redis.exceptions import RedisError
 
-from client.connect import connect_async
+from client.connect import close_async, connect_async
 from client.diagnose import redacted
 from client.engine_stats import EngineStats
 from client.keys import Keys
@@ -125,7 +125,7 @@ class Worker:
             consumer = await leases.claim_name()
         except NameTaken as e:
             log.critical("worker exiting: its consumer name is taken", error=str(e))
-            await self.redis.aclose()
+            await close_async(self.redis)
             return 2
         streams = RequestStreams(self.redis, self.keys, self.settings.queue, consumer,
                                  dedupe_ttl_s=self.settings.dedupe_ttl_s, lanes=self.settings.lanes,
@@ -197,7 +197,7 @@ class Worker:
         status = await self._drain(publisher)
         stuck |= await _cancel(*others)
         await leases.hand_back()
-        await self.redis.aclose()
+        await close_async(self.redis)
         if stuck:  # a task that swallowed its cancellation would keep asyncio.run from returning
             log.error("exiting with tasks that did not stop", tasks=sorted(t.get_name() for t in stuck))
             os._exit(status)
