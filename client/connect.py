@@ -122,7 +122,8 @@ async def close_async(redis: aioredis.Redis) -> None:
     """Close an asyncio client and, for one a Sentinel gave (`connect_async`), that
     Sentinel's own connections to the sentinels, which the client's close leaves open."""
     await redis.aclose()
-    sentinels = getattr(redis.connection_pool, "sentinel_manager", None)
+    pool = getattr(redis, "connection_pool", None)  # a cluster client has none
+    sentinels = getattr(pool, "sentinel_manager", None)
     if sentinels is not None:
         await sentinels.aclose()
 
