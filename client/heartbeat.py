@@ -57,6 +57,7 @@ class Heartbeat:
     state: WorkerState = "ready"
     host: str = "?"
     pid: int | None = None
+    engine_pid: int | None = None  # its engine process's (pin it to a core of its own: docs/bench_pinned.sh)
     started_at: float = 0.0  # unix seconds
     version: str = "?"
     blas: str = "?"
@@ -108,7 +109,8 @@ class Heartbeat:
             consumer=_str(raw.get("consumer"), ""), instance=_str(raw.get("instance"), ""),
             state=cast(WorkerState, state if state in get_args(WorkerState) else "ready"),
             host=_str(raw.get("host"), "?"),
-            pid=_int(raw.get("pid")), started_at=_float(raw.get("started_at")) or 0.0,
+            pid=_int(raw.get("pid")), engine_pid=_int(raw.get("engine_pid")),
+            started_at=_float(raw.get("started_at")) or 0.0,
             version=_str(raw.get("version"), "?"), blas=_str(raw.get("blas"), "?"), models=_models(raw),
             in_flight=_int(raw.get("in_flight")) or 0, max_num_seqs=_int(raw.get("max_num_seqs")),
             tok_s=_float(raw.get("tok_s")),
@@ -152,7 +154,7 @@ def _markers(value: Any) -> tuple[str, str] | None:
 
 
 TOKEN_COUNTS = ("prompt_tokens", "generation_tokens", "cached_tokens")
-EVENT_COUNTS = ("takeovers", "dead_letters")
+EVENT_COUNTS = ("takeovers", "dead_letters", "engine_restarts")
 
 
 def counter_names() -> list[str]:

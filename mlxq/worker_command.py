@@ -18,7 +18,6 @@ from .errors import CommandError, on_path, settings_for_command
 def run(args: argparse.Namespace) -> int:
     from common import logs
     from worker.daemon import Worker
-    from worker.engine.backends import load_model
     from worker.settings import Hosting, WorkerSettings, load_settings
 
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
@@ -32,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
     server, url = _redis_for(settings)
     try:
-        hosting = Hosting.from_environment()
-        load = partial(load_model, settings, refusing=hosting.refusal is not None)
-        return _run_on_fast_loop(Worker(settings, url, load, blas=blas.in_use(), hosting=hosting).run())
+        return _run_on_fast_loop(Worker(settings, url, blas.in_use(), Hosting.from_environment()).run())
     finally:
         if server is not None:
             _release(server, settings.embedded_port)

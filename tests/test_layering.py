@@ -26,7 +26,8 @@ ROOMS = {
     "queue": {"foundation", "media", "prepare"},
     "fleet": {"foundation", "queue"},
     "host": {"foundation", "queue", "fleet"},
-    "daemon": {"foundation", "media", "engine", "prepare", "queue", "fleet", "host"},
+    "process": {"foundation", "media", "engine", "prepare"},
+    "daemon": {"foundation", "process", "queue", "fleet", "host"},
 }
 
 

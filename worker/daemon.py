@@ -1,12 +1,15 @@
-"""The worker daemon: starts its parts, watches them, and stops them in order.
+"""The worker daemon (its I/O process): starts its parts, watches them, and stops them in order.
 
-    Redis ──XREADGROUP──> intake ──Submit──> engine thread ──StepOutput──> publisher ──one call──> Redis
-                            leases (heartbeat, name)      cancels (pub/sub)
+    Redis ──XREADGROUP──> intake ──Prepare──> engine process ──Step──> publisher ──one call──> Redis
+                            leases (heartbeat, name)   (its own MLX, scheduler, caches)
+                            cancels (pub/sub)
 
-The event loop owns every Redis connection; the engine thread owns MLX. The request
-table (`requests`) owns where each held request stands; the loops go through it.
-Stopping: stop reading, let running requests finish for `drain_timeout_s`, publish
-what they made, hand back the rest.
+This process owns every Redis connection and imports no MLX; the engine process owns
+MLX (`worker.process`). The request table (`requests`) owns where each held request
+stands; the loops go through it. An engine process that dies (or hangs) is a crash of
+the requests it held: each is counted (`max_crashes`) and taken in afresh by a new
+engine process, resuming after what was written. Stopping: stop reading, let running
+requests finish for `drain_timeout_s`, publish what they made, hand back the rest.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import asyncio
 import os
 import signal
 import socket
-from collections.abc import Callable
 from functools import partial
 
 import structlog
@@ -26,24 +28,19 @@ from client.diagnose import redacted
 from client.engine_stats import EngineStats
 from client.keys import Keys
 from client.protocol import Event
-from worker.engine.backends import Loaded, ModelInfo
-from worker.engine.scheduler import SchedulingPolicy
-from worker.engine.thread import Engine, EngineFailed
-from worker.faults import Faults
 from worker.fleet import metrics
 from worker.fleet.leases import Leases
 from worker.fleet.membership import Membership
 from worker.fleet.metrics import Metrics
 from worker.fleet.naming import NameTaken
-from worker.messages import StepOutput, ToolFormat
-from worker.prepare.generation import Preparer
-from worker.prepare.pooling import PoolingPreparer
+from worker.messages import EngineReady, Step
+from worker.process.engine_link import EngineFailed, EngineLink
 from worker.queue.cancels import listen_for_cancels
 from worker.queue.fencing import Fencing
 from worker.queue.intake import Intake
 from worker.queue.publisher import Publisher
 from worker.queue.recovery import Reclaimer
-from worker.queue.requests import RequestTable
+from worker.queue.requests import RequestStatus, RequestTable
 from worker.queue.retrying import describe, is_permission_error, retrying
 from worker.queue.streams import (
     RequestMarks,
@@ -58,26 +55,26 @@ from worker.settings import Hosting, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
-ENGINE_EXIT_WAIT_S = 30.0  # an idle engine thread ends at once on a shutdown; this bounds a stuck one
+ENGINE_HOLDS = (RequestStatus.ADMITTED, RequestStatus.STREAMING)  # what an engine process that dies takes with it
 
 
 class Worker:
-    """One worker: a consumer in the queue's group, with one engine."""
+    """One worker: a consumer in the queue's group, with one engine process."""
 
-    def __init__(self, settings: WorkerSettings, redis_url: str, load: Callable[[], Loaded],
-                 blas: str = "platform", hosting: Hosting | None = None) -> None:
+    def __init__(self, settings: WorkerSettings, redis_url: str, blas: str = "platform",
+                 hosting: Hosting | None = None) -> None:
         self.settings = settings
+        # Which BLAS MLX's CPU backend runs on: the command line put it in front of both
+        # processes (`LD_PRELOAD`), so this one's maps say.
+        self.blas = blas
         self.hosting = hosting or Hosting()  # set by a worker of several models that started this one
-        self.blas = blas  # which BLAS MLX's CPU backend runs on (the command line put it in front)
         self.redis_url = redis_url
         self.keys = Keys(settings.prefix)
-        self.faults = Faults.from_environment()
         self.redis = connect_async(redis_url, socket_timeout=10, health_check_interval=30)
         self.request_streams = request_streams(self.keys, settings.queue, settings.lanes)
         self.membership = Membership(self.redis, self.keys, self.request_streams)
         self.marks = RequestMarks(self.redis, self.keys, settings.queue, settings.dedupe_ttl_s)
-        self.engine = Engine(load, SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
-                             on_stats=self._on_stats, faults=self.faults)
+        self.engine = EngineLink(settings, on_step=self._on_step, on_stats=self._update_stats)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()
         self.metrics = Metrics(self.totals, self.requests, lambda: self._stats) \
@@ -103,24 +100,22 @@ class Worker:
         await retrying(partial(publish_limits, self.redis, self.keys, self.settings.queue, self.settings.max_queue_len),
                        "publishing the queue's bound")
         clock_offset_s = await retrying(partial(server_clock_offset_s, self.redis), "reading the server clock")
-        self.engine.start()
         try:
             return await self._serve_with_engine(clock_offset_s)
         finally:
-            await self._stop_engine()
+            await self.engine.stop()  # however the worker exits, its engine process goes with it
 
     async def _serve_with_engine(self, clock_offset_s: float) -> int:
-        """Once the engine thread runs: wait for the model, claim a name, serve."""
+        """Start the engine process and wait for its model, claim a name, serve."""
         try:
-            info = await asyncio.to_thread(self.engine.wait_ready)
+            ready = await self.engine.start()
         except EngineFailed as e:
             log.critical("worker exiting: the model could not be loaded", error=str(e))
             return 1
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
-        tools = ToolFormat.of(info.tokenizer) if info.task == "generate" else None
-        leases = Leases(self.settings, self.membership, self.requests, info.name, self.totals, self.blas,
-                        (tools.start, tools.end) if tools else None, info.task, lambda: self._stats)
+        leases = Leases(self.settings, self.membership, self.requests, ready.name, self.totals, self.blas,
+                        ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid)
         try:
             consumer = await leases.claim_name()
         except NameTaken as e:
@@ -132,18 +127,10 @@ class Worker:
                                  dead_letter_maxlen=self.settings.dead_letter_maxlen)
         fencing = Fencing(self.redis, self.keys, self.settings.queue, consumer, self.settings.result_ttl_s)
         publisher = self.publisher = Publisher(streams, fencing, self.requests, on_published=self._on_published)
-        intake = self._intake(info, clock_offset_s, streams, fencing, publisher)
+        intake = self._intake(clock_offset_s, streams, fencing, publisher)
         await retrying(intake.reclaimer.list_own, "listing this consumer's pending requests")  # before the first read
-        self._announce(info, consumer)
+        self._announce(ready, consumer)
         return await self._serve(intake, leases, publisher)
-
-    async def _stop_engine(self) -> None:
-        """However the worker exits, not while the engine thread is still in MLX: its C++
-        threads would be torn down under it ("terminate called", SIGABRT). After a drain
-        it has ended already."""
-        if self.engine.is_alive():
-            self.engine.shutdown(0)
-            await asyncio.to_thread(self.engine.join, ENGINE_EXIT_WAIT_S)
 
     def _listen_for_scrapes(self) -> socket.socket | None:
         """Bind the metrics port, if one is set; a busy port stops the start (`OSError`)."""
@@ -152,9 +139,9 @@ class Worker:
         return metrics.listen(self.settings.metrics_host, self.settings.metrics_port)
 
     async def _health(self) -> str | None:
-        """None while the engine thread lives and Redis answers; else why not (`/healthz`)."""
-        if not self.engine.is_alive():
-            return "engine thread not running"
+        """None while the engine process lives and Redis answers; else why not (`/healthz`)."""
+        if not self.engine.alive():
+            return "engine process not running"
         try:
             await asyncio.wait_for(self.redis.ping(), timeout=2.0)
         except (RedisError, OSError, TimeoutError) as e:
@@ -170,19 +157,19 @@ class Worker:
         except Exception as e:  # noqa: BLE001
             log.error("could not count a published event", request_id=event.id, error=repr(e))
 
-    def _intake(self, info: ModelInfo, clock_offset_s: float, streams: RequestStreams, fencing: Fencing,
+    def _intake(self, clock_offset_s: float, streams: RequestStreams, fencing: Fencing,
                 publisher: Publisher) -> Intake:
         reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
-        return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer,
-                      Preparer(info, self.settings, self.faults, self.hosting.refusal) if info.task == "generate"
-                      else PoolingPreparer(info, self.settings), self.engine, publisher.emit, clock_offset_s,
-                      self.totals)
+        return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer, self.engine,
+                      publisher.emit, clock_offset_s, self.totals)
 
     async def _serve(self, intake: Intake, leases: Leases, publisher: Publisher) -> int:
         """Run the loops until a stop; then drain, hand back and close."""
         reading = asyncio.create_task(intake.run(self._stop), name="intake")
-        others = [asyncio.create_task(publisher.run(), name="publisher"),
+        engine = asyncio.create_task(self._keep_engine(intake, publisher), name="engine")
+        others = [engine, asyncio.create_task(publisher.run(), name="publisher"),
+                  asyncio.create_task(self.engine.watch(lambda: len(self.requests) > 0), name="engine watch"),
                   *([asyncio.create_task(metrics.serve(self.metrics, self._health, self._scrapes), name="metrics")]
                     if self.metrics is not None and self._scrapes is not None else []),
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
@@ -194,7 +181,7 @@ class Worker:
         await self._stop.wait()
         stuck = await _cancel(reading)
         await leases.draining()
-        status = await self._drain(publisher)
+        status = await self._drain(publisher, engine)
         stuck |= await _cancel(*others)
         await leases.hand_back()
         await close_async(self.redis)
@@ -212,37 +199,59 @@ class Worker:
                     host_pid=self.hosting.host_pid)
         self._stop.set()
 
-    # What the engine thread hands the loop, on the engine thread: a step's output, its
-    # stats now and then, its death.
+    async def _keep_engine(self, intake: Intake, publisher: Publisher) -> None:
+        """Deliver the engine process's output; when it dies, count a crash against each
+        request it held and take them in afresh on a new one (they resume after what was
+        written). Returns once it ended after a drain."""
+        while reason := await self.engine.serve():
+            if self._stop.is_set():  # it died in the drain: what it held stays pending for another worker
+                log.error("the engine process died while draining", reason=reason)
+                return
+            await publisher.outputs.join()  # what it made before it died is written first
+            lost, blamed = self._blame()
+            log.error("the engine process died; its requests resume on a new one", reason=reason,
+                      requests=len(lost), counted_a_crash=sorted(blamed))
+            self.totals.count("engine_restarts")
+            for request_id in lost:
+                if request_id in blamed:
+                    await retrying(partial(self.marks.record_crash, request_id), "recording a crash")
+                self.requests.end(request_id, RequestStatus.HANDED_BACK)
+            try:
+                await self.engine.start()
+            except EngineFailed as e:
+                raise RuntimeError(f"a new engine process could not load the model: {e}") from e
+            intake.retake_own()
 
-    def _on_output(self, out: StepOutput) -> None:
-        assert self._loop is not None and self.publisher is not None  # the engine gets requests once both are
-        self.publisher.hand_over(self._loop, out)
+    def _blame(self) -> tuple[list[str], set[str]]:
+        """The requests a dead engine process held, and those of them that count a crash
+        (`max_crashes`): the ones it was preparing or had not made a token of yet (in their
+        prefill, the usual place of a crash a request causes) when there are any, which
+        spares the batch a poison request would otherwise take down with it; else all
+        (it died in a decode step, which no one request can be told from)."""
+        lost = [held.route.id for held in self.requests if held.status in ENGINE_HOLDS]
+        unstarted = {request_id for request_id in lost if request_id not in self.engine.producing}
+        return lost, unstarted if unstarted or self.engine.prepared_when_it_died else set(lost)
 
-    def _on_stats(self, stats: EngineStats) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._update_stats, stats)
-
-    def _on_fatal(self, error: BaseException) -> None:
-        assert self._loop is not None
-        self._loop.call_soon_threadsafe(self._die, error)
+    def _on_step(self, step: Step) -> None:
+        assert self.publisher is not None  # the engine gets requests once it is made
+        self.publisher.take(step)
 
     def _update_stats(self, stats: EngineStats) -> None:
         self._stats = stats  # the one copy: the heartbeat and the metrics read it
 
-    def _announce(self, info: ModelInfo, consumer: str) -> None:
+    def _announce(self, ready: EngineReady, consumer: str) -> None:
         if self.settings.completion_batch_size < self.settings.max_num_seqs:
             log.warning("completion_batch_size is below max_num_seqs: admitted requests beyond it wait inside "
                         "BatchGenerator", completion_batch_size=self.settings.completion_batch_size,
                         max_num_seqs=self.settings.max_num_seqs)
         log.info("worker ready", queue=self.keys.queue(self.settings.queue), consumer=consumer,
-                 model=info.name, redis=redacted(self.redis_url), max_num_seqs=self.settings.max_num_seqs,
-                 blas=self.blas)
+                 model=ready.name, redis=redacted(self.redis_url), max_num_seqs=self.settings.max_num_seqs,
+                 blas=self.blas, engine_pid=self.engine.pid)
         if self.blas == "reference":
             log.warning("MLX runs on the reference BLAS, which is slow: install the worker extra (mkl) or "
                         "`apt install libopenblas0-pthread`; see the README")
 
-    async def _drain(self, publisher: Publisher) -> int:
+    async def _drain(self, publisher: Publisher, engine: asyncio.Task[None]) -> int:
         """Reading has stopped. Let running requests finish (cancels still apply) and publish
         what they produce, until the drain timeout."""
         if self._fatal is not None:
@@ -250,9 +259,7 @@ class Worker:
             return 1
         log.info("draining", held=len(self.requests), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
-        while not self.engine.join(timeout=0):  # no executor thread: the loop stays free to publish
-            await asyncio.sleep(0.02)
-        publisher.take_handed()
+        await asyncio.wait([engine])  # it ends with the engine process, once the drain is over
         log.info("engine stopped; publishing what is left", events=publisher.outputs.qsize())
         await publisher.outputs.join()
         return 0

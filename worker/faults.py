@@ -4,7 +4,9 @@ Read once, at start (`Faults.from_environment`), never on a request's path:
 `MLXQ_TEST_EXIT_ON=<text>`: a request whose prompt contains the text makes the process
 exit on the spot while it is prepared, as an out-of-memory kill would: no `except`, no
 `finally`. `MLXQ_TEST_FATAL_ON_TOKEN=<id>`: a request whose prompt holds that token id
-breaks the engine thread itself (not one step), which is fatal for the worker.
+breaks the engine thread itself (not one step), which is fatal for its engine process.
+`MLXQ_TEST_HANG_ON_TOKEN=<id>`: a request whose prompt holds that token id stops the
+engine thread for good as it is admitted, as a hung Metal command buffer would.
 `MLXQ_TEST_SLOW_ON_TOKEN=<id>`: while a request whose prompt starts with that token id
 is in the batch, every step takes at least `SLOW_STEP_S`, so that request cannot reach
 its length on any machine within a test's time; commands (a cancel) still apply at once.
@@ -15,6 +17,7 @@ test of what speculation does never depends on which way this machine's timing f
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 EXIT_STATUS = 70
@@ -33,12 +36,14 @@ class Faults:
     fatal_token: int | None = None
     slow_token: int | None = None
     always_speculate: bool = False
+    hang_token: int | None = None
 
     @classmethod
     def from_environment(cls) -> Faults:
-        fatal, slow = (os.environ.get(f"MLXQ_TEST_{name}_ON_TOKEN") for name in ("FATAL", "SLOW"))
+        fatal, slow, hang = (os.environ.get(f"MLXQ_TEST_{name}_ON_TOKEN") for name in ("FATAL", "SLOW", "HANG"))
         return cls(os.environ.get("MLXQ_TEST_EXIT_ON") or None, int(fatal) if fatal else None,
-                   int(slow) if slow else None, os.environ.get("MLXQ_TEST_ALWAYS_SPECULATE") == "1")
+                   int(slow) if slow else None, os.environ.get("MLXQ_TEST_ALWAYS_SPECULATE") == "1",
+                   int(hang) if hang else None)
 
     def exit_if_marked(self, prompt: str | None) -> None:
         """Exit the process at once if the prompt carries the crash marker."""
@@ -46,9 +51,12 @@ class Faults:
             os._exit(EXIT_STATUS)
 
     def fail_if_marked(self, prompt_tokens: list[int]) -> None:
-        """Raise `InjectedFault` if the prompt holds the fatal marker token."""
+        """Raise `InjectedFault` if the prompt holds the fatal marker token; never return
+        if it holds the hang marker."""
         if self.fatal_token is not None and self.fatal_token in prompt_tokens:
             raise InjectedFault(f"injected engine failure (token {self.fatal_token})")
+        if self.hang_token is not None and self.hang_token in prompt_tokens:
+            threading.Event().wait()  # never set: this thread takes no step again
 
     def slows(self, prompt_tokens: list[int]) -> bool:
         """Whether a request with this prompt makes every step slow (`MLXQ_TEST_SLOW_ON_TOKEN`)."""

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from client.protocol import (
-    Delta,
     Done,
     Encoding,
+    Envelope,
     Error,
     ErrorCode,
     Event,
     FinishReason,
     MediaKind,
+    Task,
     Timing,
     Usage,
 )
@@ -272,17 +272,29 @@ class Shutdown:
     drain_until: float
 
 
-Command = Submit | Cancel | Abandon | Shutdown
+@dataclass(frozen=True)
+class Ping:
+    """Command (and I/O to engine): answer `Pong` between two steps (a hung engine never does)."""
+
+
+Command = Submit | Cancel | Abandon | Shutdown | Ping
 
 
 class EngineInbox(Protocol):
-    """What the queue side may ask of the engine: its commands, posted from the event loop."""
+    """What the queue side may ask of the engine process, from the event loop."""
 
-    def submit(self, request: EngineRequest | PoolingRequest) -> None: ...
+    async def prepare(self, message: Prepare) -> Preparation:
+        """Prepare a request and queue it in the engine, unless it is answered at once;
+        raises `EngineStopped` if the engine process ends first."""
+        ...
 
     def cancel(self, request_id: str) -> None: ...
 
     def abandon(self, request_id: str) -> None: ...
+
+
+class EngineStopped(RuntimeError):
+    """The engine process ended while a request was prepared in it."""
 
 
 @dataclass(frozen=True)
@@ -295,17 +307,10 @@ class Outgoing:
 
 @dataclass
 class StepOutput:
-    """Everything one scheduler step produced, handed to the event loop in one piece;
-    `taken` is set once the publisher has taken it (`Publisher.hand_over`)."""
+    """Everything one scheduler step produced, sent to the I/O process in one piece (`Step`)."""
 
     outgoing: list[Outgoing] = field(default_factory=list)
     abandoned: list[RequestRef] = field(default_factory=list)  # left un-acked at shutdown
-    taken: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
-
-    @property
-    def urgent(self) -> bool:
-        """Whether it holds what a reader waits on most: a first delta, or an end."""
-        return any(not isinstance(item.event, Delta) or item.event.seq == 0 for item in self.outgoing)
 
 
 def not_started(request: EngineRequest | PoolingRequest, now: float | None = None,
@@ -337,3 +342,92 @@ class CoreStats:
     waiting: int
     mask_fills: int = 0
     mask_fill_ms: float = 0.0
+
+
+# ---- across the process boundary: the I/O process and its engine process ----------------
+# Pickled, one frame per message (`worker.process.channel`); every type here is data alone.
+
+
+@dataclass(frozen=True)
+class Prepare:
+    """I/O to engine: prepare a request (validate, template, tokenize, decode its media)
+    and, unless it is answered without the engine, queue it. `answered` says what the
+    I/O process knows already: it was cancelled before it was read."""
+
+    envelope: Envelope
+    ref: RequestRef
+    arrived_at: float
+    clock_offset_s: float
+    resume: Resume | None = None
+    priority_boost: int = 0  # added to its priority: a batch line waits behind interactive requests
+    cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Engine to I/O: the request is prepared and queued in the engine."""
+
+    ref: RequestRef
+
+
+@dataclass(frozen=True)
+class Answered:
+    """Engine to I/O: the request is prepared and ends without the engine (cancelled
+    before it started, or only counted); `outgoing` is its terminal event."""
+
+    ref: RequestRef
+    outgoing: Outgoing
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Engine to I/O: the request cannot be served (`code`, and a message that says why)."""
+
+    ref: RequestRef
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True)
+class DecoderCrashed:
+    """Engine to I/O: the media decoder's process died on this request (it counts as a crash)."""
+
+    ref: RequestRef
+    reason: str
+
+
+Preparation = Admitted | Answered | Refused | DecoderCrashed
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    """Engine to I/O, once: the model is loaded; what the I/O process needs to know of it."""
+
+    name: str
+    task: Task
+    tool_call: tuple[str, str] | None  # the model's tool-call markers, for the heartbeat
+
+
+@dataclass(frozen=True)
+class LoadFailed:
+    """Engine to I/O, instead of `EngineReady`: the model could not be loaded."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Step:
+    """Engine to I/O: one scheduler step's events (and, at the drain deadline, what is left)."""
+
+    outgoing: list[Outgoing]
+    abandoned: list[RequestRef] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Pong:
+    """Engine to I/O: the answer to `Ping`, from between two steps."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """Engine to I/O, last: the drain is over; the process exits."""

@@ -170,7 +170,10 @@ class WorkerSettings(LayeredSettings):
     reclaim_interval_s: float = Field(2.0, gt=0, description="how often to look for requests of workers that died")
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
     max_crashes: int = Field(2, ge=1, description="workers that may die while preparing one request (decoding, "
-                             "validating, tokenizing) before it is dead-lettered (poisoned)")
+                             "validating, tokenizing), and engine processes while they hold it, before it is "
+                             "dead-lettered (poisoned)")
+    engine_stall_s: float = Field(120.0, gt=0, description="an engine process that takes no step for this long "
+                                  "while it has work is killed, and its requests count a crash")
     dead_letter_maxlen: int = Field(1000, ge=1, description="the dead-letter stream is trimmed to about this many "
                                     "entries")
     max_queue_len: int = Field(10_000, ge=0, description="most requests waiting in each stream of the queue: "

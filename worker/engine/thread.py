@@ -23,7 +23,7 @@ from worker.engine.cores import Core, make_core
 from worker.engine.cpu_scheduling import use_batch_scheduling
 from worker.engine.scheduler import SchedulingPolicy
 from worker.faults import NONE, SLOW_STEP_S, Faults
-from worker.messages import Abandon, Cancel, Command, EngineRequest, PoolingRequest, Shutdown, StepOutput, Submit
+from worker.messages import Abandon, Cancel, Command, EngineRequest, Ping, PoolingRequest, Shutdown, StepOutput, Submit
 
 log = structlog.get_logger("mlxq.engine")
 
@@ -39,12 +39,14 @@ class Engine:
 
     def __init__(self, load: Callable[[], Loaded], policy: SchedulingPolicy,
                  on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None],
-                 on_stats: Callable[[EngineStats], None] = lambda _: None, faults: Faults = NONE) -> None:
+                 on_stats: Callable[[EngineStats], None] = lambda _: None, on_pong: Callable[[], None] = lambda: None,
+                 faults: Faults = NONE) -> None:
         self._load = load
         self._policy = policy
         self._on_output = on_output
         self._on_fatal = on_fatal
         self._on_stats = on_stats
+        self._on_pong = on_pong
         self._faults = faults
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="mlxq-engine", daemon=True)
@@ -83,6 +85,14 @@ class Engine:
     def abandon(self, request_id: str) -> None:
         """Drop a request without output: another worker owns it now."""
         self._commands.put(Abandon(request_id))
+
+    def post(self, command: Command) -> None:
+        """Any command, applied at the next step boundary."""
+        self._commands.put(command)
+
+    def ping(self) -> None:
+        """Have `on_pong` called from between two steps: the step loop is not stuck."""
+        self._commands.put(Ping())
 
     def shutdown(self, drain_timeout_s: float) -> None:
         """Drop waiting requests, let running ones finish for `drain_timeout_s`, then stop."""
@@ -207,3 +217,5 @@ class Engine:
         elif isinstance(command, Shutdown):
             self._drain_until = command.drain_until
             out.abandoned.extend(core.abandon_waiting())
+        elif isinstance(command, Ping):
+            self._on_pong()

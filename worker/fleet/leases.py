@@ -48,7 +48,8 @@ class Leases:
 
     def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
-                 task: Task = "generate", engine_stats: Callable[[], EngineStats | None] = lambda: None) -> None:
+                 task: Task = "generate", engine_stats: Callable[[], EngineStats | None] = lambda: None,
+                 engine_pid: Callable[[], int | None] = lambda: None) -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`
@@ -58,6 +59,7 @@ class Leases:
         self.task = task
         self.totals = totals
         self.blas = blas
+        self.engine_pid = engine_pid  # the engine process's, as it is now (a new one after a crash)
         self.state: WorkerState = "ready"  # then "draining", then "stopped"
         self.version = _version()
         self.instance = uuid.uuid4().hex  # this process, in its heartbeat: tells it from a later holder of its name
@@ -130,7 +132,8 @@ class Leases:
                            tuple(self.settings.lanes), self.tool_call, task=self.task)
         return Heartbeat(
             consumer=consumer, instance=self.instance, state=self.state, host=socket.gethostname(),
-            pid=os.getpid(), started_at=self.started_at, version=self.version, blas=self.blas, models=(model,),
+            pid=os.getpid(), engine_pid=self.engine_pid(), started_at=self.started_at, version=self.version,
+            blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
             stats=self.engine_stats())

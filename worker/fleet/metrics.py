@@ -98,6 +98,8 @@ class _Collected(Collector):
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache", counts["cached_tokens"])
         yield _counter("takeovers", "Requests taken over from silent workers", counts["takeovers"])
         yield _counter("dead_letters", "Entries moved to the dead-letter stream", counts["dead_letters"])
+        yield _counter("engine_restarts", "Engine processes started again after one died or hung",
+                       counts["engine_restarts"])
         finished = CounterMetricFamily("mlxq_request_success", "Requests finished, by reason",
                                        labels=["finished_reason"])
         errors = CounterMetricFamily("mlxq_request_errors", "Requests failed, by error code", labels=["code"])

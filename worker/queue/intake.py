@@ -12,16 +12,24 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from functools import partial
 
 import structlog
 
-from client.protocol import MEDIA_FIELDS, Envelope, ErrorCode, RequestRejected, Undeliverable, read_envelope, read_id
-from worker.media.isolated import DecoderDied
-from worker.messages import EngineInbox, EngineRequest, Outgoing, PoolingRequest, Resume, Route, failed, not_started
-from worker.prepare.generation import Preparer
-from worker.prepare.pooling import PoolingPreparer
+from client.protocol import Envelope, ErrorCode, Undeliverable, read_envelope, read_id
+from worker.messages import (
+    Answered,
+    DecoderCrashed,
+    EngineInbox,
+    EngineStopped,
+    Outgoing,
+    Preparation,
+    Prepare,
+    Refused,
+    Resume,
+    Route,
+    failed,
+)
 from worker.queue.fencing import Fencing, take_fence
 from worker.queue.recovery import Delivery, Reclaimer
 from worker.queue.requests import HeldRequest, RequestStatus, RequestTable
@@ -32,9 +40,8 @@ from worker.settings import WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
-INLINE_BODY_BYTES = 4096  # bodies up to this size are prepared on the event loop
+INLINE_BODY_BYTES = 4096  # bodies up to this size are read on the event loop
 BATCH_PRIORITY = 1 << 20  # added to a batch line's priority: ~120 days of aging (10 s a level) behind
-OFF_LOOP_FIELDS = ("response_format", *MEDIA_FIELDS.values())  # ... unless they have one of these
 
 
 def entry_ms(entry_id: str) -> int:
@@ -46,8 +53,7 @@ class Intake:
     """Reads the queue as room allows and starts what it reads."""
 
     def __init__(self, settings: WorkerSettings, streams: RequestStreams, marks: RequestMarks, fencing: Fencing,
-                 requests: RequestTable, reclaimer: Reclaimer, preparer: Preparer | PoolingPreparer,
-                 engine: EngineInbox,
+                 requests: RequestTable, reclaimer: Reclaimer, engine: EngineInbox,
                  emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals) -> None:
         self.settings = settings
         self.streams = streams
@@ -55,12 +61,12 @@ class Intake:
         self.fencing = fencing
         self.requests = requests
         self.reclaimer = reclaimer
-        self.preparer = preparer
         self.engine = engine
         self.emit = emit  # hands an event straight to the publisher
         self.clock_offset_s = clock_offset_s
         self.totals = totals  # counts its dead letters
         self._outages_seen = outage.ended
+        self._retake = False  # requests were let go when the engine died: list our pending entries again
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled)."""
@@ -93,8 +99,10 @@ class Intake:
         """Entries to take over, if any; a scan that fails (no group after Redis restarted
         empty, a consumer name that is not text) is tried again at the next interval."""
         try:
-            if outage.ended != self._outages_seen:  # a read in flight may have been lost with its reply
-                self._outages_seen = outage.ended
+            # A read in flight may have been lost with its reply; or the engine died and
+            # its requests were let go, to be taken in afresh.
+            if outage.ended != self._outages_seen or self._retake:
+                self._outages_seen, self._retake = outage.ended, False
                 await retrying(partial(self.reclaimer.list_own, self._holds), "listing our own pending requests")
             return await retrying(partial(self.reclaimer.take, room), "looking for abandoned requests")
         except Exception as e:  # noqa: BLE001 - finding abandoned work is upkeep: it must not stop the worker
@@ -102,6 +110,10 @@ class Intake:
                 raise
             log.warning("could not look for abandoned requests", error=describe(e))
             return []
+
+    def retake_own(self) -> None:
+        """Take in afresh, at the next read, this consumer's pending entries not held."""
+        self._retake = True
 
     def _holds(self, stream: str, entry_id: str) -> bool:
         held = self.requests.by_entry(entry_id)
@@ -155,8 +167,8 @@ class Intake:
             self.requests.end(route.id, RequestStatus.SETTLED)
             return
         if arrival.crashes >= self.settings.max_crashes:
-            await self._poisoned(delivery, route, f"{arrival.crashes} worker(s) died while preparing it "
-                                 f"(max_crashes is {self.settings.max_crashes})")
+            await self._poisoned(delivery, route, f"{arrival.crashes} worker or engine process(es) died while they "
+                                 f"held it (max_crashes is {self.settings.max_crashes})")
             return
         fields = delivery.fields
         assert fields is not None
@@ -194,50 +206,50 @@ class Intake:
                       resume: Resume | None) -> None:
         route = held.route
         arrived_at = min(time.time(), entry_ms(route.entry_id) / 1000.0 - self.clock_offset_s)
-        prepare = partial(self.preparer.prepare, envelope, route.ref, arrived_at, self.clock_offset_s, resume)
-        # Tokenizing a long prompt would stall the loop; a short one costs less than a thread hop.
-        # Off the loop too: compiling a grammar, decoding media.
-        raw = envelope.raw or {}
-        inline = envelope.size <= INLINE_BODY_BYTES and not any(field in raw for field in OFF_LOOP_FIELDS)
-        request = await self._prepared(delivery, route, prepare, inline, arrival.crashes)
-        if request is None:
+        boost = BATCH_PRIORITY if route.stream == self.streams.batch_lane else 0  # behind every interactive request
+        # Flagged before it was read: prepared (to count its prompt), never computed.
+        cancelled = arrival.cancelled or held.cancel_requested
+        prepare = Prepare(envelope, route.ref, arrived_at, self.clock_offset_s, resume, boost, cancelled)
+        prepared = await self._prepared(delivery, route, prepare, arrival.crashes)
+        if prepared is None:
             return
         if self.requests.holding(route.ref) is None:
-            return  # taken over while it was prepared: the other worker serves it
+            return  # taken over while it was prepared: the table had the engine drop it
         self.requests.prepared(route.id, arrived_at)
-        if arrival.cancelled or held.cancel_requested:  # flagged before it was read: never computed
-            self._answer(not_started(request, time.time()))
+        if isinstance(prepared, Answered):  # cancelled before it started, or only counted
+            self._answer(prepared.outgoing)
             return
-        if isinstance(request, EngineRequest) and request.counted_only:  # its templated, tokenized prompt: the answer
-            self._answer(not_started(request, time.time(), "length"))
-            return
-        if route.stream == self.streams.batch_lane:  # behind every interactive request waiting here
-            request = replace(request, queueing=replace(request.queueing,
-                                                            priority=request.queueing.priority + BATCH_PRIORITY))
         if resume is not None:
             log.info("resuming a request", request_id=route.id, deltas=resume.deltas)
-        self.requests.advance(route.id, RequestStatus.ADMITTED)
-        self.engine.submit(request)  # it checks the deadline when it admits the request, before any compute
+        if held.status is RequestStatus.READ:  # (its first delta may be written already)
+            self.requests.advance(route.id, RequestStatus.ADMITTED)
 
-    async def _prepared(self, delivery: Delivery, route: Route,
-                        prepare: Callable[[], EngineRequest | PoolingRequest], inline: bool,
-                        crashes: int) -> EngineRequest | PoolingRequest | None:
-        """The request, prepared; None once it is answered instead: refused, or
-        dead-lettered when a media decoder died on it as often as `max_crashes` allows
-        (a decoder's death counts as a crash, beside the workers that died on it)."""
+    async def _prepared(self, delivery: Delivery, route: Route, prepare: Prepare,
+                        crashes: int) -> Preparation | None:
+        """How the engine took the request (queued it, or answered it at once); None once it
+        is answered or let go instead: refused; dead-lettered when a media decoder died on
+        it as often as `max_crashes` allows (a decoder's death counts as a crash, beside the
+        workers that died on it); let go when the engine process died with it (a crash
+        recorded in Redis: the request is taken in afresh once a new engine runs)."""
         while True:
             try:
-                return prepare() if inline else await asyncio.to_thread(prepare)
-            except RequestRejected as e:
-                self._answer(failed(route.ref, e.code, str(e)))
+                prepared = await self.engine.prepare(prepare)
+            except EngineStopped:
+                await retrying(partial(self.marks.record_crash, route.id), "recording a crash")
+                self.requests.end(route.id, RequestStatus.HANDED_BACK)
+                self.retake_own()
                 return None
-            except DecoderDied as e:
-                crashes += 1
-                log.warning("media decoder died", request_id=route.id, reason=str(e), crashes=crashes)
-                if crashes >= self.settings.max_crashes:
-                    await self._poisoned(delivery, route, f"{e}; it has crashed {crashes} time(s) while prepared "
-                                         f"(max_crashes is {self.settings.max_crashes})")
-                    return None
+            if isinstance(prepared, Refused):
+                self._answer(failed(route.ref, prepared.code, prepared.message))
+                return None
+            if not isinstance(prepared, DecoderCrashed):
+                return prepared
+            crashes += 1
+            log.warning("media decoder died", request_id=route.id, reason=prepared.reason, crashes=crashes)
+            if crashes >= self.settings.max_crashes:
+                await self._poisoned(delivery, route, f"{prepared.reason}; it has crashed {crashes} time(s) while "
+                                     f"prepared (max_crashes is {self.settings.max_crashes})")
+                return None
 
     async def _poisoned(self, delivery: Delivery, route: Route, reason: str) -> None:
         """An entry that keeps killing or outliving workers: dead letter, and say so."""

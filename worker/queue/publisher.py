@@ -12,7 +12,6 @@ or whether Redis refused its output stream (answer it on its own stream).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -21,15 +20,13 @@ import structlog
 from redis.exceptions import RedisError
 
 from client.protocol import Done, Error, ErrorCode, Event
-from worker.messages import Outgoing, Route, StepOutput, failed
+from worker.messages import Outgoing, Route, Step, failed
 from worker.queue.fencing import Fencing, OutputWrite, Published, PublishStatus, encode_write, take_fence
 from worker.queue.requests import RequestStatus, RequestTable
 from worker.queue.retrying import describe, is_permission_error, retrying
 from worker.queue.streams import RequestStreams
 
 log = structlog.get_logger("mlxq.worker")
-
-HANDOFF_WAIT_S = 0.005  # the most the engine thread waits for a step to be taken; its model computes longer
 
 
 class Publisher:
@@ -41,53 +38,15 @@ class Publisher:
         self.fencing = fencing
         self.requests = requests
         self.on_published = on_published  # each event once it is written (totals, metrics)
-        self.outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        # Shared with the engine thread, under the lock: steps handed over and not yet
-        # queued, whether a write is in flight, whether the loop is due to take them.
-        self._handed_lock = threading.Lock()
-        self._handed: list[StepOutput] = []
-        self._writing = False
-        self._wake_pending = False
+        self.outputs: asyncio.Queue[Step] = asyncio.Queue()
 
-    def hand_over(self, loop: asyncio.AbstractEventLoop, out: StepOutput, wait_s: float = HANDOFF_WAIT_S) -> None:
-        """From the engine thread: queue a step's output for this publisher, on `loop`.
-        The loop is woken only when no write is in flight and no wake-up is pending; a
-        write in flight takes what came meanwhile when it returns, so a busy loop costs
-        the engine nothing. A step holding a first delta or an end waits (at most `wait_s`)
-        until the loop has taken it: left to run on, the engine thread would build the next
-        step's graph holding the GIL while the woken loop waits to write what a reader is
-        waiting for (docs/benchmarks.md, "The first delta"); the model computes the step
-        already launched meanwhile. Other steps do not wait: on one core the wait and the
-        two wake-ups it takes cost ~8 % of a small model's throughput."""
-        with self._handed_lock:
-            self._handed.append(out)
-            writing = self._writing
-            wake = not (writing or self._wake_pending)
-            self._wake_pending = self._wake_pending or wake
-        if wake:
-            loop.call_soon_threadsafe(self.take_handed)
-        if not writing and out.urgent:
-            out.taken.wait(wait_s)
-
-    def take_handed(self) -> None:
-        """Move what the engine handed over into the queue of outputs (on the loop; the
-        drain calls it once the engine thread has ended, lest a wake-up still be due)."""
-        with self._handed_lock:
-            handed, self._handed = self._handed, []
-            self._wake_pending = False
-        for out in handed:
-            out.taken.set()
-            self.outputs.put_nowait(out)
-
-    def _set_writing(self, writing: bool) -> None:
-        with self._handed_lock:
-            self._writing = writing
-        if not writing:
-            self.take_handed()  # what came while the write was in flight goes out next
+    def take(self, step: Step) -> None:
+        """Queue one engine step's output (it arrived from the engine process)."""
+        self.outputs.put_nowait(step)
 
     def emit(self, outgoing: Outgoing) -> None:
         """Publish one event made outside the engine (an error, a cancel before start)."""
-        self.outputs.put_nowait(StepOutput(outgoing=[outgoing]))
+        self.outputs.put_nowait(Step([outgoing]))
 
     async def run(self) -> None:
         """Publish until cancelled: everything waiting goes out together, one call for all."""
@@ -97,11 +56,7 @@ class Publisher:
                 outputs.append(self.outputs.get_nowait())
             outgoing = [item for out in outputs for item in out.outgoing]
             if outgoing:
-                self._set_writing(True)
-                try:
-                    await asyncio.shield(self._publish(outgoing))
-                finally:
-                    self._set_writing(False)
+                await asyncio.shield(self._publish(outgoing))
             left = sum(len(out.abandoned) for out in outputs)
             if left:
                 log.info("requests left unfinished at the drain deadline; they are handed back", requests=left)

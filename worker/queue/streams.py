@@ -278,6 +278,15 @@ class RequestMarks:
         """The preparation of a request ended, one way or another, and we are alive."""
         await self.redis.srem(self.keys.crashes(self.queue, request_id), attempt)
 
+    async def record_crash(self, request_id: str) -> None:
+        """The engine process died while it held the request: an attempt left open, as a
+        worker that died preparing it leaves one (counted by the next `arrive`)."""
+        key = self.keys.crashes(self.queue, request_id)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.sadd(key, uuid.uuid4().hex)
+            pipe.expire(key, self.dedupe_ttl_s)
+            await pipe.execute()
+
     async def limit_cancel_flag(self, request_id: str, ttl_s: int) -> None:
         """Give a cancel flag a TTL if whoever set it gave none."""
         await self.redis.expire(self.keys.cancel_flag(self.queue, request_id), ttl_s, nx=True)
@@ -286,8 +295,9 @@ class RequestMarks:
 @dataclass(frozen=True)
 class Arrival:
     """What Redis knows of a request as a worker takes it in. `crashes` counts the
-    workers that died while preparing it: each attempt is added to a set before the work
-    and removed after, so only the attempts that killed their worker are left in it."""
+    workers that died while preparing it, and the engine processes that died while they
+    held it: each attempt is added to a set before the work and removed after, so only the
+    attempts that killed their worker are left in it (`record_crash` adds an engine's)."""
 
     attempt: str  # ours, open until `close_attempt`
     crashes: int

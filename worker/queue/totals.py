@@ -49,7 +49,7 @@ class Totals:
                                "at": round(time.time(), 3)}
 
     def count(self, name: str, n: int = 1) -> None:
-        """Count `n` takeovers or dead letters."""
+        """Count `n` takeovers, dead letters or engine restarts."""
         assert name in EVENT_COUNTS, name
         self.counts[name] += n
 

@@ -5,8 +5,6 @@ group still says it is ours is failed with `internal`, never left unanswered."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +15,7 @@ import redis.asyncio as aioredis
 
 from client import Delta, Done, Error, Timing, Usage, decode_event
 from client.keys import GROUP, Keys
-from worker.messages import Outgoing, Route, StepOutput
+from worker.messages import Outgoing, Route
 from worker.queue.fencing import Fencing
 from worker.queue.publisher import Publisher
 from worker.queue.requests import RequestTable
@@ -136,62 +134,6 @@ async def test_a_lost_fence_whose_group_is_gone_is_dropped(r):
     await publish(sides, requests, route)
     assert await r.xlen(route.reply_to) == 0
     assert requests.get(route.id) is None
-
-
-def hand_over_while_the_loop_is_busy(publisher: Publisher, loop: asyncio.AbstractEventLoop, out: StepOutput,
-                                     wait_s: float) -> float:
-    """Hand `out` over from another thread while the loop's own thread waits for that
-    thread (so it can take nothing); how long the hand-over took."""
-    took: list[float] = []
-
-    def engine() -> None:
-        started = time.monotonic()
-        publisher.hand_over(loop, out, wait_s)
-        took.append(time.monotonic() - started)
-
-    thread = threading.Thread(target=engine)
-    thread.start()
-    thread.join()
-    return took[0]
-
-
-async def test_only_a_step_with_a_first_delta_or_an_end_waits_to_be_taken(r):
-    """A step a reader waits on most (a first delta, an end) waits until the loop has
-    taken it, at most its bound when the loop is busy; any other step does not wait."""
-    sides, requests, route = await serving(r, "c1")
-    publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
-    later = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=5, text="a", tokens=[1]))])
-    # The loop's thread joins the hand-over's thread before it runs anything: a hand-over
-    # that waited for the loop would take its whole bound (30 s), never less.
-    assert hand_over_while_the_loop_is_busy(publisher, loop, later, 30) < 10 and not later.taken.is_set()
-    first = StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=0, text="a", tokens=[1]))])
-    assert 0.05 <= hand_over_while_the_loop_is_busy(publisher, loop, first, 0.05) < 10
-    await asyncio.sleep(0)  # the loop takes both now
-    assert later.taken.is_set() and first.taken.is_set() and publisher.outputs.qsize() == 2
-    task = asyncio.create_task(publisher.run())
-    done = StepOutput([Outgoing(route.ref, Done(id=route.id, finish_reason="length", text="a", usage=Usage(1, 1),
-                                                timing=Timing(queued_ms=1.0, ttft_ms=2.0, total_ms=3.0)))])
-    started = time.monotonic()
-    await asyncio.to_thread(publisher.hand_over, loop, done, 30)
-    assert done.taken.is_set() and time.monotonic() - started < 10
-    await asyncio.wait_for(publisher.outputs.join(), 10)
-    task.cancel()
-    assert await r.xlen(route.reply_to) == 3
-
-
-async def test_steps_handed_over_while_a_write_is_in_flight_go_out_when_it_returns(r):
-    """A write in flight wakes nothing: what the engine hands over meanwhile waits beside
-    it, unqueued, and is queued the moment the write returns."""
-    sides, requests, route = await serving(r, "c1")
-    publisher, loop = sides.publisher(requests), asyncio.get_running_loop()
-    publisher._set_writing(True)
-    steps = [StepOutput([Outgoing(route.ref, Delta(id=route.id, seq=i, text="a", tokens=[1]))]) for i in range(3)]
-    for step in steps:
-        await asyncio.to_thread(publisher.hand_over, loop, step, 30)  # the first one does not wait: nothing wakes
-    await asyncio.sleep(0.05)
-    assert publisher.outputs.qsize() == 0 and not any(step.taken.is_set() for step in steps)
-    publisher._set_writing(False)
-    assert publisher.outputs.qsize() == 3 and all(step.taken.is_set() for step in steps)
 
 
 async def test_a_written_done_is_counted_before_its_entry_is_settled(r):

@@ -78,7 +78,7 @@ def test_an_answer_made_at_intake_drops_a_request_the_engine_already_has():
     requests, _ = table()
     told: list[str] = []
     emitted: list[object] = []
-    intake = Intake(None, None, None, None, requests, None, None,  # type: ignore[arg-type]
+    intake = Intake(None, None, None, None, requests, None,  # type: ignore[arg-type]
                     SimpleNamespace(abandon=told.append), emitted.append, 0.0, None)  # type: ignore[arg-type]
     for request_id, status in (("handed", RequestStatus.ADMITTED), ("unhanded", RequestStatus.READ)):
         requests.read(route(request_id))

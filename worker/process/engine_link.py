@@ -1,0 +1,201 @@
+"""The I/O process's side of its engine process: starts it, hands it work, delivers what
+it makes, and notices when it dies or hangs.
+
+The engine process is a child that shares nothing with this one but a socket pair
+(`channel`). Its death, whatever the cause (a crash, an out-of-memory kill, a hang
+this link ended), is reported by `serve` returning; the worker then counts it against
+the requests the engine held and starts a new one (`worker.daemon`). This module, like
+the whole I/O process, imports no MLX.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import structlog
+
+from client.engine_stats import EngineStats
+from client.protocol import Delta
+from worker.messages import (
+    Abandon,
+    Cancel,
+    EngineReady,
+    EngineStopped,
+    LoadFailed,
+    Ping,
+    Pong,
+    Preparation,
+    Prepare,
+    Shutdown,
+    Step,
+    Stopped,
+)
+from worker.process.channel import AsyncChannel
+from worker.settings import WorkerSettings
+
+log = structlog.get_logger("mlxq.worker")
+
+SOCKET_FD = "MLXQ_ENGINE_FD"  # where the engine process finds its end of the socket pair
+EXIT_WAIT_S = 10.0  # after its socket closed, how long an engine process may take to exit before it is killed
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not load its model, or died before it had."""
+
+
+class EngineLink:
+    """One engine process at a time: started by `start`, served by `serve` until it ends."""
+
+    def __init__(self, settings: WorkerSettings, on_step: Callable[[Step], None],
+                 on_stats: Callable[[EngineStats], None]) -> None:
+        self.settings = settings
+        self.on_step = on_step
+        self.on_stats = on_stats
+        self.ready = asyncio.Event()  # set while a live engine process takes work
+        self.process: subprocess.Popen[bytes] | None = None
+        self._channel: AsyncChannel | None = None
+        self._preparing: dict[str, asyncio.Future[Preparation]] = {}
+        # Requests of this engine process with output and no end yet: those it dies without
+        # are the likelier culprits (still in their prefill, or in preparation).
+        self.producing: set[str] = set()
+        self.prepared_when_it_died: set[str] = set()
+        self._heard_at = time.monotonic()
+        self._stopped = False  # it said `Stopped`: it ended after a drain, as asked
+
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
+    async def start(self) -> EngineReady:
+        """Start an engine process and wait until its model is loaded; raises `EngineFailed`."""
+        ours, theirs = socket.socketpair()
+        self._stopped = False
+        self.producing.clear()
+        self.process = subprocess.Popen([sys.executable, "-m", "worker.process.engine_main"],
+                                        env={**os.environ, SOCKET_FD: str(theirs.fileno())},
+                                        pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
+        theirs.close()  # the child's copy is the only one: its death closes the pair
+        self._channel = await AsyncChannel.over(ours)
+        # As a `WorkerSettings` of its own: the loaded one's class is made per config file.
+        self._channel.send(WorkerSettings.model_construct(**dict(self.settings)))
+        first = await self._channel.receive()
+        while isinstance(first, EngineStats):  # its figures as it loads
+            self.on_stats(first)
+            first = await self._channel.receive()
+        if isinstance(first, EngineReady):
+            self._heard_at = time.monotonic()
+            self.ready.set()
+            log.info("engine process ready", engine_pid=self.process.pid, model=first.name)
+            return first
+        status = await self._reap()
+        raise EngineFailed(first.reason if isinstance(first, LoadFailed)
+                           else f"the engine process exited with status {status} while it loaded the model")
+
+    async def serve(self) -> str:
+        """Deliver the engine process's messages until it ends; then say why it did
+        ("" after a drain it was asked for)."""
+        assert self._channel is not None
+        while (message := await self._channel.receive()) is not None:
+            self._heard_at = time.monotonic()
+            if isinstance(message, Step):
+                for item in message.outgoing:
+                    (self.producing.add if isinstance(item.event, Delta) else self.producing.discard)(item.ref.id)
+                self.on_step(message)
+            elif isinstance(message, EngineStats):
+                self.on_stats(message)
+            elif isinstance(message, Stopped):
+                self._stopped = True
+            elif not isinstance(message, Pong):
+                future = self._preparing.pop(message.ref.id, None)
+                if future is not None and not future.done():
+                    future.set_result(message)
+        self.ready.clear()
+        self._channel.close()
+        status = await self._reap()
+        reason = "" if self._stopped else _why(status)
+        self.prepared_when_it_died = set(self._preparing)
+        for future in self._preparing.values():
+            if not future.done():
+                future.set_exception(EngineStopped(reason))
+        self._preparing.clear()
+        return reason
+
+    async def prepare(self, message: Prepare) -> Preparation:
+        """Have the engine process prepare a request (and queue it there, if it is to be
+        computed); raises `EngineStopped` if the process ends first. While a new engine
+        process loads, it waits for it."""
+        await self.ready.wait()
+        assert self._channel is not None
+        future = asyncio.get_running_loop().create_future()
+        self._preparing[message.ref.id] = future
+        self._channel.send(message)
+        return await future
+
+    def cancel(self, request_id: str) -> None:
+        self._send(Cancel(request_id))
+
+    def abandon(self, request_id: str) -> None:
+        self._send(Abandon(request_id))
+
+    def shutdown(self, drain_timeout_s: float) -> None:
+        """Drop what waits, let what runs finish for `drain_timeout_s`, then end (`serve` returns "")."""
+        self._send(Shutdown(time.monotonic() + drain_timeout_s))
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    async def watch(self, busy: Callable[[], bool]) -> None:
+        """Kill an engine process that takes no step for `engine_stall_s` while it has
+        work: `serve` then reports its death. Asks it for a `Pong` once it is quiet for
+        half that, so that a slow but live engine (a long prefill) is not taken for hung."""
+        stall_s = self.settings.engine_stall_s
+        while True:
+            await asyncio.sleep(stall_s / 4)
+            if not self.ready.is_set() or not busy():
+                self._heard_at = time.monotonic()
+                continue
+            quiet_s = time.monotonic() - self._heard_at
+            if quiet_s > stall_s and self.process is not None:
+                log.error("engine process took no step for engine_stall_s; killing it", engine_pid=self.process.pid,
+                          engine_stall_s=stall_s)
+                self.process.kill()
+                self._heard_at = time.monotonic()
+            elif quiet_s > stall_s / 2:
+                self._send(Ping())
+
+    async def stop(self) -> None:
+        """However the worker exits: the engine process goes with it, never left behind."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self._send(Shutdown(0.0))
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.process.wait), EXIT_WAIT_S)
+        except TimeoutError:
+            self.process.kill()
+            await asyncio.to_thread(self.process.wait)
+
+    def _send(self, message: object) -> None:
+        if self.ready.is_set() and self._channel is not None:
+            self._channel.send(message)
+
+    async def _reap(self) -> int:
+        """Wait for the process to exit (killing it if it lingers); its status."""
+        assert self.process is not None
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(self.process.wait), EXIT_WAIT_S)
+        except TimeoutError:
+            self.process.kill()
+            return await asyncio.to_thread(self.process.wait)
+
+
+def _why(status: int) -> str:
+    if status < 0:
+        return f"the engine process was killed by {signal.Signals(-status).name}"
+    return f"the engine process exited with status {status}"

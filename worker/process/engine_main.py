@@ -1,0 +1,186 @@
+"""The engine process: loads the model, prepares requests, runs the engine thread, and
+talks to its I/O process over the socket it was started with.
+
+    I/O process ──Prepare, Cancel, Abandon, Shutdown, Ping──> main thread (this loop)
+                                                               ├─ preparing threads
+                                                               └─ Engine (its thread: MLX)
+                <──Step, Admitted/Answered/Refused, stats, Pong, Stopped──┘
+
+It never touches Redis. It ends when its I/O process is gone (the socket's end), so it
+never outlives it; a fatal engine error ends it non-zero, which the I/O process counts
+as a crash of the requests it held. It ignores SIGINT and SIGTERM: a terminal's Ctrl-C
+reaches the whole process group, and the drain it asks for is the I/O process's to run.
+
+    python -m worker.process.engine_main     (started by `worker.process.engine_link`)
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from functools import partial
+
+import structlog
+
+from client.protocol import RequestRejected
+from common import logs
+from worker.engine.backends import load_model
+from worker.engine.scheduler import SchedulingPolicy
+from worker.engine.thread import Engine, EngineFailed
+from worker.faults import Faults
+from worker.media.isolated import DecoderDied
+from worker.messages import (
+    Abandon,
+    Admitted,
+    Answered,
+    Cancel,
+    DecoderCrashed,
+    EngineReady,
+    EngineRequest,
+    LoadFailed,
+    Ping,
+    Pong,
+    PoolingRequest,
+    Preparation,
+    Prepare,
+    Refused,
+    Shutdown,
+    Step,
+    StepOutput,
+    Stopped,
+    ToolFormat,
+    not_started,
+)
+from worker.prepare.generation import Preparer
+from worker.prepare.pooling import PoolingPreparer
+from worker.process.channel import BlockingChannel
+from worker.process.engine_link import SOCKET_FD
+from worker.settings import Hosting, WorkerSettings
+
+log = structlog.get_logger("mlxq.engine")
+
+PREPARING_THREADS = 2  # tokenizing, templating and media decoding off the engine thread
+FATAL_STATUS = 3  # the engine thread failed: every request it held is a crash's
+
+
+class EngineProcess:
+    """Dispatches the I/O process's messages: preparation to its threads, the rest to the engine."""
+
+    def __init__(self, channel: BlockingChannel, settings: WorkerSettings, hosting: Hosting) -> None:
+        self.channel = channel
+        self.settings = settings
+        self.faults = Faults.from_environment()
+        self.engine = Engine(partial(load_model, settings, refusing=hosting.refusal is not None),
+                             SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
+                             on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults)
+        self.hosting = hosting
+        self._preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="mlxq-prepare")
+        # Requests being prepared, and those of them cancelled or dropped meanwhile (under
+        # the lock: the main thread marks them, a preparing thread reads the marks).
+        self._lock = threading.Lock()
+        self._in_preparation: dict[str, str] = {}  # id -> "" | "cancelled" | "abandoned"
+
+    def run(self) -> int:
+        """Load, then serve the I/O process's messages until it is gone or the drain ends."""
+        self.engine.start()
+        try:
+            info = self.engine.wait_ready()
+        except EngineFailed as e:
+            self.channel.send(LoadFailed(str(e)))
+            return 1
+        preparer = Preparer(info, self.settings, self.faults, self.hosting.refusal) if info.task == "generate" \
+            else PoolingPreparer(info, self.settings)
+        tools = ToolFormat.of(info.tokenizer) if info.task == "generate" else None
+        self.channel.send(EngineReady(info.name, info.task, (tools.start, tools.end) if tools else None))
+        while (message := self.channel.receive()) is not None:
+            if isinstance(message, Prepare):
+                with self._lock:
+                    self._in_preparation[message.ref.id] = ""
+                self._preparing.submit(self._prepare, preparer, message)
+            elif isinstance(message, Ping):
+                self.engine.ping()
+            else:
+                self._command(message)
+                if isinstance(message, Shutdown):
+                    return self._drained()
+        return 0  # the I/O process is gone: so is every reader of what this one would make
+
+    def _command(self, message: Cancel | Abandon | Shutdown) -> None:
+        if isinstance(message, (Cancel, Abandon)):
+            with self._lock:
+                if message.request_id in self._in_preparation:
+                    self._in_preparation[message.request_id] = \
+                        "cancelled" if isinstance(message, Cancel) else "abandoned"
+        self.engine.post(message)
+
+    def _drained(self) -> int:
+        self._preparing.shutdown(wait=True, cancel_futures=True)
+        self.engine.join()
+        self.channel.send(Stopped())
+        return 0
+
+    def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare) -> None:
+        """On a preparing thread: prepare one request, queue it, and say how it went."""
+        ref = message.ref
+        try:
+            request = preparer.prepare(message.envelope, ref, message.arrived_at, message.clock_offset_s,
+                                       message.resume)
+        except RequestRejected as e:
+            self._answer(ref.id, Refused(ref, e.code, str(e)))
+            return
+        except DecoderDied as e:
+            self._answer(ref.id, DecoderCrashed(ref, str(e)))
+            return
+        if message.priority_boost:
+            request = replace(request, queueing=replace(request.queueing,
+                                                        priority=request.queueing.priority + message.priority_boost))
+        self._queue(request, message.cancelled)
+
+    def _queue(self, request: EngineRequest | PoolingRequest, cancelled: bool) -> None:
+        with self._lock:
+            mark = self._in_preparation.pop(request.id, "")
+            if mark == "abandoned":
+                return
+            if cancelled or mark == "cancelled":  # flagged before it was read, or while prepared: never computed
+                self.channel.send(Answered(request.ref, not_started(request)))
+            elif isinstance(request, EngineRequest) and request.counted_only:  # its prompt counted: the answer
+                self.channel.send(Answered(request.ref, not_started(request, reason="length")))
+            else:  # sent before the engine has it, so that its first events come after
+                self.channel.send(Admitted(request.ref))
+                self.engine.submit(request)
+
+    def _answer(self, request_id: str, answer: Preparation) -> None:
+        with self._lock:
+            if self._in_preparation.pop(request_id, "") != "abandoned":
+                self.channel.send(answer)
+
+    def _on_output(self, out: StepOutput) -> None:
+        self.channel.send(Step(out.outgoing, out.abandoned))
+
+    def _on_fatal(self, error: BaseException) -> None:
+        """The engine thread failed: every request it held dies with this process."""
+        sys.stderr.flush()
+        os._exit(FATAL_STATUS)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    channel = BlockingChannel(socket.socket(fileno=int(os.environ.pop(SOCKET_FD))))
+    settings = channel.receive()
+    if not isinstance(settings, WorkerSettings):
+        return 2
+    logs.configure(settings.log_format, settings.log_level)
+    return EngineProcess(channel, settings, Hosting.from_environment()).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
