@@ -137,15 +137,18 @@ async def _commandstats(redis: Any) -> dict[str, Any]:
 
 
 def in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
-               sequential: bool = False, detokenize: bool = False) -> list[RequestTiming]:
+               sequential: bool = False, detokenize: bool = False,
+               backlog_width: int | None = None) -> list[RequestTiming]:
     """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
     queue): the ceiling the worker is measured against. `sequential` runs one at a time;
     `detokenize` turns every token into text with mlx-lm's streaming detokenizer, one per
     request, as mlx-lm's server does (the worker must too, raw BatchGenerator does not).
+    `backlog_width`: every request is inserted at once into a batch that wide, which
+    works through them as rows free (a queue's backlog).
     It runs as the worker runs its engine: on a thread of its own, batch-scheduled on
     Linux (`worker.cpu_scheduling`), so that the ratio is the worker's own cost."""
     return _on_engine_like_thread(functools.partial(_in_process, model_path, planned, concurrency, progress,
-                                                    sequential, detokenize))
+                                                    sequential, detokenize, backlog_width))
 
 
 def _on_engine_like_thread(run: Callable[[], list[RequestTiming]]) -> list[RequestTiming]:
@@ -165,22 +168,23 @@ def _on_engine_like_thread(run: Callable[[], list[RequestTiming]]) -> list[Reque
 
 
 def _in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
-                sequential: bool, detokenize: bool) -> list[RequestTiming]:
+                sequential: bool, detokenize: bool, backlog_width: int | None) -> list[RequestTiming]:
     from mlx_lm.generate import BatchGenerator
 
     model, tokenizer = _loaded(model_path)
     texts: dict[int, Any] = {}
-    width = 1 if sequential else (concurrency or len(planned))
+    width = 1 if sequential else (backlog_width or concurrency or len(planned))
+    admitted = len(planned) if backlog_width else width  # a backlog waits inside BatchGenerator
     generator = BatchGenerator(model, stop_tokens=[[i] for i in tokenizer.eos_token_ids],
                                completion_batch_size=width, prefill_batch_size=min(width, 8))
     timings: dict[int, RequestTiming] = {}
     waiting = list(planned)
     running = 0
     start = time.monotonic()
-    freed = collections.deque([start] * width)  # when each free slot became free
+    freed = collections.deque([start] * admitted)  # when each free slot became free
     while waiting or running:
         now = time.monotonic()
-        while waiting and running < width and (sequential or start + waiting[0].send_at <= now):
+        while waiting and running < admitted and (sequential or start + waiting[0].send_at <= now):
             request = waiting.pop(0)
             (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
             if detokenize:

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
                         stream_interval=args.stream_interval, vocab=args.vocab,
                         response_format=args.response_format, constrained=args.constrained,
                         seed=random.randrange(2**31) if args.seed is None else args.seed)
-    levels = [int(c) or None for c in args.concurrency.split(",")]
+    levels: list[int | None] = [None] if args.backlog else [int(c) or None for c in args.concurrency.split(",")]
+    args.width = _served_width(args) if args.backlog else None  # the baselines' batch width for a backlog
     model = args.model or _served_model(args)
     print(f"workload: {_describe(workload)}; model {model}; queue {args.queue}; {args.repeat} run(s) per level",
           file=sys.stderr)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _redis_run(args: argparse.Namespace, planned: list[Any], level: int | None) -> dict[str, Any]:
-    name = f"redis c={level or 'all'}"
+    name = "redis backlog" if args.backlog else f"redis c={level or 'all'}"
     with _progress(name, len(planned)) as tick:
         timings, redis_stats = asyncio.run(through_redis(args.redis_url, args.queue, planned, level,
                                                          args.stream_interval, tick, args.timeout))
@@ -79,8 +80,9 @@ def _paired_level(baseline: str, levels: list[int | None]) -> int | None:
 def _baseline_run(args: argparse.Namespace, baseline: str, planned: list[Any], level: int | None) -> dict[str, Any]:
     with _progress(baseline, len(planned)) as tick:
         timings = in_process(args.model, planned, level, tick, sequential=baseline == "sequential",
-                             detokenize=baseline == "detokenizing")
-    return {"name": baseline, "concurrency": 1 if baseline == "sequential" else level, **summarize(timings)}
+                             detokenize=baseline == "detokenizing", backlog_width=args.width)
+    return {"name": baseline, "concurrency": 1 if baseline == "sequential" else level, **summarize(timings),
+            **({"width": args.width} if args.width else {})}
 
 
 def _gateway_run(args: argparse.Namespace, planned: list[Any], level: int | None) -> dict[str, Any]:
@@ -119,6 +121,20 @@ def _served_model(args: argparse.Namespace) -> str:
     except redis.RedisError:
         models = []
     return ", ".join(models) or "unknown model"
+
+
+def _served_width(args: argparse.Namespace) -> int:
+    """How many requests the queue's live workers run at once: their max_num_seqs, summed."""
+    from client.connect import connect
+    from client.fleet import read_fleet
+    from client.keys import Keys
+
+    with connect(args.redis_url, socket_timeout=5) as r:
+        widths = [w.heartbeat.max_num_seqs or 0 for w in read_fleet(r, Keys()).serving(args.queue)]
+    if not sum(widths):
+        raise SystemExit(f"mlxq bench --backlog: no live worker serves queue {args.queue!r}, so the baselines' "
+                         "width (the workers' max_num_seqs) is unknown")
+    return sum(widths)
 
 
 class Pair(NamedTuple):
@@ -168,6 +184,7 @@ def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, A
         "queue": args.queue, "workload": workload_dict(workload), "runs": rows,
         "throughput_tok_s": main["throughput_tok_s"], "ttft_ms": main["ttft_ms"], "itl_ms": main["itl_ms"],
         "redis_commands_per_token": main["redis"]["per_token"],
+        **({"backlog_width": args.width} if args.width else {}),
     }
     for name, paired in pairs.items():
         report[f"baseline_{name}_tok_s"] = by_name[name]["throughput_tok_s"]
@@ -217,8 +234,9 @@ def _print_ratios(report: dict[str, Any]) -> None:
             paired = report[f"paired_with_{name}"]
             each = f" (median of {len(paired['ratios'])} pairs: {', '.join(map(str, paired['ratios']))})" \
                 if len(paired["ratios"]) > 1 else ""
-            print(f"through Redis c={paired['concurrency'] or 'all'} / {name}: {report[f'ratio_to_{name}']}x "
-                  f"throughput{each}")
+            mode = f"backlog (width {report['backlog_width']})" if "backlog_width" in report \
+                else f"c={paired['concurrency'] or 'all'}"
+            print(f"through Redis {mode} / {name}: {report[f'ratio_to_{name}']}x throughput{each}")
     if "ttft_p50_over_inprocess_ms" in report:
         print(f"TTFT p50 through Redis minus in process: {report['ttft_p50_over_inprocess_ms']} ms")
         print("(inprocess is raw BatchGenerator, without the worker's token budget per step: a burst costs it "

@@ -303,6 +303,10 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--rate", type=float, help="Poisson arrivals, requests per second (default: a burst)")
     bench.add_argument("--concurrency", default="16",
                        help="most requests outstanding; a comma list sweeps it (e.g. 1,4,16); 0: no limit")
+    bench.add_argument("--backlog", action="store_true",
+                       help="push every request at once, as a queue of background jobs: the workers read as slots "
+                       "free, and the baselines insert them all into one batch as wide as the workers' max_num_seqs "
+                       "(replaces --concurrency)")
     bench.add_argument("--input-len", type=int, default=100, help="prompt tokens (mean)")
     bench.add_argument("--output-len", type=int, default=128, help="generated tokens (mean)")
     bench.add_argument("--len-jitter", type=float, default=0.0, help="lengths uniform within ± this fraction")

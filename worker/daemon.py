@@ -224,13 +224,16 @@ class Worker:
 
     def _blame(self) -> tuple[list[str], set[str]]:
         """The requests a dead engine process held, and those of them that count a crash
-        (`max_crashes`): the ones it was preparing or had not made a token of yet (in their
-        prefill, the usual place of a crash a request causes) when there are any, which
-        spares the batch a poison request would otherwise take down with it; else all
-        (it died in a decode step, which no one request can be told from)."""
+        (`max_crashes`). The likelier culprit is what it was doing last: preparing a
+        request (that one counts, in intake), else starting some (those with no token yet:
+        a prefill, the usual place of a crash a request causes); only a death in a decode
+        step counts against the whole batch, where no one request can be told from the
+        others. A poison request so costs its batch-mates a restart, not their lives."""
         lost = [held.route.id for held in self.requests if held.status in ENGINE_HOLDS]
+        if self.engine.prepared_when_it_died:
+            return lost, set()
         unstarted = {request_id for request_id in lost if request_id not in self.engine.producing}
-        return lost, unstarted if unstarted or self.engine.prepared_when_it_died else set(lost)
+        return lost, unstarted or set(lost)
 
     def _on_step(self, step: Step) -> None:
         assert self.publisher is not None  # the engine gets requests once it is made

@@ -113,6 +113,26 @@ def test_bench_runs_against_a_worker_and_writes_json(worker, demo_model, tmp_pat
     assert "redis c=1: worker stages p50, ms from arrival: read" in run.stdout
 
 
+def test_bench_backlog_pushes_everything_at_once_against_a_batch_as_wide_as_the_worker(worker, demo_model, tmp_path):
+    """`--backlog`: every request through Redis at once, the worker reading as slots
+    free; the baseline inserts them all into one batch as wide as the worker's
+    max_num_seqs (from its heartbeat). The report says the width and pairs the two."""
+    out = tmp_path / "backlog.json"
+    run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
+                          worker.queue, "--backlog", "--requests", "12", "--input-len", "20", "--output-len", "6",
+                          "--vocab", "900", "--baseline", "inprocess", "--model", str(demo_model), "--json", str(out),
+                          "--seed", "7"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(out.read_text())
+    assert report["backlog_width"] == 16  # the worker's max_num_seqs
+    assert [(r["name"], r["concurrency"]) for r in report["runs"]] == [("redis backlog", None), ("inprocess", None)]
+    assert all(r["finished"] == 12 and r["tokens"] == 72 for r in report["runs"])
+    assert report["runs"][1]["width"] == 16
+    assert report["ratio_to_inprocess"] == pytest.approx(
+        report["runs"][0]["throughput_tok_s"] / report["runs"][1]["throughput_tok_s"], abs=1e-3)
+    assert f"through Redis backlog (width 16) / inprocess: {report['ratio_to_inprocess']}x throughput" in run.stdout
+
+
 def test_bench_compares_the_gateway_with_redis(worker, valkey, logs_dir, tmp_path):
     """`--gateway`: the same workload through the OpenAI API, with the TTFT gap, the
     throughput ratio and the gateway's CPU per 1,000 tokens in the report."""
