@@ -2,12 +2,17 @@
 # The worker's own cost per step, measured with the model on a core of its own (Linux:
 # taskset; on macOS there is no pinning, run mlxq bench as docs/benchmarks.md shows).
 #
-#   core 0: the worker (engine thread, event loop, everything it runs), MKL single-threaded
-#   core 1: Valkey and the bench client; the in-process baselines run there too, one
-#           thread of MKL, while the worker waits, so each side has one core to itself
+#   core 0: the worker's engine process (named by `engine_pid` in its heartbeat), alone,
+#           MKL single-threaded
+#   core 1: everything else: the worker's I/O process, Valkey, the bench client; the
+#           in-process baselines run there too, one thread of MKL, while the worker
+#           waits, so the model has one core to itself either way
+#   (A worker from before the engine had a process of its own has no `engine_pid`: the
+#   whole worker goes on core 0, as this script did then.)
 #
 #   docs/bench_pinned.sh small          # the small demo model (the tests' model): ~2.6 ms steps
 #   docs/bench_pinned.sh bench          # the bench model: ~50 ms steps
+#   MODE=backlog docs/bench_pinned.sh small   # every request at once against a batch as wide as the worker
 #   docs/bench_pinned.sh small --json docs/bench/x.json --stream-interval 16   # more bench flags
 #   PINNED=0 docs/bench_pinned.sh small # the same processes, unpinned (both cores for all)
 #   WORKER_TREE=/tmp/old docs/bench_pinned.sh small  # the worker from another checkout (before/after)
@@ -22,7 +27,7 @@ model=~/.cache/mlxq/pinned-$size
 [ -d "$model" ] || $bin/mlxq demo-model --size "$([ "$size" = small ] && echo demo || echo bench)" "$model" >/dev/null
 port=$($bin/python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 queue=pinned-$$
-if [ "${PINNED:-1}" = 1 ]; then on_model="taskset -c 0"; on_rest="taskset -c 1"; else on_model=""; on_rest=""; fi
+if [ "${PINNED:-1}" = 1 ]; then on_rest="taskset -c 1"; else on_rest=""; fi
 export MKL_NUM_THREADS=1
 data=$(mktemp -d)
 $on_rest $bin/mlxq redis --port "$port" --dir "$data" >"$data/valkey.log" 2>&1 &
@@ -37,13 +42,24 @@ cleanup() {
 trap cleanup EXIT
 until $bin/python -c "import redis, sys; redis.Redis(port=$port).ping()" 2>/dev/null; do sleep 0.2; done
 worker_bin=$PWD/$bin
-(cd "${WORKER_TREE:-.}" && exec $on_model "$worker_bin/python" -m mlxq worker --redis-url "redis://127.0.0.1:$port" --queue "$queue" --model "$model" \
+(cd "${WORKER_TREE:-.}" && exec $on_rest "$worker_bin/python" -m mlxq worker --redis-url "redis://127.0.0.1:$port" --queue "$queue" --model "$model" \
   --max-num-seqs 16 --log-format json) >"$data/worker.log" 2>&1 &
 worker=$!
 until grep -q '"worker ready"' "$data/worker.log"; do
   kill -0 "$worker" 2>/dev/null || { cat "$data/worker.log"; exit 1; }
   sleep 0.2
 done
+if [ "${PINNED:-1}" = 1 ]; then
+  engine=$($bin/python -c "import json, redis, sys
+r = redis.Redis(port=$port)
+beats = [json.loads(r.get(k)) for k in r.scan_iter('mlxq:workers:*')]
+print(next((b.get('engine_pid') for b in beats if b.get('queue') == '$queue'), None) or '')")
+  taskset -a -pc 0 "${engine:-$worker}" >/dev/null  # every thread of it: MLX's stream threads too
+fi
+if [ "${MODE:-closed}" = backlog ]; then
+  mode=(--backlog --baseline inprocess)
+else
+  mode=(--concurrency 1,16 --baseline inprocess --baseline detokenizing --baseline sequential)
+fi
 $on_rest $bin/mlxq bench --redis-url "redis://127.0.0.1:$port" --queue "$queue" --model "$model" \
-  --requests 64 --concurrency 1,16 --input-len 100 --output-len 128 \
-  --baseline inprocess --baseline detokenizing --baseline sequential "$@"
+  --requests 64 --input-len 100 --output-len 128 "${mode[@]}" "$@"

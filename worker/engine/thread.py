@@ -1,9 +1,10 @@
-"""The engine thread: owns MLX, the model and its `EngineCore`.
+"""The engine thread: owns MLX, the model and its `EngineCore`, in the engine process.
 
 Other threads only hand it commands through a queue; it applies them between steps,
 runs the core's steps while there is work, blocks when idle, and hands out one
-`StepOutput` per step. It never touches Redis. A step's failure stays in the core (its
-requests fail, the batch is rebuilt); anything else is fatal.
+`StepOutput` per step (the engine process sends it to the I/O process). It never touches
+Redis. A step's failure stays in the core (its requests fail, the batch is rebuilt);
+anything else is fatal to the engine process.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ HOUSEKEEPING_S = 5.0  # under steady load, how often cached buffers are released
 
 
 class EngineFailed(RuntimeError):
-    """The engine thread died; the worker must exit."""
+    """The model could not be loaded."""
 
 
 class Engine:
@@ -163,9 +164,8 @@ class Engine:
                 return
 
     def _hand_off(self, out: StepOutput) -> None:
-        """Give the step's events to the event loop. Timed apart: for a step with a first
-        delta or an end, the worker's `on_output` returns once the loop has taken it
-        (`Publisher.hand_over`), while the model computes the step already launched."""
+        """Give the step's events away (the engine process sends them to the I/O process),
+        timed apart, while the model computes the step already launched."""
         started = time.perf_counter()
         self._on_output(out)
         self._time.handoff_s += time.perf_counter() - started

@@ -110,8 +110,9 @@ class EngineLink:
                 self.on_step(message)
             elif isinstance(message, EngineStats):
                 self.on_stats(message)
-            elif isinstance(message, Stopped):
+            elif isinstance(message, Stopped):  # the drain is over: closing our end lets it exit
                 self._stopped = True
+                break
             elif not isinstance(message, Pong):
                 future = self._preparing.pop(message.ref.id, None)
                 if future is not None and not future.done():

@@ -8,7 +8,7 @@ talks to its I/O process over the socket it was started with.
 
 It never touches Redis. It ends when its I/O process is gone (the socket's end), so it
 never outlives it; a fatal engine error ends it non-zero, which the I/O process counts
-as a crash of the requests it held. It ignores SIGINT and SIGTERM: a terminal's Ctrl-C
+as a crash of the requests it held. SIGINT and SIGTERM do nothing to it: a terminal's Ctrl-C
 reaches the whole process group, and the drain it asks for is the I/O process's to run.
 
     python -m worker.process.engine_main     (started by `worker.process.engine_link`)
@@ -85,6 +85,8 @@ class EngineProcess:
         # the lock: the main thread marks them, a preparing thread reads the marks).
         self._lock = threading.Lock()
         self._in_preparation: dict[str, str] = {}  # id -> "" | "cancelled" | "abandoned"
+        self._drain = threading.Thread(target=self._await_drain, name="mlxq-drain", daemon=True)
+        self._drained = threading.Event()
 
     def run(self) -> int:
         """Load, then serve the I/O process's messages until it is gone or the drain ends."""
@@ -107,9 +109,14 @@ class EngineProcess:
                 self.engine.ping()
             else:
                 self._command(message)
-                if isinstance(message, Shutdown):
-                    return self._drained()
-        return 0  # the I/O process is gone: so is every reader of what this one would make
+                if isinstance(message, Shutdown) and not self._drain.is_alive():
+                    self._drain.start()
+        if self._drained.is_set():  # the I/O process closed its end after `Stopped`
+            return 0
+        # The I/O process is gone, and with it every reader of what this one would make. At
+        # once, without finalizing: the engine thread may be inside MLX, whose C++ threads
+        # torn down under it abort the process ("terminate called").
+        os._exit(0)
 
     def _command(self, message: Cancel | Abandon | Shutdown) -> None:
         if isinstance(message, (Cancel, Abandon)):
@@ -119,11 +126,13 @@ class EngineProcess:
                         "cancelled" if isinstance(message, Cancel) else "abandoned"
         self.engine.post(message)
 
-    def _drained(self) -> int:
-        self._preparing.shutdown(wait=True, cancel_futures=True)
+    def _await_drain(self) -> None:
+        """On a thread of its own, so that the main thread still notices its I/O process
+        gone: once the drain is over, say `Stopped` (the I/O process then closes its end)."""
         self.engine.join()
+        self._preparing.shutdown(wait=True, cancel_futures=True)
+        self._drained.set()
         self.channel.send(Stopped())
-        return 0
 
     def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare) -> None:
         """On a preparing thread: prepare one request, queue it, and say how it went."""
@@ -170,8 +179,10 @@ class EngineProcess:
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # Handled, not ignored (SIG_IGN): an ignored signal stays ignored across exec, in the
+    # media decoders this process starts, and SIGTERM is how they are stopped at exit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda _signum, _frame: None)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     channel = BlockingChannel(socket.socket(fileno=int(os.environ.pop(SOCKET_FD))))
     settings = channel.receive()
