@@ -13,6 +13,7 @@
 #   docs/bench_pinned.sh small          # the small demo model (the tests' model): ~2.6 ms steps
 #   docs/bench_pinned.sh bench          # the bench model: ~50 ms steps
 #   MODE=backlog docs/bench_pinned.sh small   # every request at once against a batch as wide as the worker
+#   MODE=c16 docs/bench_pinned.sh bench       # concurrency 16 only, against raw and detokenizing
 #   docs/bench_pinned.sh small --json docs/bench/x.json --stream-interval 16   # more bench flags
 #   PINNED=0 docs/bench_pinned.sh small # the same processes, unpinned (both cores for all)
 #   WORKER_TREE=/tmp/old docs/bench_pinned.sh small  # the worker from another checkout (before/after)
@@ -58,6 +59,8 @@ print(next((b.get('engine_pid') for b in beats if b.get('queue') == '$queue'), N
 fi
 if [ "${MODE:-closed}" = backlog ]; then
   mode=(--backlog --baseline inprocess)
+elif [ "${MODE:-closed}" = c16 ]; then  # the batch alone (a long model's sequential baseline takes minutes)
+  mode=(--concurrency 16 --baseline inprocess --baseline detokenizing)
 else
   mode=(--concurrency 1,16 --baseline inprocess --baseline detokenizing --baseline sequential)
 fi

@@ -365,9 +365,10 @@ class Prepare:
 
 @dataclass(frozen=True)
 class Admitted:
-    """Engine to I/O: the request is prepared and queued in the engine."""
+    """Engine to I/O: the request is prepared (at `prepared_at`, unix seconds) and queued in the engine."""
 
     ref: RequestRef
+    prepared_at: float
 
 
 @dataclass(frozen=True)
@@ -377,6 +378,7 @@ class Answered:
 
     ref: RequestRef
     outgoing: Outgoing
+    prepared_at: float
 
 
 @dataclass(frozen=True)

@@ -155,14 +155,14 @@ async def test_a_published_cancel_reaches_the_engine_once_and_its_flag_gets_a_tt
 
 def intake(r: aioredis.Redis, queue: str, requests: RequestTable, emitted: list[Outgoing],
            submitted: list[object]) -> Intake:
-    """Intake with everything real but the engine (which records what it is handed) and
-    the preparer (never reached by the entries below)."""
+    """Intake with everything real but the engine process (which records what it is asked
+    to prepare: nothing, for the entries below)."""
     settings = load_settings(queue=queue, consumer="c1")
     streams = RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60)
     reclaimer = Reclaimer(streams, 60.0, min_idle_ms=60_000, totals=Totals())
-    engine = SimpleNamespace(submit=submitted.append, abandon=lambda _: None)
+    engine = SimpleNamespace(prepare=submitted.append, abandon=lambda _: None)
     marks, fencing = RequestMarks(r, KEYS, queue, 60), Fencing(r, KEYS, queue, "c1", 60)
-    return Intake(settings, streams, marks, fencing, requests, reclaimer, None, engine, emitted.append, 0.0,
+    return Intake(settings, streams, marks, fencing, requests, reclaimer, engine, emitted.append, 0.0,
                   Totals())  # type: ignore[arg-type]
 
 
@@ -191,5 +191,5 @@ async def test_intake_answers_a_request_whose_preparations_killed_workers_with_p
     assert submitted == [] and isinstance(answer.event, Error) and answer.event.code == "poisoned"
     assert requests.get("poison").status is RequestStatus.FINISHING
     ((_, letter),) = await r.xrange(KEYS.dead(queue))
-    assert letter[b"entry_id"] == entry_id.encode() and b"died while preparing" in letter[b"reason"]
+    assert letter[b"entry_id"] == entry_id.encode() and b"died while they held it" in letter[b"reason"]
     assert not [decode_event(f) for _, f in await r.xrange(KEYS.output(queue, "poison"))], "the publisher writes it"

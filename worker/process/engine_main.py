@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -152,16 +153,17 @@ class EngineProcess:
         self._queue(request, message.cancelled)
 
     def _queue(self, request: EngineRequest | PoolingRequest, cancelled: bool) -> None:
+        now = time.time()
         with self._lock:
             mark = self._in_preparation.pop(request.id, "")
             if mark == "abandoned":
                 return
             if cancelled or mark == "cancelled":  # flagged before it was read, or while prepared: never computed
-                self.channel.send(Answered(request.ref, not_started(request)))
+                self.channel.send(Answered(request.ref, not_started(request, now), now))
             elif isinstance(request, EngineRequest) and request.counted_only:  # its prompt counted: the answer
-                self.channel.send(Answered(request.ref, not_started(request, reason="length")))
+                self.channel.send(Answered(request.ref, not_started(request, now, "length"), now))
             else:  # sent before the engine has it, so that its first events come after
-                self.channel.send(Admitted(request.ref))
+                self.channel.send(Admitted(request.ref, now))
                 self.engine.submit(request)
 
     def _answer(self, request_id: str, answer: Preparation) -> None:

@@ -18,12 +18,12 @@ import structlog
 
 from client.protocol import Envelope, ErrorCode, Undeliverable, read_envelope, read_id
 from worker.messages import (
+    Admitted,
     Answered,
     DecoderCrashed,
     EngineInbox,
     EngineStopped,
     Outgoing,
-    Preparation,
     Prepare,
     Refused,
     Resume,
@@ -215,7 +215,7 @@ class Intake:
             return
         if self.requests.holding(route.ref) is None:
             return  # taken over while it was prepared: the table had the engine drop it
-        self.requests.prepared(route.id, arrived_at)
+        self.requests.prepared(route.id, arrived_at, prepared.prepared_at)  # (on the engine process's clock)
         if isinstance(prepared, Answered):  # cancelled before it started, or only counted
             self._answer(prepared.outgoing)
             return
@@ -225,7 +225,7 @@ class Intake:
             self.requests.advance(route.id, RequestStatus.ADMITTED)
 
     async def _prepared(self, delivery: Delivery, route: Route, prepare: Prepare,
-                        crashes: int) -> Preparation | None:
+                        crashes: int) -> Admitted | Answered | None:
         """How the engine took the request (queued it, or answered it at once); None once it
         is answered or let go instead: refused; dead-lettered when a media decoder died on
         it as often as `max_crashes` allows (a decoder's death counts as a crash, beside the

@@ -139,12 +139,13 @@ class RequestTable:
         held.route = replace(held.route, fence=token)
         held.written = written
 
-    def prepared(self, request_id: str, arrived_at: float) -> None:
-        """The request is decoded, validated and tokenized; its entry id says it arrived at `arrived_at`."""
+    def prepared(self, request_id: str, arrived_at: float, prepared_at: float | None = None) -> None:
+        """The request is decoded, validated and tokenized (at `prepared_at`, by default
+        now); its entry id says it arrived at `arrived_at`."""
         held = self._held.get(request_id)
         if held is None:
             return
-        held.arrived_at, held.prepared_at = arrived_at, time.time()
+        held.arrived_at, held.prepared_at = arrived_at, time.time() if prepared_at is None else prepared_at
 
     def advance(self, request_id: str, status: RequestStatus) -> None:
         """Move a held request forward (not to an end: see `end`)."""
