@@ -55,9 +55,6 @@ from worker.settings import Hosting, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
-ENGINE_HOLDS = (RequestStatus.ADMITTED, RequestStatus.STREAMING)  # what an engine process that dies takes with it
-
-
 class Worker:
     """One worker: a consumer in the queue's group, with one engine process."""
 
@@ -220,6 +217,8 @@ class Worker:
                 await self.engine.start()
             except EngineFailed as e:
                 raise RuntimeError(f"a new engine process could not load the model: {e}") from e
+            if self._stop.is_set():  # told to stop while it loaded: the drain's shutdown found none to reach
+                self.engine.shutdown(self.settings.drain_timeout_s)
             intake.retake_own()
 
     def _blame(self) -> tuple[list[str], set[str]]:
@@ -229,7 +228,7 @@ class Worker:
         a prefill, the usual place of a crash a request causes); only a death in a decode
         step counts against the whole batch, where no one request can be told from the
         others. A poison request so costs its batch-mates a restart, not their lives."""
-        lost = [held.route.id for held in self.requests if held.status in ENGINE_HOLDS]
+        lost = [held.route.id for held in self.requests if held.route.id in self.engine.holding]
         if self.engine.prepared_when_it_died:
             return lost, set()
         unstarted = {request_id for request_id in lost if request_id not in self.engine.producing}

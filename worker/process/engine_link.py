@@ -25,6 +25,7 @@ from client.engine_stats import EngineStats
 from client.protocol import Delta
 from worker.messages import (
     Abandon,
+    Admitted,
     Cancel,
     EngineReady,
     EngineStopped,
@@ -62,8 +63,9 @@ class EngineLink:
         self.process: subprocess.Popen[bytes] | None = None
         self._channel: AsyncChannel | None = None
         self._preparing: dict[str, asyncio.Future[Preparation]] = {}
-        # Requests of this engine process with output and no end yet: those it dies without
-        # are the likelier culprits (still in their prefill, or in preparation).
+        # The requests this engine process holds (queued, `Admitted`, and not ended), and
+        # those of them with output: what it dies with, and the likelier culprits among them.
+        self.holding: set[str] = set()
         self.producing: set[str] = set()
         self.prepared_when_it_died: set[str] = set()
         self._heard_at = time.monotonic()
@@ -77,6 +79,7 @@ class EngineLink:
         """Start an engine process and wait until its model is loaded; raises `EngineFailed`."""
         ours, theirs = socket.socketpair()
         self._stopped = False
+        self.holding.clear()
         self.producing.clear()
         self.process = subprocess.Popen([sys.executable, "-m", "worker.process.engine_main"],
                                         env={**os.environ, SOCKET_FD: str(theirs.fileno())},
@@ -105,8 +108,7 @@ class EngineLink:
         while (message := await self._channel.receive()) is not None:
             self._heard_at = time.monotonic()
             if isinstance(message, Step):
-                for item in message.outgoing:
-                    (self.producing.add if isinstance(item.event, Delta) else self.producing.discard)(item.ref.id)
+                self._track(message)
                 self.on_step(message)
             elif isinstance(message, EngineStats):
                 self.on_stats(message)
@@ -114,9 +116,7 @@ class EngineLink:
                 self._stopped = True
                 break
             elif not isinstance(message, Pong):
-                future = self._preparing.pop(message.ref.id, None)
-                if future is not None and not future.done():
-                    future.set_result(message)
+                self._prepared(message)
         self.ready.clear()
         self._channel.close()
         status = await self._reap()
@@ -127,6 +127,21 @@ class EngineLink:
                 future.set_exception(EngineStopped(reason))
         self._preparing.clear()
         return reason
+
+    def _track(self, step: Step) -> None:
+        for item in step.outgoing:
+            if isinstance(item.event, Delta):
+                self.producing.add(item.ref.id)
+            else:
+                self.producing.discard(item.ref.id)
+                self.holding.discard(item.ref.id)
+
+    def _prepared(self, answer: Preparation) -> None:
+        if isinstance(answer, Admitted):
+            self.holding.add(answer.ref.id)
+        future = self._preparing.pop(answer.ref.id, None)
+        if future is not None and not future.done():
+            future.set_result(answer)
 
     async def prepare(self, message: Prepare) -> Preparation:
         """Have the engine process prepare a request (and queue it there, if it is to be
@@ -143,6 +158,8 @@ class EngineLink:
         self._send(Cancel(request_id))
 
     def abandon(self, request_id: str) -> None:
+        self.holding.discard(request_id)
+        self.producing.discard(request_id)
         self._send(Abandon(request_id))
 
     def shutdown(self, drain_timeout_s: float) -> None:

@@ -214,7 +214,7 @@ class Intake:
         if prepared is None:
             return
         if self.requests.holding(route.ref) is None:
-            return  # taken over while it was prepared: the table had the engine drop it
+            return  # taken over while it was prepared (the table had the engine drop it), or let go with a dead engine
         self.requests.prepared(route.id, arrived_at, prepared.prepared_at)  # (on the engine process's clock)
         if isinstance(prepared, Answered):  # cancelled before it started, or only counted
             self._answer(prepared.outgoing)
