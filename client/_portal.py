@@ -10,6 +10,8 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+CANCEL_WAIT_S = 2.0  # the most an interrupted call waits for its cancellation to land on the loop
+
 
 class Portal:
     """Runs coroutines on its loop's thread and waits for them in the caller's."""
@@ -20,15 +22,23 @@ class Portal:
         self._thread.start()
 
     def call(self, make: Callable[[], Awaitable[T]]) -> T:
-        """`await make()` on the loop; an interrupt here (Ctrl-C) cancels it there."""
+        """`await make()` on the loop; an interrupt here (Ctrl-C) cancels it there, and
+        returns once the cancellation has reached it (what runs next, an iterator's
+        close, would otherwise find it still running)."""
+        ended = threading.Event()
+
         async def run() -> T:
-            return await make()
+            try:
+                return await make()
+            finally:
+                ended.set()
 
         future = asyncio.run_coroutine_threadsafe(run(), self.loop)
         try:
             return future.result()
         except BaseException:
             future.cancel()
+            ended.wait(CANCEL_WAIT_S)  # (not set if it was cancelled before it began)
             raise
 
     def iterate(self, items: AsyncIterator[T]) -> Iterator[T]:
