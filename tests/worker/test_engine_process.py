@@ -175,3 +175,28 @@ def test_the_engine_process_lives_as_long_as_its_worker(valkey, demo_model, logs
     worker.process.kill()
     worker.wait()
     wait_for(lambda: gone(engine), what="the engine process to exit when its worker was killed")
+
+
+def test_a_preparer_that_fails_unforeseen_refuses_its_request_and_nothing_waits_on():
+    """A bug in preparation (any exception, not a refusal) answers its request `internal`
+    over the channel, rather than leaving the I/O process waiting for an answer forever."""
+    import threading
+    from types import SimpleNamespace
+
+    from client.protocol import Envelope
+    from worker.messages import Prepare, Refused, RequestRef
+    from worker.process.engine_main import EngineProcess
+
+    sent: list[object] = []
+    engine = EngineProcess.__new__(EngineProcess)  # its dispatch alone: no model, no engine thread
+    engine.channel, engine._lock, engine._in_preparation = SimpleNamespace(send=sent.append), threading.Lock(), {}
+    ref = RequestRef("r1", "1-0")
+    engine._in_preparation[ref.id] = ""
+
+    def broken(*_: object) -> object:
+        raise KeyError("a bug")
+
+    engine._prepare(SimpleNamespace(prepare=broken), Prepare(Envelope("r1", {}, "json", None), ref, 0.0, 0.0))
+    (answer,) = sent
+    assert isinstance(answer, Refused) and answer.code == "internal" and "KeyError" in answer.message
+    assert engine._in_preparation == {}

@@ -150,8 +150,8 @@ class EngineLink:
         await self.ready.wait()
         assert self._channel is not None
         future = asyncio.get_running_loop().create_future()
+        self._channel.send(message)  # first: a message that cannot be sent leaves nothing waiting
         self._preparing[message.ref.id] = future
-        self._channel.send(message)
         return await future
 
     def cancel(self, request_id: str) -> None:

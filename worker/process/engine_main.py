@@ -29,7 +29,7 @@ from functools import partial
 
 import structlog
 
-from client.protocol import RequestRejected
+from client.protocol import ErrorCode, RequestRejected
 from common import logs
 from worker.engine.backends import load_model
 from worker.engine.scheduler import SchedulingPolicy
@@ -146,6 +146,12 @@ class EngineProcess:
             return
         except DecoderDied as e:
             self._answer(ref.id, DecoderCrashed(ref, str(e)))
+            return
+        except Exception as e:  # noqa: BLE001 - a preparer's bug costs its request alone, never a silent hang
+            reason = ascii(f"{type(e).__name__}: {e}"[:300])
+            log.error("could not prepare a request", request_id=ref.id, error=reason, exc_info=e)
+            self._answer(ref.id, Refused(ref, ErrorCode.INTERNAL,
+                                         f"the worker could not prepare this request: {reason}"))
             return
         if message.priority_boost:
             request = replace(request, queueing=replace(request.queueing,
