@@ -44,7 +44,7 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             request, rid = waiting.pop(0), f"r{time.time_ns()}"
             started[rid] = time.perf_counter()
             engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens, SamplingParams(),
-                                        Stopping(request.stopping.max_tokens), Queueing(0, time.time())))
+                                        Stopping(request.max_tokens), Queueing(0, time.time())))
 
         for _ in range(min(width, len(waiting))):
             submit()
