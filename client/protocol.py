@@ -221,6 +221,7 @@ class RequestBody(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
     speculative: bool = True  # False opts out of the worker's speculative decoding
     cache_salt: str | None = Field(None, min_length=1, max_length=256)  # prefix and vision caches: only this salt's
+    adapter: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:\-]{1,128}$")  # a LoRA adapter of the queue's model
     count_only: bool = False  # prepare only: `done` with usage.prompt_tokens, nothing generated
 
     @field_validator("prompt_tokens")

@@ -377,10 +377,22 @@ def _add_demo_model(commands: Any) -> None:
                       help="a reranker shaped as Qwen3-Reranker (serve it with --task rerank)")
     demo.add_argument("--cross-encoder", action="store_true",
                       help="a reranker shaped as a BERT cross-encoder (BertForSequenceClassification)")
+    demo.add_argument("--adapter", type=Path, metavar="DIR",
+                      help="write a LoRA adapter for the model at --base into DIR instead (mlx-lm's format, random "
+                           "weights that visibly change its text), to serve with --adapter NAME=DIR")
+    demo.add_argument("--base", type=Path, default=None, metavar="MODEL",
+                      help=f"with --adapter, the demo model it is for (default: {demo_model.default_path()}, built if "
+                           "missing)")
+    demo.add_argument("--rank", type=int, default=8, help="with --adapter, its rank (default 8)")
+    demo.add_argument("--seed", type=int, default=0, help="with --adapter, its random seed (default 0)")
     demo.set_defaults(run=_run_demo_model)
 
 
 def _run_demo_model(args: argparse.Namespace) -> int:
+    if args.adapter is not None:
+        return _run_demo_adapter(args)
+    if args.base is not None:
+        raise SystemExit("mlxq demo-model: --base goes with --adapter")
     if args.family != demo_model.DEFAULT_VISION_FAMILY and not args.vision:
         raise SystemExit("mlxq demo-model: --family goes with --vision")
     kinds = {"vision": args.vision, "thinking": args.thinking, "trained": args.trained,
@@ -394,14 +406,28 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_demo_adapter(args: argparse.Namespace) -> int:
+    from . import demo_adapter
+
+    if args.rank < 1:
+        raise SystemExit("mlxq demo-model: --rank must be 1 or more")
+    base = args.base or demo_model.ensure(demo_model.default_path())
+    if not demo_model.is_built(base):
+        raise SystemExit(f"mlxq demo-model: {base} is not a demo model (build one with mlxq demo-model {base})")
+    path = demo_adapter.write_adapter(args.adapter, base, seed=args.seed, rank=args.rank)
+    print(f"adapter for {base} written to {path}")
+    return 0
+
+
 def _add_setting(parser: argparse.ArgumentParser, name: str, field: Any, env_prefix: str = "MLXQ_") -> None:
     kind, choices = _flag_type(field.annotation)
     default = field.get_default(call_default_factory=True)
     default = "unset" if default is None else default
     several = any(get_origin(a) in (list, dict) for a in (field.annotation, *get_args(field.annotation)))
-    parser.add_argument("--" + name.replace("_", "-"), dest=name, type=kind, choices=choices, default=None,
-                        nargs="+" if several else None, metavar="NAME=QUEUE" if get_origin(field.annotation) is dict
-                        else None,
+    flags = ["--" + name.replace("_", "-")] + (["--adapter"] if name == "adapters" else [])
+    metavar = "NAME=QUEUE" if get_origin(field.annotation) is dict else "NAME=PATH" if name == "adapters" else None
+    parser.add_argument(*flags, dest=name, type=kind, choices=choices, default=None,
+                        nargs="+" if several else None, action="extend" if several else "store", metavar=metavar,
                         help=f"{field.description} (default: {default or 'none'}; env {env_prefix}{name.upper()})"
                         .replace("%", "%%"))
 

@@ -103,7 +103,7 @@ def start_worker(redis_url: str, model: Path, queue: str, log_dir: Path, *, read
     if consumer != AUTO:
         args += ["--consumer", consumer]
     for name, value in settings.items():
-        args += ["--" + name.replace("_", "-"), str(value)]
+        args += ["--" + name.replace("_", "-"), *map(str, value if isinstance(value, list) else [value])]
     log_path = log_dir / f"worker-{queue}-{consumer}-{uuid.uuid4().hex[:6]}.log"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MLXQ_TEST_SLOW_ON_TOKEN": str(SLOW_TOKEN),
            **(env or {})}

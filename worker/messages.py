@@ -196,6 +196,7 @@ class EngineRequest:
     constraint: LLMatcher | None = None  # for its response_format (or forced call), advanced over `resume`'s tokens
     speculative: bool = True  # False: the request opted out of speculative decoding
     cache_salt: str = ""  # its prefix and vision caches' namespace: it hits only what its salt stored
+    adapter: str = ""  # the LoRA adapter it runs with ("" : the model alone)
 
     @property
     def id(self) -> str:

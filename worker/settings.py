@@ -42,6 +42,16 @@ class ModelEntry(BaseModel):
         return dict(self.model_extra or {})
 
 
+class AdapterEntry(BaseModel):
+    """One `[[adapters]]` table (or `--adapter NAME=PATH`): a LoRA adapter of the model,
+    served under its name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.:\-]{1,128}$", description="what requests call it (`adapter`)")
+    path: str = Field(min_length=1, description="its directory, as mlx_lm.lora writes it")
+
+
 class ModelsConfigError(ValueError):
     """A `[[models]]` list that cannot be served; the message is one line naming the model."""
 
@@ -113,6 +123,14 @@ class WorkerSettings(LayeredSettings):
                                     "Hugging Face id, with the model's tokenizer): it drafts for the greedy rows, "
                                     "the model verifies them in the running batch, so their output is unchanged; "
                                     "text models on mlx-lm's batch; unset: off")
+    adapters: list[AdapterEntry] = Field(default_factory=list, description="LoRA adapters of the model, served "
+                                         "in the same batch as its own requests (NAME=PATH, or [[adapters]] "
+                                         "tables with name and path); more can be loaded at runtime (mlxq adapters)")
+    max_loras: int = Field(8, ge=0, description="distinct adapters one running batch may mix (a request whose "
+                           "adapter finds no free slot waits); 0: no adapters")
+    max_lora_rank: int = Field(64, ge=1, description="the largest adapter rank served")
+    max_loaded_adapters: int = Field(32, ge=1, description="adapters kept read in memory, the least recently "
+                                     "used read again from disk when next asked for")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="most draft tokens a sequence proposes per step")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
@@ -223,6 +241,40 @@ class WorkerSettings(LayeredSettings):
     def _one_speculative_method(self) -> WorkerSettings:
         if self.prompt_lookup_max and self.draft_model is not None:
             raise ValueError("prompt_lookup_max and draft_model: choose one way to draft (one of them unset)")
+        return self
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapters_from_flags(cls, given: Any) -> Any:
+        """`NAME=PATH` strings (the flag, the environment) as tables."""
+        if not isinstance(given, list):
+            return given
+        tables = []
+        for item in given:
+            if isinstance(item, str):
+                name, equals, path = item.partition("=")
+                if not equals:
+                    raise ValueError(f"{item!r}: give an adapter as NAME=PATH")
+                item = {"name": name, "path": path}
+            tables.append(item)
+        return tables
+
+    @model_validator(mode="after")
+    def _adapter_names_once(self) -> WorkerSettings:
+        names = [adapter.name for adapter in self.adapters]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"adapters: {', '.join(twice)} given twice")
+        return self
+
+    @model_validator(mode="after")
+    def _adapters_on_the_plain_batch(self) -> WorkerSettings:
+        if self.adapters and (self.prompt_lookup_max or self.draft_model or self.kv_bits):
+            given = "speculative decoding" if self.prompt_lookup_max or self.draft_model else "kv_bits"
+            raise ValueError(f"adapters and {given}: adapters are batched on mlx-lm's plain batch, not with {given} "
+                             "yet; unset one of them")
+        if self.adapters and not self.max_loras:
+            raise ValueError("adapters with max_loras 0: allow at least one adapter in the batch")
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,7 @@ import structlog
 
 from client.engine_stats import EngineTime
 from client.protocol import ErrorCode
+from worker.engine.adapters import AdapterRefused, UnknownAdapter
 from worker.engine.backends import Coverage, Loaded
 from worker.engine.constraints import Guides
 from worker.engine.logprobs import token_logprobs
@@ -41,6 +42,10 @@ from worker.messages import (
 log = structlog.get_logger("mlxq.engine")
 
 
+class AdapterProblem(ValueError):
+    """A request's adapter that this worker cannot run: the request's error."""
+
+
 class EngineCore:
     """One loaded model's continuous batch."""
 
@@ -55,6 +60,7 @@ class EngineCore:
         self._flush_interval_s = policy.flush_interval_s
         self._next_flush = 0.0  # perf_counter time from which running streams' held tokens go out
         self._uids: dict[str, int] = {}  # request id -> uid
+        self._adapted: dict[int, tuple[int, str]] = {}  # uid -> its adapter's slot, its caches' namespace
 
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
@@ -130,7 +136,7 @@ class EngineCore:
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
         coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
-        kept = [(coverage[uid], self.running[uid].request.cache_salt) for uid in finished if uid in coverage]
+        kept = [(coverage[uid], self._salt(uid)) for uid in finished if uid in coverage]
         self._retire(finished)
         _keep_caches(self.loaded.prefix_cache, kept)
 
@@ -150,32 +156,76 @@ class EngineCore:
 
     def _admit(self, out: StepOutput) -> None:
         now = time.time()
+        waiting = []  # for a slot of their adapter
         for request in self.scheduler.admit(len(self.running)):
             self.faults.fail_if_marked(request.prompt_tokens)
             try:
-                self._admit_one(request, now, out)
+                if not self._admit_one(request, now, out):
+                    waiting.append(request)
+            except AdapterProblem as e:
+                out.outgoing.append(failed(request.ref, ErrorCode.INVALID_REQUEST, str(e)))
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 log.error("could not start a request", request_id=request.id, error=repr(e))
                 out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
+        for request in waiting:
+            self.scheduler.add(request)
 
-    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> None:
+    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> bool:
+        """Start `request` (or end it, if it has nothing left to do); False if it must
+        wait for a slot of its adapter."""
         if request.queueing.expired(now):
             out.outgoing.append(deadline_exceeded(request))
-            return
+            return True
         output = RequestOutput(request, self.loaded.new_detokenizer(), now,
                                self.loaded.new_detokenizer() if request.reporting.thinking else None)
         if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
             out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
-            return
-        uid = self._insert(request, output)
+            return True
+        adapted = self._adapter_slot(request)
+        if adapted is None:
+            return False
+        try:
+            uid = self._insert(request, output, *adapted)
+        except Exception:
+            self._release(adapted[0])
+            raise
         self.running[uid] = output
         self._uids[request.id] = uid
+        if adapted[0]:
+            self._adapted[uid] = adapted
+        return True
 
-    def _insert(self, request: EngineRequest, output: RequestOutput) -> int:
-        """Start the request in the batch, reusing a cached prefix of its prompt if there is one."""
+    def _adapter_slot(self, request: EngineRequest) -> tuple[int, str] | None:
+        """The slot of the request's adapter (0: none) and its caches' namespace; None
+        while no slot is free for it."""
+        if not request.adapter:
+            return 0, request.cache_salt
+        bank = self.loaded.adapters
+        if bank is None:
+            raise AdapterProblem(f"adapter {request.adapter!r}: this worker's model ({self.loaded.info.name}) "
+                                 "serves no adapters")
+        try:
+            slot = bank.acquire(request.adapter)
+            salt = f"{request.cache_salt}\x00adapter:{bank.identity(request.adapter)}"
+        except (UnknownAdapter, AdapterRefused) as e:
+            raise AdapterProblem(str(e)) from e
+        return None if slot is None else (slot, salt)
+
+    def _release(self, slot: int) -> None:
+        if slot and self.loaded.adapters is not None:
+            self.loaded.adapters.release(slot)
+
+    def _salt(self, uid: int) -> str:
+        """The namespace the sequence's caches are kept in: its salt, and its adapter's load."""
+        adapted = self._adapted.get(uid)
+        return self.running[uid].request.cache_salt if adapted is None else adapted[1]
+
+    def _insert(self, request: EngineRequest, output: RequestOutput, slot: int, salt: str) -> int:
+        """Start the request in the batch (its adapter in `slot`), reusing a cached prefix
+        of its prompt (kept under `salt`) if there is one."""
         prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
         cache = self.loaded.prefix_cache
-        hit = cache.fetch(prompt, request.cache_salt) if cache is not None else None
+        hit = cache.fetch(prompt, salt) if cache is not None else None
         cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
         processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
                                              request.stopping.stop_tokens, request.stopping.min_tokens)
@@ -188,7 +238,8 @@ class EngineCore:
             uid = self.backend.insert(prompt[len(cached.tokens):] if cached else prompt,
                                       request.tokens_to_generate, build_sampler(request.sampling), processors,
                                       cached, request.media, logprobs=request.reporting.logprobs is not None,
-                                      speculative=request.speculative, cache_salt=request.cache_salt)
+                                      speculative=request.speculative, cache_salt=request.cache_salt,
+                                      adapter=slot)
         except Exception:
             if guide is not None:
                 self.guides.discard(guide)  # its bitmask row goes back
@@ -205,6 +256,9 @@ class EngineCore:
         for uid, output in zip(uids, outputs, strict=True):
             del self._uids[output.request.id]
             self.guides.release(uid)
+            adapted = self._adapted.pop(uid, None)
+            if adapted is not None:
+                self._release(adapted[0])
         return outputs
 
     def _fail_batch(self, error: Exception, out: StepOutput) -> None:

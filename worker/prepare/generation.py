@@ -108,6 +108,7 @@ class Preparer:
             constraint=constraint,
             speculative=body.speculative,
             cache_salt=body.cache_salt or "",
+            adapter=body.adapter or "",
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:

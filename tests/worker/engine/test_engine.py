@@ -34,7 +34,7 @@ class CountingBackend(SimBackend):
         return self._running
 
     def insert(self, prompt, max_tokens, sampler, logits_processors, cached=None, media=None, logprobs=False,
-               speculative=True, cache_salt="") -> int:
+               speculative=True, cache_salt="", adapter=0) -> int:
         self.prompts.append(prompt)
         uid = super().insert(prompt, max_tokens, sampler, logits_processors, cached, media, logprobs)
         self.most_running = max(self.most_running, len(self._running))

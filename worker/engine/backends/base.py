@@ -15,6 +15,7 @@ from worker.messages import PoolInput
 if TYPE_CHECKING:
     from mlx_lm.sample_utils import LogitsProcessor, Sampler
 
+    from worker.engine.adapters import AdapterBank
     from worker.engine.prefix_cache import PrefixCache
     from worker.engine.scheduler import StepPlan
     from worker.media.vision_prompts import VisionPrompts
@@ -50,13 +51,14 @@ class BatchBackend(Protocol):
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
                media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
-               cache_salt: str = "") -> int:
+               cache_salt: str = "", adapter: int = 0) -> int:
         """Start a sequence; with `cached`, `prompt` is what follows the tokens it covers;
         `media` (on a vision model) is what the placeholder tokens in `prompt` stand for;
         with `logprobs`, its tokens come with the row they were drawn from (`TokenOut`);
         without `speculative`, it takes no part in speculative decoding; `cache_salt` is the
-        namespace of the caches it may hit and fill (a backend with caches of its own). A
-        step may give a sequence several tokens (speculative decoding), in order."""
+        namespace of the caches it may hit and fill (a backend with caches of its own);
+        `adapter` is the slot of its LoRA adapter (`Loaded.adapters`; 0: none). A step may
+        give a sequence several tokens (speculative decoding), in order."""
         ...
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
@@ -120,3 +122,4 @@ class Loaded:
     release_memory: Callable[[], None] = lambda: None  # return cached buffers to the system
     speculation: Callable[[], dict[str, Any]] | None = None  # speculative decoding's counters, where it runs
     pooler: Callable[[Sequence[PoolInput]], Any] | None = None  # a pooling model's pass: (B, D) vectors or (B,) scores
+    adapters: AdapterBank | None = None  # a text model's LoRA adapters, where it serves them

@@ -10,9 +10,13 @@ from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
+import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
+from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
+from worker.engine.adapters import AdapterBank, AdapterRefused
+from worker.engine.adapters.layers import AdapterRows
 from worker.engine.backends.base import Coverage, Loaded, ModelInfo, TokenOut
 from worker.engine.backends.draft_model import DraftModel
 from worker.engine.backends.prompt_lookup import PromptLookup
@@ -23,6 +27,8 @@ from worker.engine.scheduler import StepPlan
 from worker.faults import Faults
 from worker.messages import PreparedMedia
 from worker.settings import WorkerSettings
+
+log = structlog.get_logger("mlxq.engine")
 
 
 class MlxBatchBackend:
@@ -37,8 +43,11 @@ class MlxBatchBackend:
 
     def __init__(self, model: Any, *, completion_batch_size: int, prefill_batch_size: int,
                  prefill_step_size: int, max_kv_size: int | None = None,
-                 speculative: SpeculativeGenerationBatch | None = None) -> None:
-        self._generator = BatchGenerator(model, completion_batch_size=completion_batch_size,
+                 speculative: SpeculativeGenerationBatch | None = None, adapters: AdapterBank | None = None) -> None:
+        # With adapters, the batch runs the model through their wrapper, and every
+        # sequence's cache list ends with its adapter slot (`adapters.layers`).
+        self._model, self._max_kv_size, self._adapters = model, max_kv_size, adapters
+        self._generator = BatchGenerator(model if adapters is None else adapters.model, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
         if speculative is not None:  # the one generation batch, which each prefilled group joins
@@ -51,11 +60,14 @@ class MlxBatchBackend:
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
                media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
-               cache_salt: str = "") -> int:
+               cache_salt: str = "", adapter: int = 0) -> int:
         assert media is None, "a text model takes no media"
+        cache = None if cached is None else cached.cache
+        if self._adapters is not None:
+            cache = (cache or make_prompt_cache(self._model, self._max_kv_size)) + [AdapterRows.one(adapter)]
         (uid,) = self._generator.insert([prompt], max_tokens=[max_tokens], samplers=[sampler],
                                         logits_processors=[logits_processors], stop_sequences=[self._no_stops],
-                                        caches=None if cached is None else [cached.cache],
+                                        caches=None if cache is None else [cache],
                                         all_tokens=None if cached is None else [cached.tokens])
         if self._speculative is not None and speculative and sampler is greedy_sampler and not logprobs:
             self._speculative.eligible.add(uid)
@@ -66,7 +78,7 @@ class MlxBatchBackend:
         if self._speculative is not None:
             self._speculative.eligible.difference_update(uids)
         caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
-        return {uid: Coverage(cache, list(tokens)) for uid, (cache, tokens) in (caches or {}).items()}
+        return {uid: self._coverage(cache, tokens) for uid, (cache, tokens) in (caches or {}).items()}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
@@ -74,9 +86,14 @@ class MlxBatchBackend:
         if self._speculative is not None:  # finished sequences leave the batch by themselves
             self._speculative.eligible.difference_update(r.uid for r in generated if r.finish_reason)
         return [TokenOut(r.uid, r.token, r.finish_reason,
-                         None if r.prompt_cache is None else Coverage(r.prompt_cache, list(r.all_tokens)),
+                         None if r.prompt_cache is None else self._coverage(r.prompt_cache, r.all_tokens),
                          logprobs=r.logprobs)
                 for r in generated]
+
+    def _coverage(self, cache: list[Any], tokens: list[int]) -> Coverage:
+        """A finished sequence's KV caches, without its adapter slot (a cached prefix is
+        reused under a slot of its own)."""
+        return Coverage(cache if self._adapters is None else cache[:-1], list(tokens))
 
     def upcoming_tokens(self) -> dict[int, int]:
         return upcoming_tokens(self._generator)
@@ -115,6 +132,7 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     speculating = bool(settings.prompt_lookup_max or settings.draft_model)
     draft = load_draft(settings.draft_model, tokenizer, info.vocab_size) if settings.draft_model else None
+    adapters = None if speculating or not settings.max_loras else load_adapters(model, settings)
     # Across backends (one is made anew after a failed step); a test hook can pin it to speculate.
     stats, gate = SpeculationStats(), Gate(adaptive=not Faults.from_environment().always_speculate)
 
@@ -128,13 +146,25 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
         return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
                                prefill_batch_size=settings.prefill_batch_size,
                                prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size,
-                               speculative=speculative)
+                               speculative=speculative, adapters=adapters)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
-                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
+                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries), adapters=adapters,
                   memory=mlx_memory, release_memory=mx.clear_cache,
                   speculation=(lambda: {"method": "ngram" if draft is None else "draft_model", **stats.as_json(),
                                         "tok_s": gate.as_json()}) if speculating else None)
+
+
+def load_adapters(model: Any, settings: WorkerSettings) -> AdapterBank:
+    """The model's adapter bank, with the settings' adapters read. One that cannot be
+    served is left out, loudly: the model and the other adapters still serve."""
+    bank = AdapterBank(model, settings.max_loras, settings.max_lora_rank, settings.max_loaded_adapters)
+    for entry in settings.adapters:
+        try:
+            bank.load(entry.name, entry.path)
+        except AdapterRefused as e:
+            log.error("adapter refused", adapter=entry.name, path=entry.path, reason=str(e))
+    return bank
 
 
 def load_draft(path: str, tokenizer: Any, vocab_size: int) -> Any:

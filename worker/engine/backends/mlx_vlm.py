@@ -239,7 +239,8 @@ class VisionBatchBackend:
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
                media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
-               cache_salt: str = "") -> int:
+               cache_salt: str = "", adapter: int = 0) -> int:
+        assert adapter == 0, "adapters are served on mlx-lm's batch only"
         processors = list(logits_processors)
         tap = _LogprobsTap() if logprobs else None
         if tap is not None:  # after every processor (what the token is drawn from), before the draw

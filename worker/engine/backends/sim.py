@@ -31,7 +31,8 @@ class SimBackend:
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Any, logits_processors: Any,
                cached: Coverage | None = None, media: PreparedMedia | None = None, logprobs: bool = False,
-               speculative: bool = True, cache_salt: str = "") -> int:
+               speculative: bool = True, cache_salt: str = "", adapter: int = 0) -> int:
+        assert adapter == 0, "a simulated model serves no adapters"
         uid = next(self._uids)
         self._running[uid] = [0, max_tokens, sum(prompt) + (len(cached.tokens) if cached else 0)]
         return uid

@@ -1,0 +1,115 @@
+"""LoRA adapters in the shared batch: rows of several adapters and of none run together,
+each exactly as mlx-lm's own `load(base, adapter_path=...)` generates it alone."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+from support import MLXQ, check_stream, output_stream, start_worker, tokens_of, wait_for, wait_for_deltas, worker_url, xadd_json
+
+from client import Done, Error
+
+RANKS = {"tone": 4, "format": 8, "lang": 16}  # three adapters of different ranks: padded to the largest in the batch
+PROMPTS = [random.Random(n).choices(range(10, 1000), k=n) for n in (12, 19, 27, 33, 8, 41, 16, 24)]
+ADAPTER_OF = ["tone", None, "format", "lang", "tone", None, "lang", "format"]  # rows of each, and of none
+NEW_TOKENS = [24, 40, 32, 18, 40, 26, 30, 36]  # they leave the batch at different steps
+
+
+def write_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
+    import subprocess
+
+    from support import ROOT
+
+    made = subprocess.run([*MLXQ, "demo-model", "--adapter", str(out), "--base", str(base), "--rank", str(rank),
+                           "--seed", str(seed)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert made.returncode == 0, made.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(demo_model, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: write_adapter(demo_model, root / name, rank, seed)
+            for seed, (name, rank) in enumerate(RANKS.items())}
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url, demo_model, adapters, logs_dir, tmp_path_factory):
+    missing = tmp_path_factory.mktemp("nothing") / "gone"
+    flags = [f"{name}={path}" for name, path in adapters.items()] + [f"broken={missing}"]
+    process = start_worker(worker_url(redis_url), demo_model, "adapters", logs_dir, adapter=flags, max_num_seqs=8)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, process.log()
+
+
+def alone(model_path: Path, adapter: Path | None, prompt: list[int], new_tokens: int) -> list[int]:
+    """mlx-lm's own greedy tokens for one prompt, the adapter loaded its way."""
+    from mlx_lm import load
+    from mlx_lm.generate import BatchGenerator
+
+    model = load(str(model_path), adapter_path=None if adapter is None else str(adapter))[0]
+    batch = BatchGenerator(model, stop_tokens=[])
+    batch.insert([prompt], max_tokens=[new_tokens])
+    tokens: list[int] = []
+    while len(tokens) < new_tokens:
+        tokens.extend(response.token for response in batch.next_generated())
+    batch.close()
+    return tokens
+
+
+def submit(r, rid: str, prompt: list[int], new_tokens: int, adapter: str | None) -> None:
+    body = {"prompt_tokens": prompt, "max_tokens": new_tokens, "ignore_eos": True}
+    xadd_json(r, "adapters", rid, body | ({"adapter": adapter} if adapter else {}))
+
+
+def test_rows_of_three_adapters_and_of_none_decode_each_as_mlx_lm_alone(worker, r, outputs, new_id, demo_model,
+                                                                        adapters):
+    wanted = [alone(demo_model, adapters.get(name or ""), prompt, n)
+              for name, prompt, n in zip(ADAPTER_OF, PROMPTS, NEW_TOKENS, strict=True)]
+    base = [alone(demo_model, None, prompt, n) for prompt, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
+    for name, want, plain in zip(ADAPTER_OF, wanted, base, strict=True):
+        assert (want != plain) == (name is not None), "each adapter must change its text, or the test is blind"
+    ids = [new_id("lora") for _ in PROMPTS]
+    first = ids[:4]
+    for i in range(4):  # the first half starts, the second joins while it may still run
+        submit(r, ids[i], PROMPTS[i], NEW_TOKENS[i], ADAPTER_OF[i])
+    wait_for_deltas(r, wait_for(lambda: output_stream(r, first[0]), what="the first output"), first[:1])
+    for i in range(4, len(ids)):
+        submit(r, ids[i], PROMPTS[i], NEW_TOKENS[i], ADAPTER_OF[i])
+    got = [tokens_of(outputs.of(rid)) for rid in ids]
+    assert got == wanted
+
+
+def test_a_prompt_cached_under_one_adapter_never_serves_another(worker, r, outputs, new_id, demo_model, adapters):
+    prompt, n = random.Random(99).choices(range(10, 1000), k=40), 12  # a prompt no other test sends
+    order = ["tone", None, "format", "tone"]  # the same prompt, four times: the last is tone's own hit
+    dones = []
+    for name in order:
+        rid = new_id("salted")
+        submit(r, rid, prompt, n, name)
+        events = outputs.of(rid)
+        assert tokens_of(events) == alone(demo_model, adapters.get(name or ""), prompt, n), name
+        dones.append(check_stream(events))
+    assert [d.usage.cached_tokens > 0 for d in dones] == [False, False, False, True]
+
+
+def test_an_unknown_adapter_is_refused_naming_it_and_those_served(worker, r, outputs, new_id):
+    rid = new_id("unknown")
+    submit(r, rid, PROMPTS[0], 4, "nope")
+    end = check_stream(outputs.of(rid))
+    assert isinstance(end, Error) and end.code == "invalid_request"
+    assert "unknown adapter 'nope'" in end.message and "format, lang, tone" in end.message
+
+
+def test_an_adapter_refused_at_start_leaves_the_worker_serving(worker, r, outputs, new_id):
+    assert "adapter refused" in worker.log() and "broken" in worker.log()
+    rid = new_id("broken")
+    submit(r, rid, PROMPTS[0], 4, "broken")
+    end = check_stream(outputs.of(rid))
+    assert isinstance(end, Error) and "unknown adapter 'broken'" in end.message
+    rid = new_id("after")
+    submit(r, rid, PROMPTS[0], 4, "tone")
+    assert isinstance(check_stream(outputs.of(rid)), Done)
