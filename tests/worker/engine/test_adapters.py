@@ -113,3 +113,35 @@ def test_an_adapter_refused_at_start_leaves_the_worker_serving(worker, r, output
     rid = new_id("after")
     submit(r, rid, PROMPTS[0], 4, "tone")
     assert isinstance(check_stream(outputs.of(rid)), Done)
+
+
+@pytest.fixture(scope="module")
+def quantized_model(demo_model, tmp_path_factory) -> Path:
+    """The demo model quantized to 8 bits by mlx-lm's own `convert` (groups of 32: its
+    key and value projections are 32 wide)."""
+    from mlx_lm import convert
+
+    out = tmp_path_factory.mktemp("quantized") / "q8"
+    convert(str(demo_model), str(out), quantize=True, q_group_size=32, q_bits=8)
+    return out
+
+
+@pytest.fixture(scope="module")
+def quantized_worker(redis_url, quantized_model, adapters, logs_dir):
+    process = start_worker(worker_url(redis_url), quantized_model, "adapters-q8", logs_dir,
+                           adapter=[f"lang={adapters['lang']}"], max_num_seqs=4)
+    yield process
+    process.stop()
+    assert process.process.returncode == 0, process.log()
+
+
+def test_on_a_quantized_base_adapter_rows_decode_as_mlx_lm_alone(quantized_worker, r, outputs, new_id,
+                                                                quantized_model, adapters):
+    rows = [("lang", PROMPTS[0]), (None, PROMPTS[1]), ("lang", PROMPTS[2])]
+    wanted = [alone(quantized_model, adapters.get(name or ""), prompt, 20) for name, prompt in rows]
+    assert wanted[0] != alone(quantized_model, None, PROMPTS[0], 20)
+    ids = [new_id("q8") for _ in rows]
+    for rid, (name, prompt) in zip(ids, rows, strict=True):
+        body = {"prompt_tokens": prompt, "max_tokens": 20, "ignore_eos": True}
+        xadd_json(r, "adapters-q8", rid, body | ({"adapter": name} if name else {}))
+    assert [tokens_of(outputs.of(rid)) for rid in ids] == wanted
