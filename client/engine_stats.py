@@ -78,6 +78,7 @@ class EngineStats:
     mask_fills: int = 0  # batch fills of constrained rows' masks, and the time they took
     mask_fill_ms: float = 0.0
     time: EngineTime | None = None  # where the engine thread's time went, since it started
+    adapters: list[dict[str, Any]] | None = None  # its LoRA adapters (name, path, loaded, rank, running | error)
 
     def to_wire(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting, "memory": self.memory,
@@ -86,7 +87,7 @@ class EngineStats:
                 "prefix_cache": None if self.prefix_cache is None else self.prefix_cache.to_wire(),
                 "vision_cache": None if self.vision_cache is None else self.vision_cache.to_wire(),
                 "ssd_cache": None if self.ssd_cache is None else self.ssd_cache.to_wire(),
-                "speculation": self.speculation}
+                "speculation": self.speculation, "adapters": self.adapters}
 
     @classmethod
     def from_wire(cls, raw: dict[str, Any]) -> EngineStats | None:
@@ -103,7 +104,8 @@ class EngineStats:
                    speculation=speculation if isinstance(speculation, dict) else None,
                    mask_fills=constraints["mask_fills"] if _count(constraints.get("mask_fills")) else 0,
                    mask_fill_ms=constraints["mask_fill_ms"] if _number(constraints.get("mask_fill_ms")) else 0.0,
-                   time=EngineTime.from_wire(raw.get("engine")))
+                   time=EngineTime.from_wire(raw.get("engine")),
+                   adapters=_dicts(raw.get("adapters")))
 
     @property
     def memory_held(self) -> int:
@@ -117,3 +119,7 @@ def _count(value: Any) -> bool:
 
 def _number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _dicts(value: Any) -> list[dict[str, Any]] | None:
+    return [item for item in value if isinstance(item, dict)] if isinstance(value, list) else None

@@ -180,6 +180,11 @@ class Keys:
         """The prefix of the gateways' rate-limit windows (kept by the `limits` library)."""
         return f"{self.prefix}:ratelimit"
 
+    def adapters(self, queue: str) -> str:
+        """The LoRA adapters loaded at runtime for `queue`'s workers (a hash: name -> path;
+        an empty path unloads an adapter the workers' settings name)."""
+        return f"{self.prefix}:adapters:{queue}"
+
     def limits(self, queue: str) -> str:
         """What the workers of `queue` accept (a hash; `max_len`: the most requests waiting
         in each of its streams before producers are refused with QueueFull)."""

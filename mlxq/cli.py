@@ -76,8 +76,8 @@ class _Formatter(argparse.HelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_worker, _add_gateway, _add_keys, _add_submit, _add_batch, _add_status, _add_dead, _add_redis,
-                _add_bench, _add_demo_model):
+    for add in (_add_worker, _add_gateway, _add_keys, _add_submit, _add_batch, _add_status, _add_dead, _add_adapters,
+                _add_redis, _add_bench, _add_demo_model):
         add(commands)
     return parser
 
@@ -277,6 +277,28 @@ def _add_dead(commands: Any) -> None:
     dead.add_argument("--count", type=int, default=20, help="how many `list` shows, newest first")
     _add_redis_url(dead)
     dead.set_defaults(run=client_commands.run_dead)
+
+
+def _add_adapters(commands: Any) -> None:
+    """`mlxq adapters`: a queue's LoRA adapters, loaded and unloaded at runtime."""
+    adapters = _command(commands, "adapters", "load, unload or list a queue's LoRA adapters on its running workers",
+                        "`load NAME PATH` has every worker of the queue serve the adapter at PATH (a directory as "
+                        "mlx_lm.lora writes it, at that path on each worker's host) as NAME, without a restart; "
+                        "`unload NAME` stops serving it (running requests finish); workers started later follow. "
+                        "Waits for each live worker's answer.")
+    adapters.add_argument("action", choices=["load", "unload", "list"])
+    adapters.add_argument("name", nargs="?", help="the adapter's name (what requests give as `adapter`)")
+    adapters.add_argument("path", nargs="?", help="with load: the adapter's directory")
+    _add_queue(adapters)
+    adapters.add_argument("--wait", type=float, default=30.0, help="seconds to wait for every worker's answer")
+    _add_redis_url(adapters)
+    adapters.set_defaults(run=_run_adapters)
+
+
+def _run_adapters(args: argparse.Namespace) -> int:
+    from . import adapters_command
+
+    return adapters_command.run(args)
 
 
 def _add_redis(commands: Any) -> None:

@@ -29,6 +29,7 @@ from client.engine_stats import EngineStats
 from client.keys import Keys
 from client.protocol import Event
 from worker.fleet import metrics
+from worker.fleet.adapters import follow_adapters
 from worker.fleet.leases import Leases
 from worker.fleet.membership import Membership
 from worker.fleet.metrics import Metrics
@@ -172,6 +173,8 @@ class Worker:
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases"),
+                  asyncio.create_task(follow_adapters(self.redis, self.keys, self.settings, self.engine.set_adapters),
+                                      name="adapters"),
                   *([asyncio.create_task(self._watch_host(), name="host")] if self.hosting.host_pid else [])]
         for task in (reading, *others):
             task.add_done_callback(self._on_task_done)

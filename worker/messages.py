@@ -278,7 +278,15 @@ class Ping:
     """Command (and I/O to engine): answer `Pong` between two steps (a hung engine never does)."""
 
 
-Command = Submit | Cancel | Abandon | Shutdown | Ping
+@dataclass(frozen=True)
+class SetAdapters:
+    """Command (and I/O to engine): serve exactly these LoRA adapters, (name, path) each:
+    load what is new or moved, unload what is gone (its running sequences finish)."""
+
+    adapters: tuple[tuple[str, str], ...]
+
+
+Command = Submit | Cancel | Abandon | Shutdown | Ping | SetAdapters
 
 
 class EngineInbox(Protocol):

@@ -24,7 +24,18 @@ from worker.engine.cores import Core, make_core
 from worker.engine.cpu_scheduling import use_batch_scheduling
 from worker.engine.scheduler import SchedulingPolicy
 from worker.faults import NONE, SLOW_STEP_S, Faults
-from worker.messages import Abandon, Cancel, Command, EngineRequest, Ping, PoolingRequest, Shutdown, StepOutput, Submit
+from worker.messages import (
+    Abandon,
+    Cancel,
+    Command,
+    EngineRequest,
+    Ping,
+    PoolingRequest,
+    SetAdapters,
+    Shutdown,
+    StepOutput,
+    Submit,
+)
 
 log = structlog.get_logger("mlxq.engine")
 
@@ -181,8 +192,19 @@ class Engine:
         self._on_stats(EngineStats(counts.running, counts.waiting, self._loaded.memory(), caches["prefix_cache"],
                                    caches.get("vision_cache"), caches.get("ssd_cache"),
                                    None if self._loaded.speculation is None else self._loaded.speculation(),
-                                   counts.mask_fills, counts.mask_fill_ms, replace(self._time)))
+                                   counts.mask_fills, counts.mask_fill_ms, replace(self._time),
+                                   None if self._loaded.adapters is None else self._loaded.adapters.listing()))
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
+
+    def _set_adapters(self, command: SetAdapters) -> None:
+        """Serve the adapters the I/O process asks for (refusals are logged and listed in
+        the heartbeat), then say so at once."""
+        bank = self._loaded.adapters
+        if bank is None:
+            log.warning("this model serves no adapters; ignored", adapters=[name for name, _ in command.adapters])
+            return
+        bank.serve(dict(command.adapters))
+        self._housekeeping()
 
     def _apply_commands(self, out: StepOutput, block: bool) -> None:
         try:
@@ -219,3 +241,5 @@ class Engine:
             out.abandoned.extend(core.abandon_waiting())
         elif isinstance(command, Ping):
             self._on_pong()
+        elif isinstance(command, SetAdapters):
+            self._set_adapters(command)

@@ -34,12 +34,13 @@ from worker.messages import (
     Pong,
     Preparation,
     Prepare,
+    SetAdapters,
     Shutdown,
     Step,
     Stopped,
 )
 from worker.process.channel import AsyncChannel
-from worker.settings import WorkerSettings
+from worker.settings import AdapterEntry, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -70,6 +71,7 @@ class EngineLink:
         self.prepared_when_it_died: set[str] = set()
         self._heard_at = time.monotonic()
         self._stopped = False  # it said `Stopped`: it ended after a drain, as asked
+        self.adapters: tuple[tuple[str, str], ...] | None = None  # as last set; None: the settings'
 
     @property
     def pid(self) -> int | None:
@@ -87,7 +89,10 @@ class EngineLink:
         theirs.close()  # the child's copy is the only one: its death closes the pair
         self._channel = await AsyncChannel.over(ours)
         # As a `WorkerSettings` of its own: the loaded one's class is made per config file.
-        self._channel.send(WorkerSettings.model_construct(**dict(self.settings)))
+        # A new engine process after a death loads the adapters served by then.
+        adapters = {} if self.adapters is None else \
+            {"adapters": [AdapterEntry(name=name, path=path) for name, path in self.adapters]}
+        self._channel.send(WorkerSettings.model_construct(**(dict(self.settings) | adapters)))
         first = await self._channel.receive()
         while isinstance(first, EngineStats):  # its figures as it loads
             self.on_stats(first)
@@ -165,6 +170,12 @@ class EngineLink:
     def shutdown(self, drain_timeout_s: float) -> None:
         """Drop what waits, let what runs finish for `drain_timeout_s`, then end (`serve` returns "")."""
         self._send(Shutdown(time.monotonic() + drain_timeout_s))
+
+    def set_adapters(self, adapters: tuple[tuple[str, str], ...]) -> None:
+        """Serve exactly these LoRA adapters (name, path), in this engine process and in any
+        started after it."""
+        self.adapters = adapters
+        self._send(SetAdapters(adapters))
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

@@ -51,6 +51,7 @@ from worker.messages import (
     Preparation,
     Prepare,
     Refused,
+    SetAdapters,
     Shutdown,
     Step,
     StepOutput,
@@ -119,7 +120,7 @@ class EngineProcess:
         # torn down under it abort the process ("terminate called").
         os._exit(0)
 
-    def _command(self, message: Cancel | Abandon | Shutdown) -> None:
+    def _command(self, message: Cancel | Abandon | Shutdown | SetAdapters) -> None:
         if isinstance(message, (Cancel, Abandon)):
             with self._lock:
                 if message.request_id in self._in_preparation:

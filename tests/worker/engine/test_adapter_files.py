@@ -78,7 +78,8 @@ def test_weights_that_are_not_lora_or_not_on_a_linear_layer_are_refused(bank, ba
                                    "model.embed_tokens.lora_b": mx.zeros((4, IN))})
     with pytest.raises(AdapterRefused, match="model.embed_tokens, which is not a linear layer"):
         bank.load("embed", str(where))
-    mx.save_safetensors(str(where / "adapters.safetensors"), weights | {"model.layers.0.self_attn.q_proj.m": mx.zeros((IN,))})
+    magnitude = {"model.layers.0.self_attn.q_proj.m": mx.zeros((IN,))}  # DoRA's, under a LoRA config
+    mx.save_safetensors(str(where / "adapters.safetensors"), weights | magnitude)
     with pytest.raises(AdapterRefused, match="q_proj.m is not a LoRA weight"):
         bank.load("magnitude", str(where))
 

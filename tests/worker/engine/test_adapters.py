@@ -3,11 +3,26 @@ each exactly as mlx-lm's own `load(base, adapter_path=...)` generates it alone."
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
-from support import MLXQ, check_stream, output_stream, start_worker, tokens_of, wait_for, wait_for_deltas, worker_url, xadd_json
+from support import (
+    HELD,
+    KEYS,
+    MLXQ,
+    check_stream,
+    mlxq,
+    output_stream,
+    start_worker,
+    tokens_of,
+    wait_for,
+    wait_for_deltas,
+    worker_url,
+    xadd_json,
+)
 
 from client import Done, Error
 
@@ -18,8 +33,6 @@ NEW_TOKENS = [24, 40, 32, 18, 40, 26, 30, 36]  # they leave the batch at differe
 
 
 def write_adapter(base: Path, out: Path, rank: int, seed: int) -> Path:
-    import subprocess
-
     from support import ROOT
 
     made = subprocess.run([*MLXQ, "demo-model", "--adapter", str(out), "--base", str(base), "--rank", str(rank),
@@ -109,7 +122,8 @@ def test_an_adapter_refused_at_start_leaves_the_worker_serving(worker, r, output
     rid = new_id("broken")
     submit(r, rid, PROMPTS[0], 4, "broken")
     end = check_stream(outputs.of(rid))
-    assert isinstance(end, Error) and "unknown adapter 'broken'" in end.message
+    assert isinstance(end, Error) and "adapter 'broken' is not served: it was refused at load" in end.message
+    assert "no adapter_config.json" in end.message
     rid = new_id("after")
     submit(r, rid, PROMPTS[0], 4, "tone")
     assert isinstance(check_stream(outputs.of(rid)), Done)
@@ -145,3 +159,49 @@ def test_on_a_quantized_base_adapter_rows_decode_as_mlx_lm_alone(quantized_worke
         body = {"prompt_tokens": prompt, "max_tokens": 20, "ignore_eos": True}
         xadd_json(r, "adapters-q8", rid, body | ({"adapter": name} if name else {}))
     assert [tokens_of(outputs.of(rid)) for rid in ids] == wanted
+
+
+def adapters_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return mlxq("adapters", *args, timeout=90)
+
+
+def heartbeat_adapters(r, worker) -> dict[str, dict]:
+    beat = json.loads(r.get(KEYS.worker(worker.consumer)))
+    return {a["name"]: a for a in beat["adapters"]}
+
+
+def test_adapters_load_and_unload_at_runtime_while_requests_run(worker, r, outputs, new_id, demo_model, adapters,
+                                                               tmp_path, redis_url):
+    url = ["--queue", "adapters", "--redis-url", redis_url]
+    held = new_id("held")
+    xadd_json(r, "adapters", held, HELD | {"adapter": "tone"})  # runs until cancelled
+    stream = wait_for(lambda: output_stream(r, held), what="the held request's output")
+    wait_for_deltas(r, stream, [held])
+
+    extra = write_adapter(demo_model, tmp_path / "extra", rank=4, seed=7)
+    loaded = adapters_cli("load", "extra", str(extra), *url)
+    assert loaded.returncode == 0, loaded.stderr
+    assert f"{worker.consumer}: loaded (rank 4)" in loaded.stdout
+    assert heartbeat_adapters(r, worker)["extra"]["path"] == str(extra)
+    rid = new_id("extra")
+    submit(r, rid, PROMPTS[3], 16, "extra")
+    assert tokens_of(outputs.of(rid)) == alone(demo_model, extra, PROMPTS[3], 16)
+
+    refused = adapters_cli("load", "bad", str(tmp_path / "nothing"), *url)
+    assert refused.returncode == 1 and "refused: adapter 'bad': no adapter_config.json" in refused.stdout
+
+    unloaded = adapters_cli("unload", "tone", *url)
+    assert unloaded.returncode == 0 and f"{worker.consumer}: unloaded" in unloaded.stdout
+    assert "tone" not in heartbeat_adapters(r, worker)
+    rid = new_id("gone")
+    submit(r, rid, PROMPTS[0], 4, "tone")
+    assert "unknown adapter 'tone'" in check_stream(outputs.of(rid)).message
+    before = len(r.xrange(stream))
+    wait_for(lambda: len(r.xrange(stream)) > before, what="the running tone request going on after its unload")
+
+    r.set(KEYS.cancel_flag("adapters", held), 1, ex=60)  # as mlxq cancel does: the flag, then the word
+    r.publish(KEYS.cancel_channel("adapters"), held)
+    assert check_stream(outputs.of(held)).finish_reason == "cancelled"
+    listing = adapters_cli("list", *url)
+    assert "extra" in listing.stdout and "tone" not in listing.stdout and "refused" in listing.stdout
+    r.hdel(KEYS.adapters("adapters"), "tone", "extra", "bad")  # back to the settings' own, for the tests after

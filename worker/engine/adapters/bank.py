@@ -15,10 +15,13 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import mlx.nn as nn
+import structlog
 from mlx.utils import tree_unflatten
 
 from worker.engine.adapters.files import AdapterRefused, AdapterWeights, linear_shapes, read_adapter
 from worker.engine.adapters.layers import AdapterModel, BatchedLoRALinear, StepSlots
+
+log = structlog.get_logger("mlxq.engine")
 
 
 class UnknownAdapter(LookupError):
@@ -42,6 +45,7 @@ class AdapterBank:
         self._shapes = linear_shapes(model)
         self._max_rank, self._max_loaded = max_rank, max_loaded
         self._known: dict[str, str] = {}  # name -> path
+        self._refused: dict[str, tuple[str, str]] = {}  # name -> the path asked for, why it was refused
         self._loaded: OrderedDict[str, AdapterWeights] = OrderedDict()  # least recently used first
         self._loads = 0  # a new identity for each load: a reloaded name never hits the old one's caches
         self._identity: dict[str, str] = {}
@@ -61,6 +65,22 @@ class AdapterBank:
         self._keep(weights)
         return weights
 
+    def serve(self, wanted: dict[str, str]) -> None:
+        """Serve exactly `wanted` (name -> path): load what is new or moved, unload what
+        is gone. A refused one is logged and listed with its reason; where it was to
+        replace another path of its name, that one serves on."""
+        for name in self._known.keys() - wanted.keys():
+            self._forget(name)
+        self._refused = {name: refused for name, refused in self._refused.items() if wanted.get(name) == refused[0]}
+        for name, path in wanted.items():
+            if self._known.get(name) == path or (name in self._refused and self._refused[name][0] == path):
+                continue
+            try:
+                self.load(name, path)
+            except AdapterRefused as e:
+                log.error("adapter refused", adapter=name, path=path, reason=str(e))
+                self._refused[name] = (path, str(e))
+
     def unload(self, name: str) -> None:
         """Stop serving `name`; sequences already running with it run to their end."""
         if name not in self._known:
@@ -70,9 +90,12 @@ class AdapterBank:
     def listing(self) -> list[dict[str, object]]:
         """What the heartbeat says of each known adapter."""
         running = {slot.identity: slot.users for slot in self._slots if slot.name is not None}
-        return [{"name": name, "path": path, "loaded": name in self._loaded,
-                 **({"rank": self._loaded[name].rank} if name in self._loaded else {}),
-                 "running": running.get(self._identity[name], 0)} for name, path in sorted(self._known.items())]
+        served = [{"name": name, "path": path, "loaded": name in self._loaded,
+                   **({"rank": self._loaded[name].rank} if name in self._loaded else {}),
+                   "running": running.get(self._identity[name], 0)} for name, path in self._known.items()]
+        refused: list[dict[str, object]] = [{"name": name, "path": path, "error": error}
+                                            for name, (path, error) in self._refused.items()]
+        return sorted(served + refused, key=lambda entry: str(entry["name"]))
 
     @property
     def names(self) -> list[str]:
@@ -107,6 +130,8 @@ class AdapterBank:
     # ---- inside --------------------------------------------------------------------
 
     def _unknown(self, name: str) -> str:
+        if name in self._refused:
+            return f"adapter {name!r} is not served: it was refused at load ({self._refused[name][1]})"
         served = ", ".join(sorted(self._known)) or "none"
         return f"unknown adapter {name!r} (this worker's adapters: {served})"
 
@@ -132,7 +157,7 @@ class AdapterBank:
         """An empty slot, else one whose adapter no running sequence uses."""
         free = [i for i, s in enumerate(self._slots) if i and s.users == 0]
         empty = [i for i in free if self._slots[i].name is None]
-        return (empty or free or [None])[0]
+        return (empty or free)[0] if free else None
 
     def _install(self, slot: int, weights: AdapterWeights, identity: str) -> None:
         for path in weights.pairs.keys() - self._layers.keys():

@@ -72,7 +72,7 @@ class BatchedLoRALinear(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         y = self.base(x)
         step = self._step
-        if step.rows is None:
+        if step.rows is None or step.row_scales is None:
             return y
         z = mx.gather_mm(mx.gather_mm(x, self.lora_a, rhs_indices=step.rows), self.lora_b, rhs_indices=step.rows)
         return y + (step.row_scales * z).astype(x.dtype)

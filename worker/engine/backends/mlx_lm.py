@@ -10,12 +10,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
-import structlog
 from mlx_lm.generate import BatchGenerator, StopSequences
 from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
-from worker.engine.adapters import AdapterBank, AdapterRefused
+from worker.engine.adapters import AdapterBank
 from worker.engine.adapters.layers import AdapterRows
 from worker.engine.backends.base import Coverage, Loaded, ModelInfo, TokenOut
 from worker.engine.backends.draft_model import DraftModel
@@ -27,8 +26,6 @@ from worker.engine.scheduler import StepPlan
 from worker.faults import Faults
 from worker.messages import PreparedMedia
 from worker.settings import WorkerSettings
-
-log = structlog.get_logger("mlxq.engine")
 
 
 class MlxBatchBackend:
@@ -47,7 +44,8 @@ class MlxBatchBackend:
         # With adapters, the batch runs the model through their wrapper, and every
         # sequence's cache list ends with its adapter slot (`adapters.layers`).
         self._model, self._max_kv_size, self._adapters = model, max_kv_size, adapters
-        self._generator = BatchGenerator(model if adapters is None else adapters.model, completion_batch_size=completion_batch_size,
+        batched: Any = model if adapters is None else adapters.model
+        self._generator = BatchGenerator(batched, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
         if speculative is not None:  # the one generation batch, which each prefilled group joins
@@ -149,7 +147,8 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                                speculative=speculative, adapters=adapters)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
-                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries), adapters=adapters,
+                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
+                  adapters=adapters,
                   memory=mlx_memory, release_memory=mx.clear_cache,
                   speculation=(lambda: {"method": "ngram" if draft is None else "draft_model", **stats.as_json(),
                                         "tok_s": gate.as_json()}) if speculating else None)
@@ -159,11 +158,7 @@ def load_adapters(model: Any, settings: WorkerSettings) -> AdapterBank:
     """The model's adapter bank, with the settings' adapters read. One that cannot be
     served is left out, loudly: the model and the other adapters still serve."""
     bank = AdapterBank(model, settings.max_loras, settings.max_lora_rank, settings.max_loaded_adapters)
-    for entry in settings.adapters:
-        try:
-            bank.load(entry.name, entry.path)
-        except AdapterRefused as e:
-            log.error("adapter refused", adapter=entry.name, path=entry.path, reason=str(e))
+    bank.serve({entry.name: entry.path for entry in settings.adapters})
     return bank
 
 
