@@ -29,7 +29,7 @@ from .batch_lines import ReadFile, read_input, result_file
 from .bodies import bounded
 from .budget import TenantBudget
 from .errors import ApiError
-from .models import ModelDirectory
+from .models import ModelDirectory, Served
 from .tenants import ADMIN_TENANT, Caller
 
 MAX_METADATA = 16
@@ -178,10 +178,9 @@ class Batches:
                                    param="input_file_id")
         content = await self.files.content(file_id, caller)
         read = await asyncio.to_thread(read_input, content, str(endpoint))
-        for line in read.lines:  # as the key's own requests: its priority, its cache salt
-            if line.body is not None:
-                caller.shape(line.body)
-        queue, errors = await self._check(read, str(endpoint), caller)
+        served, errors = await self._check(read, str(endpoint), caller)
+        _shape_lines(read, caller, served)
+        queue = served.queue if served else ""
         batch_id = new_batch_id()
         if not errors:
             await self._hold(caller, batch_id, len(content), int(time.time()) + window_s)
@@ -195,12 +194,12 @@ class Batches:
             raise
         return openai_batch(batch)
 
-    async def _check(self, read: ReadFile, endpoint: str, caller: Caller) -> tuple[str, list[dict[str, Any]]]:
-        """The batch's queue, or why it fails validation."""
+    async def _check(self, read: ReadFile, endpoint: str, caller: Caller) -> tuple[Served | None, list[dict[str, Any]]]:
+        """What serves the batch's model, or why it fails validation."""
         if read.errors:
-            return "", read.errors
+            return None, read.errors
         if read.model is None:
-            return "", [{"code": "invalid_request", "message": "no line of the file can run (see the error file's "
+            return None, [{"code": "invalid_request", "message": "no line of the file can run (see the error file's "
                          "reasons): every line failed to read", "param": None, "line": None}]
         return await self._queue_for(read.model, endpoint, caller)
 
@@ -221,19 +220,19 @@ class Batches:
         await self.files.budget.release(tenant, batch_id)
         await self.store.redis.zrem(self.store.keys.tenant(tenant, "active"), batch_id)
 
-    async def _queue_for(self, model: str, endpoint: str, caller: Caller) -> tuple[str, list[dict[str, Any]]]:
-        """The queue serving `model`, or why the batch cannot run: no live worker serves it
+    async def _queue_for(self, model: str, endpoint: str, caller: Caller) -> tuple[Served | None, list[dict[str, Any]]]:
+        """What serves `model`, or why the batch cannot run: no live worker serves it
         (404, 503), the caller's key may not call it, or it serves another task than the endpoint's."""
         try:
             served = await self.directory.resolve(model, caller)
         except ApiError as e:
-            return "", [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
+            return None, [{"code": e.code or "model_not_found", "message": e.message, "param": "body.model",
                          "line": None}]
         wanted = "embed" if endpoint == "/v1/embeddings" else "generate"
         if served.task is not None and served.task != wanted:
-            return "", [{"code": "invalid_request", "message": f"model {model!r} serves {served.task}; {endpoint} "
-                         f"needs a model that serves {wanted}", "param": "body.model", "line": None}]
-        return served.queue, []
+            return None, [{"code": "invalid_request", "message": f"model {model!r} serves {served.task}; {endpoint} "
+                           f"needs a model that serves {wanted}", "param": "body.model", "line": None}]
+        return served, []
 
     async def retrieve(self, batch_id: str, caller: Caller) -> dict[str, Any]:
         return openai_batch(await self._get(batch_id, caller))
@@ -303,3 +302,13 @@ def openai_batch(batch: Batch) -> dict[str, Any]:
            ("in_progress", "finalizing", "completed", "failed", "expired", "cancelling", "cancelled")},
         "request_counts": batch.request_counts, "metadata": batch.metadata, "model": batch.model,
     }
+
+
+def _shape_lines(read: ReadFile, caller: Caller, served: Served | None) -> None:
+    """Each line as the key's own request (its priority, its cache salt) and, where the
+    batch's model is an adapter's name, for that adapter."""
+    for line in read.lines:
+        if line.body is not None:
+            caller.shape(line.body)
+            if served is not None and served.adapter:
+                line.body["adapter"] = served.adapter

@@ -1,7 +1,9 @@
 """Which queue serves a model, from the workers' heartbeats (and the configured map).
 
 A request's `model` is a configured name, the model a live worker serves (its path or
-Hugging Face id, as `/v1/models` lists it), or a queue's name. A model a worker of
+Hugging Face id, as `/v1/models` lists it), a queue's name, or a LoRA adapter a live
+worker serves (its name: the request goes to its model's queue with `adapter` set, as
+vLLM lists `--lora-modules`). A model a worker of
 several models can load counts as served though not loaded yet: a request for it goes
 to its queue and waits there for the load (bounded by the request's timeout). The
 heartbeats are read at most once a second, however many requests arrive.
@@ -10,7 +12,7 @@ heartbeats are read at most once a second, however many requests arrive.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -36,6 +38,7 @@ class Served:
     since: int  # when its longest-running worker started (unix seconds)
     tool_call: tuple[str, str] | None  # how its model marks a tool call (start, end), when it has a format
     task: Task | None = None  # None until a worker has loaded it
+    adapter: str | None = None  # a LoRA adapter of the queue's model, served under its own name (`model`)
 
 
 class ModelDirectory:
@@ -108,7 +111,16 @@ def _served(heartbeats: list[Heartbeat], loadable: list[HostedModel]) -> list[Se
             if model.state != "loaded":
                 continue
             since = int(beat.started_at)
-            known = found.get((model.path, model.queue))
-            if known is None or known.since == 0 or since < known.since:
-                found[(model.path, model.queue)] = Served(model.path, model.queue, since, model.tool_call, model.task)
-    return sorted(found.values(), key=lambda s: s.queue)
+            served = Served(model.path, model.queue, since, model.tool_call, model.task)
+            for one in [served, *(_adapters(beat, served) if len(beat.models) == 1 else [])]:
+                known = found.get((one.model, one.queue))
+                if known is None or known.since == 0 or since < known.since:
+                    found[(one.model, one.queue)] = one
+    return sorted(found.values(), key=lambda s: (s.queue, s.adapter or ""))
+
+
+def _adapters(beat: Heartbeat, model: Served) -> list[Served]:
+    """The adapters a worker serves beside its model (not those it refused)."""
+    listed = [] if beat.stats is None or beat.stats.adapters is None else beat.stats.adapters
+    names = [a["name"] for a in listed if isinstance(a.get("name"), str) and "error" not in a]
+    return [replace(model, model=name, adapter=name) for name in names]

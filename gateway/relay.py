@@ -137,7 +137,7 @@ class Relay:
             raise ApiError.invalid(f"model {call.model!r} serves {served.task}; this endpoint needs a model that "
                                    f"serves {call.task}", param="model")
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
-        body = dict(call.body)
+        body = dict(call.body) | ({"adapter": served.adapter} if served.adapter else {})
         caller.shape(body)
         job, reply_to = self.replies.follow(uuid.uuid4().hex, served.queue)
         job.on_queue = served.queue

@@ -24,7 +24,7 @@ from support import (
     xadd_json,
 )
 
-from client import Done, Error
+from client import Delta, Done, Error
 
 RANKS = {"tone": 4, "format": 8, "lang": 16}  # three adapters of different ranks: padded to the largest in the batch
 PROMPTS = [random.Random(n).choices(range(10, 1000), k=n) for n in (12, 19, 27, 33, 8, 41, 16, 24)]
@@ -205,3 +205,27 @@ def test_adapters_load_and_unload_at_runtime_while_requests_run(worker, r, outpu
     listing = adapters_cli("list", *url)
     assert "extra" in listing.stdout and "tone" not in listing.stdout and "refused" in listing.stdout
     r.hdel(KEYS.adapters("adapters"), "tone", "extra", "bad")  # back to the settings' own, for the tests after
+
+
+def test_the_gateway_lists_adapters_as_models_and_the_openai_sdk_names_one(worker, redis_url, logs_dir, r, outputs,
+                                                                          new_id):
+    import openai
+    from support import start_gateway
+
+    gateway = start_gateway(redis_url, logs_dir)
+    try:
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="none", max_retries=0, timeout=60) as sdk:
+            listed = {m.id for m in sdk.models.list().data}
+            assert {"tone", "format", "lang"} <= listed and "broken" not in listed
+            ask = {"prompt": "Tell me about queues.", "max_tokens": 16, "temperature": 0,
+                   "extra_body": {"ignore_eos": True}}
+            through_gateway = {name: sdk.completions.create(model=name, **ask).choices[0].text
+                               for name in ("tone", "adapters")}  # the adapter, and its queue's own model
+    finally:
+        gateway.stop()
+    rid = new_id("direct")
+    submit_body = {"prompt": ask["prompt"], "max_tokens": 16, "ignore_eos": True, "adapter": "tone"}
+    xadd_json(r, "adapters", rid, submit_body)
+    direct = "".join(e.text for e in outputs.of(rid) if isinstance(e, Delta))
+    assert through_gateway["tone"] == direct
+    assert through_gateway["tone"] != through_gateway["adapters"]
