@@ -131,10 +131,25 @@ class _Collected(Collector):
         yield _counter("spec_decode_num_accepted_tokens", "Draft tokens the model accepted",
                        speculation.get("accepted_tokens", 0))
         yield _counter("spec_decode_steps", "Speculative batch steps", speculation.get("steps", 0))
+        yield from _adapters(stats.adapters if stats is not None else None)
         memory = GaugeMetricFamily("mlxq_mlx_memory_bytes", "MLX memory, by kind", labels=["kind"])
         for kind, value in (stats.memory if stats else {}).items():
             memory.add_metric([kind], value)
         yield memory
+
+
+def _adapters(listed: list[dict[str, Any]] | None) -> Iterator[Metric]:
+    """Per LoRA adapter (vLLM's `lora_requests_info`, as counts): requests started with
+    it since the engine process started, and those running now."""
+    started = CounterMetricFamily("mlxq_lora_requests", "Requests started with each LoRA adapter", labels=["adapter"])
+    running = GaugeMetricFamily("mlxq_lora_running_requests", "Requests running with each LoRA adapter",
+                                labels=["adapter"])
+    for adapter in listed or []:
+        if "error" not in adapter:
+            started.add_metric([str(adapter.get("name"))], adapter.get("requests", 0))
+            running.add_metric([str(adapter.get("name"))], adapter.get("running", 0))
+    yield started
+    yield running
 
 
 def _counter(name: str, documentation: str, value: int) -> CounterMetricFamily:

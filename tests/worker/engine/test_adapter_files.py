@@ -40,7 +40,7 @@ def adapter(base: Path, where: Path, rank: int = 4, seed: int = 0, **config: obj
 def test_a_good_adapter_loads_and_is_listed(bank, base, tmp_path):
     bank.load("good", str(adapter(base, tmp_path / "good")))
     assert bank.listing() == [{"name": "good", "path": str(tmp_path / "good"), "loaded": True, "rank": 4,
-                               "running": 0}]
+                               "running": 0, "requests": 0}]
 
 
 @pytest.mark.parametrize(("config", "reason"), [

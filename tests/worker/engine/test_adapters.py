@@ -14,8 +14,10 @@ from support import (
     KEYS,
     MLXQ,
     check_stream,
+    free_port,
     mlxq,
     output_stream,
+    scrape_metrics,
     start_worker,
     tokens_of,
     wait_for,
@@ -49,10 +51,16 @@ def adapters(demo_model, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
-def worker(redis_url, demo_model, adapters, logs_dir, tmp_path_factory):
+def metrics_port() -> int:
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def worker(redis_url, demo_model, adapters, logs_dir, tmp_path_factory, metrics_port):
     missing = tmp_path_factory.mktemp("nothing") / "gone"
     flags = [f"{name}={path}" for name, path in adapters.items()] + [f"broken={missing}"]
-    process = start_worker(worker_url(redis_url), demo_model, "adapters", logs_dir, adapter=flags, max_num_seqs=8)
+    process = start_worker(worker_url(redis_url), demo_model, "adapters", logs_dir, adapter=flags, max_num_seqs=8,
+                           metrics_port=metrics_port)
     yield process
     process.stop()
     assert process.process.returncode == 0, process.log()
@@ -79,7 +87,7 @@ def submit(r, rid: str, prompt: list[int], new_tokens: int, adapter: str | None)
 
 
 def test_rows_of_three_adapters_and_of_none_decode_each_as_mlx_lm_alone(worker, r, outputs, new_id, demo_model,
-                                                                        adapters):
+                                                                        adapters, metrics_port):
     wanted = [alone(demo_model, adapters.get(name or ""), prompt, n)
               for name, prompt, n in zip(ADAPTER_OF, PROMPTS, NEW_TOKENS, strict=True)]
     base = [alone(demo_model, None, prompt, n) for prompt, n in zip(PROMPTS, NEW_TOKENS, strict=True)]
@@ -229,3 +237,30 @@ def test_the_gateway_lists_adapters_as_models_and_the_openai_sdk_names_one(worke
     direct = "".join(e.text for e in outputs.of(rid) if isinstance(e, Delta))
     assert through_gateway["tone"] == direct
     assert through_gateway["tone"] != through_gateway["adapters"]
+
+
+def test_structured_output_and_logprobs_run_with_an_adapter(worker, r, outputs, new_id):
+    rid = new_id("shaped")
+    xadd_json(r, "adapters", rid, {"prompt": "Pick one.", "adapter": "lang", "max_tokens": 20, "logprobs": True,
+                                   "top_logprobs": 2,
+                                   "response_format": {"type": "choice", "choices": ["yes", "no", "maybe not"]}})
+    events = outputs.of(rid)
+    end = check_stream(events)
+    assert isinstance(end, Done) and end.finish_reason == "stop"
+    assert "".join(e.text for e in events if isinstance(e, Delta)) in ("yes", "no", "maybe not")
+    assert all(e.logprobs and len(e.logprobs[0].top_logprobs) == 2 for e in events if isinstance(e, Delta) and e.tokens)
+
+
+def test_adapters_beside_speculation_or_kv_bits_are_refused_at_start():
+    from pydantic import ValidationError
+
+    from worker.settings import load_settings
+
+    with pytest.raises(ValidationError, match="adapters and speculative decoding: adapters are batched on mlx-lm"):
+        load_settings(adapters=["a=/x"], prompt_lookup_max=2)
+    with pytest.raises(ValidationError, match="adapters and kv_bits"):
+        load_settings(adapters=["a=/x"], kv_bits=8)
+    with pytest.raises(ValidationError, match="give an adapter as NAME=PATH"):
+        load_settings(adapters=["just-a-path"])
+    with pytest.raises(ValidationError, match="tone given twice"):
+        load_settings(adapters=["tone=/x", "tone=/y"])

@@ -11,7 +11,7 @@ adapter finds no free slot waits for one.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import mlx.nn as nn
@@ -51,6 +51,7 @@ class AdapterBank:
         self._identity: dict[str, str] = {}
         self._slots = [_Slot() for _ in range(max_loras + 1)]  # slot 0: no adapter, never handed out
         self._layers: dict[str, BatchedLoRALinear] = {}
+        self._started: Counter[str] = Counter()  # sequences started with each adapter, by name
 
     # ---- what admins do ------------------------------------------------------------
 
@@ -92,7 +93,8 @@ class AdapterBank:
         running = {slot.identity: slot.users for slot in self._slots if slot.name is not None}
         served = [{"name": name, "path": path, "loaded": name in self._loaded,
                    **({"rank": self._loaded[name].rank} if name in self._loaded else {}),
-                   "running": running.get(self._identity[name], 0)} for name, path in self._known.items()]
+                   "running": running.get(self._identity[name], 0), "requests": self._started[name]}
+                  for name, path in self._known.items()]
         refused: list[dict[str, object]] = [{"name": name, "path": path, "error": error}
                                             for name, (path, error) in self._refused.items()]
         return sorted(served + refused, key=lambda entry: str(entry["name"]))
@@ -121,6 +123,7 @@ class AdapterBank:
                 return None
             self._install(slot, self._weights(name), identity)
         self._slots[slot].users += 1
+        self._started[name] += 1
         return slot
 
     def release(self, slot: int) -> None:
