@@ -102,6 +102,9 @@ def test_rows_of_three_adapters_and_of_none_decode_each_as_mlx_lm_alone(worker, 
         submit(r, ids[i], PROMPTS[i], NEW_TOKENS[i], ADAPTER_OF[i])
     got = [tokens_of(outputs.of(rid)) for rid in ids]
     assert got == wanted
+    per_adapter = {(("adapter", "tone"),): 2, (("adapter", "format"),): 2, (("adapter", "lang"),): 2}
+    wait_for(lambda: scrape_metrics(metrics_port).get("mlxq_lora_requests_total") == per_adapter,
+             what="each adapter's requests counted in the worker's metrics")
 
 
 def test_a_prompt_cached_under_one_adapter_never_serves_another(worker, r, outputs, new_id, demo_model, adapters):
