@@ -86,6 +86,7 @@ def render(workers: list[WorkerView], queue: str) -> str:
         lines.append(f"{worker.name}: {len(adapters)} adapter(s)")
         for a in adapters:
             state = f"refused: {a['error']}" if "error" in a else \
-                f"rank {a.get('rank', '?')}, {a.get('running', 0)} running" if a.get("loaded") else "on disk"
+                f"rank {a.get('rank', '?')}, {a.get('running', 0)} running, {a.get('requests', 0)} started" \
+                if a.get("loaded") else f"on disk, {a.get('requests', 0)} started"
             lines.append(f"  {a.get('name')}  {a.get('path')}  ({state})")
     return "\n".join(lines)

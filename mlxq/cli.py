@@ -204,6 +204,7 @@ def _add_submit(commands: Any) -> None:
     submit.add_argument("--stop", action="append", help="stop string (repeatable; default: none)")
     submit.add_argument("--priority", type=int, help="lower is served first (default: 0)")
     submit.add_argument("--lane", help="submit to this priority lane of the queue (default: the queue itself)")
+    submit.add_argument("--adapter", help="a LoRA adapter of the queue's model to generate with (README, \"Adapters\")")
     submit.add_argument("--image", action="append", type=Path, help="image file sent with the prompt, for a "
                         "vision model's queue (repeatable; sent as raw bytes in msgpack)")
     submit.add_argument("--embed", action="store_true", help="ask an embedding model's queue for the prompt's "

@@ -43,7 +43,8 @@ def run_submit(args: argparse.Namespace) -> int:
         return _run_pooling(args)
     params = {k: v for k, v in {
         "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-        "seed": args.seed, "stop": args.stop, "priority": args.priority}.items() if v is not None}
+        "seed": args.seed, "stop": args.stop, "priority": args.priority, "adapter": args.adapter}.items()
+        if v is not None}
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     if args.image:
         try:
@@ -84,7 +85,7 @@ def _run_pooling(args: argparse.Namespace) -> int:
     if args.embed and args.rerank:
         raise CommandError("--embed or --rerank: one of them")
     generating = [f"--{name.replace('_', '-')}" for name in ("chat", "stream", "max_tokens", "temperature", "top_p",
-                                                             "top_k", "seed", "stop", "image")
+                                                             "top_k", "seed", "stop", "image", "adapter")
                   if getattr(args, name)]
     if generating:
         raise CommandError(f"{', '.join(generating)}: generation options, not for --embed or --rerank")
