@@ -39,20 +39,22 @@ class Workload:
     seed: int = 0
     response_format: str = "none"  # json, regex or none: what the constrained requests ask for
     constrained: float = 1.0  # the share of requests that ask for it
+    adapters: tuple[str, ...] = ()  # LoRA adapters the requests name, in turn (none: the model alone)
 
     def plan(self) -> list[Planned]:
         """The requests, each with its send time (seconds after the start)."""
         rng = random.Random(self.seed)
         prefix = [rng.randrange(10, self.vocab) for _ in range(self.prefix_len)]
         planned, at = [], 0.0
-        for _ in range(self.requests):
+        for i in range(self.requests):
             length = self._jittered(rng, self.input_len)
             shared = rng.random() < self.shared_prefix
             head = prefix[:length - 1] if shared else []
             tokens = head + [rng.randrange(10, self.vocab) for _ in range(length - len(head))]
             constrained = self.response_format != "none" and rng.random() < self.constrained
             planned.append(Planned(tokens, self._jittered(rng, self.output_len), at,
-                                   RESPONSE_FORMATS[self.response_format] if constrained else None))
+                                   RESPONSE_FORMATS[self.response_format] if constrained else None,
+                                   self.adapters[i % len(self.adapters)] if self.adapters else None))
             if self.rate:
                 at += rng.expovariate(self.rate)
         return planned
@@ -81,6 +83,7 @@ class Planned:
     max_tokens: int
     send_at: float
     response_format: dict[str, Any] | None = None
+    adapter: str | None = None
 
 
 Progress = Callable[[int], None]  # called with the number of requests just finished
@@ -106,7 +109,8 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
             async with limit:
                 timing = RequestTiming(submitted=time.monotonic())
                 job = await client.submit(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
-                                          stream_interval=stream_interval, response_format=request.response_format)
+                                          stream_interval=stream_interval, response_format=request.response_format,
+                                          adapter=request.adapter)
                 async for delta in job.stream(timeout=timeout):
                     timing.token_times.append((time.monotonic(), len(delta.tokens)))
                 done = await job.result(timeout=timeout)

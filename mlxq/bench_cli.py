@@ -26,6 +26,7 @@ def run(args: argparse.Namespace) -> int:
                         len_jitter=args.len_jitter, shared_prefix=args.shared_prefix, prefix_len=args.prefix_len,
                         stream_interval=args.stream_interval, vocab=args.vocab,
                         response_format=args.response_format, constrained=args.constrained,
+                        adapters=tuple(args.adapter or ()),
                         seed=random.randrange(2**31) if args.seed is None else args.seed)
     levels: list[int | None] = [None] if args.backlog else [int(c) or None for c in args.concurrency.split(",")]
     args.width = _served_width(args) if args.backlog else None  # the baselines' batch width for a backlog
@@ -101,6 +102,8 @@ def _describe(workload: Workload) -> str:
             f"tokens, seed {workload.seed}")
     if workload.shared_prefix:
         text += f", {workload.shared_prefix:.0%} sharing a {workload.prefix_len}-token prefix"
+    if workload.adapters:
+        text += f", adapters {', '.join(workload.adapters)} in turn"
     if workload.response_format != "none":
         text += f", {workload.constrained:.0%} constrained ({workload.response_format})"
     return text

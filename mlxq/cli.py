@@ -341,6 +341,9 @@ def _add_bench(commands: Any) -> None:
                        help="constrain requests: a JSON schema, or a regex (see mlxq/bench.py)")
     bench.add_argument("--constrained", type=float, default=1.0,
                        help="with --response-format, the share of requests constrained")
+    bench.add_argument("--adapter", action="append", metavar="NAME",
+                       help="a LoRA adapter the requests name, in turn with the others given (repeatable); the "
+                            "in-process baselines run the model alone")
     bench.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
     bench.add_argument("--seed", type=int, help="seed of the workload (default: random, so that prompts are new "
                                                "to the workers' prefix cache; the report has it)")

@@ -3,6 +3,7 @@ each exactly as mlx-lm's own `load(base, adapter_path=...)` generates it alone."
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import subprocess
@@ -232,13 +233,21 @@ def test_the_gateway_lists_adapters_as_models_and_the_openai_sdk_names_one(worke
                    "extra_body": {"ignore_eos": True}}
             through_gateway = {name: sdk.completions.create(model=name, **ask).choices[0].text
                                for name in ("tone", "adapters")}  # the adapter, and its queue's own model
+            line = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                    "body": {"model": "tone", "prompt": ask["prompt"], "max_tokens": 16, "temperature": 0,
+                             "ignore_eos": True}}
+            file_id = sdk.files.create(file=("in.jsonl", io.BytesIO(json.dumps(line).encode())), purpose="batch").id
+            batch = sdk.batches.create(input_file_id=file_id, endpoint="/v1/completions", completion_window="24h")
+            done = wait_for(lambda: (b := sdk.batches.retrieve(batch.id)).status == "completed" and b, timeout=60,
+                            what="the batch naming the adapter")
+            output = json.loads(sdk.files.content(done.output_file_id).content)
     finally:
         gateway.stop()
     rid = new_id("direct")
     submit_body = {"prompt": ask["prompt"], "max_tokens": 16, "ignore_eos": True, "adapter": "tone"}
     xadd_json(r, "adapters", rid, submit_body)
     direct = "".join(e.text for e in outputs.of(rid) if isinstance(e, Delta))
-    assert through_gateway["tone"] == direct
+    assert through_gateway["tone"] == direct == output["response"]["body"]["choices"][0]["text"]
     assert through_gateway["tone"] != through_gateway["adapters"]
 
 
