@@ -386,6 +386,9 @@ def _add_demo_model(commands: Any) -> None:
                       help="a tiny vision model instead (~200k parameters, served through mlx-vlm)")
     demo.add_argument("--family", choices=sorted(demo_vision.FAMILIES), default=demo_model.DEFAULT_VISION_FAMILY,
                       help=f"with --vision, the model family (default {demo_model.DEFAULT_VISION_FAMILY})")
+    demo.add_argument("--text-family", choices=["qwen3", "qwen2", "llama"], default="qwen3",
+                      help="the text model's family (default qwen3): mlx-lm shards llama tensor-parallel and qwen2 "
+                           "tensor- or pipeline-parallel, for a worker group (--distributed)")
     demo.add_argument("--vocab", type=int, default=demo_model.VOCAB_SIZE,
                       help="tokenizer vocabulary; above the default it is trained on the standard library's "
                            "sources (e.g. 32768, for honest structured-output benchmarks)")
@@ -427,7 +430,10 @@ def _run_demo_model(args: argparse.Namespace) -> int:
     if len(chosen) > 1:
         raise SystemExit(f"mlxq demo-model: choose one of --{' --'.join(chosen)}")
     size = chosen[0] if chosen else args.size
-    path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family, shape=args.size)
+    if args.text_family != "qwen3" and chosen:
+        raise SystemExit(f"mlxq demo-model: --text-family goes with a text model, not --{chosen[0]}")
+    path = demo_model.build(args.path, size=size, vocab=args.vocab, family=args.family, shape=args.size,
+                            text_family=args.text_family)
     print(f"demo model written to {path}")
     return 0
 

@@ -55,12 +55,13 @@ def ensure(path: Path) -> Path:
 
 
 def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE,
-          family: str = DEFAULT_VISION_FAMILY, shape: str = "demo") -> Path:
+          family: str = DEFAULT_VISION_FAMILY, shape: str = "demo", text_family: str = "qwen3") -> Path:
     """Build the demo model (`demo`), the `bench` size, the `thinking` variant, an
     `embedding` model or a `reranker` (the demo tokenizer; `shape`: demo or bench), a BERT
     `cross-encoder`, the
     `trained` model and its draft (`demo_trained`, minutes) or a `vision` model of
-    `family` (`demo_vision.FAMILIES`) into `path`, written atomically:
+    `family` (`demo_vision.FAMILIES`) into `path`, written atomically (a `demo` or `bench`
+    text model of `text_family`: `demo_parts.TEXT_FAMILIES`):
     a crash leaves nothing half-built. A `vocab` above the default trains the tokenizer
     on the standard library's sources, for a realistic vocabulary (structured output's
     mask cost grows with it)."""
@@ -89,7 +90,7 @@ def build(path: Path, seed: int = 0, size: str = "demo", vocab: int = VOCAB_SIZE
             write_model(staging, seed, MODEL_CONFIG)
         else:
             write_tokenizer(staging, SPECIAL_TOKENS, CHAT_TEMPLATE, vocab)
-            write_model(staging, seed, SIZES[size])
+            write_model(staging, seed, SIZES[size], text_family)
         if path.exists():
             shutil.rmtree(path)
         staging.rename(path)

@@ -134,17 +134,25 @@ def special_ids(out: Path, tokens: list[str]) -> list[int]:
     return ids  # type: ignore[return-value]
 
 
-def write_model(out: Path, seed: int, shape: dict[str, object]) -> None:
+# Text families of the same shape: Qwen3 (the default), and those mlx-lm shards a second
+# way: Llama (tensor parallel) and Qwen2 (tensor and pipeline parallel).
+TEXT_FAMILIES = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def write_model(out: Path, seed: int, shape: dict[str, object], family: str = "qwen3") -> None:
+    import importlib
+
     import mlx.core as mx
-    from mlx_lm.models import qwen3
     from tokenizers import Tokenizer
 
     vocab = Tokenizer.from_file(str(out / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
-    config = {**shape, "vocab_size": max(VOCAB_SIZE, vocab), "eos_token_id": special_ids(out, EOS_TOKENS)}
+    config = {**shape, "vocab_size": max(VOCAB_SIZE, vocab), "eos_token_id": special_ids(out, EOS_TOKENS),
+              "model_type": family, "architectures": [TEXT_FAMILIES[family]]}
     if (out / "modules.json").exists():  # an embedding model: any size may be cut from its vectors
         config.update(architectures=["Qwen3Model"], is_matryoshka=True)
     mx.random.seed(seed)
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    models = importlib.import_module(f"mlx_lm.models.{family}")
+    model = models.Model(models.ModelArgs.from_dict(config))
     save(out, model, model.model.embed_tokens, special_ids(out, SPECIAL_TOKENS), config)
 
 
@@ -163,5 +171,11 @@ def save(out: Path, model: Any, embed: Any, special: list[int], config: dict[str
     # weights never pick a special token greedily and generations do not end at once.
     embed.weight = (embed.weight * embed_scale).at[mx.array(special)].multiply(0.0)
     mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    # The index a sharded checkpoint has: mlx-lm's pipeline-parallel load reads it to
+    # find each rank's weights.
+    index = {"metadata": {"total_size": sum(w.nbytes for w in weights.values())},
+             "weight_map": {name: "model.safetensors" for name in sorted(weights)}}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -29,12 +29,30 @@ def run(args: argparse.Namespace) -> int:
         return _run_host(settings)
     if settings.model is None:  # the demo model, built offline on first use
         settings = settings.model_copy(update={"model": str(demo_model.ensure(demo_model.default_path()))})
+    if settings.distributed is not None and _group_rank() > 0:
+        from worker.process.follower import follow
+        from worker.process.group_place import GroupPlace
+
+        place = GroupPlace.from_environment()
+        assert place is not None
+        return follow(settings, place)
     server, url = _redis_for(settings)
     try:
         return _run_on_fast_loop(Worker(settings, url, blas.in_use(), Hosting.from_environment()).run())
     finally:
         if server is not None:
             _release(server, settings.embedded_port)
+
+
+def _group_rank() -> int:
+    """This process's rank in a worker group: 0 is the worker, the others follow it."""
+    from worker.process.group_place import GroupPlace
+
+    place = GroupPlace.from_environment()
+    if place is None:
+        raise CommandError("mlxq worker: --distributed runs under mlx.launch, which starts a worker per rank "
+                           "(README, \"One model on several Macs\")", status=2)
+    return place.rank
 
 
 def _run_host(settings: Any) -> int:

@@ -209,12 +209,15 @@ class Worker:
                 return
             await publisher.outputs.join()  # what it made before it died is written first
             lost, blamed = self._blame()
+            if self.settings.distributed:  # its other ranks are gone with it: the group stops
+                await self._record_crashes(blamed)
+                raise RuntimeError(f"the worker group's engine process died ({reason}); the group stops and its "
+                                   f"{len(lost)} request(s) go back to the queue")
             log.error("the engine process died; its requests resume on a new one", reason=reason,
                       requests=len(lost), counted_a_crash=sorted(blamed))
             self.totals.count("engine_restarts")
+            await self._record_crashes(blamed)
             for request_id in lost:
-                if request_id in blamed:
-                    await retrying(partial(self.marks.record_crash, request_id), "recording a crash")
                 self.requests.end(request_id, RequestStatus.HANDED_BACK)
             try:
                 await self.engine.start()
@@ -223,6 +226,10 @@ class Worker:
             if self._stop.is_set():  # told to stop while it loaded: the drain's shutdown found none to reach
                 self.engine.shutdown(self.settings.drain_timeout_s)
             intake.retake_own()
+
+    async def _record_crashes(self, blamed: set[str]) -> None:
+        for request_id in sorted(blamed):
+            await retrying(partial(self.marks.record_crash, request_id), "recording a crash")
 
     def _blame(self) -> tuple[list[str], set[str]]:
         """The requests a dead engine process held, and those of them that count a crash

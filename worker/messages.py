@@ -324,10 +324,13 @@ class StepOutput:
 
 def not_started(request: EngineRequest | PoolingRequest, now: float | None = None,
                 reason: FinishReason = "cancelled") -> Outgoing:
-    """The `done` of a request that ends before it was computed: no deltas, no tokens."""
+    """The `done` of a request that ends before it was computed here: no new deltas or
+    tokens (a resumed request's earlier deliveries' text and tokens are its own still)."""
     waited = round(((time.time() if now is None else now) - request.queueing.arrived_at) * 1000.0, 1)
-    done = Done(id=request.id, finish_reason=reason, text="",
-                usage=Usage(request.prompt_size, 0),
+    resume = request.resume if isinstance(request, EngineRequest) else None
+    done = Done(id=request.id, finish_reason=reason, text=resume.text if resume else "",
+                reasoning=(resume.reasoning or None) if resume else None,
+                usage=Usage(request.prompt_size, len(resume.tokens) if resume else 0),
                 timing=Timing(queued_ms=waited, ttft_ms=None, total_ms=waited), metadata=request.queueing.metadata)
     return Outgoing(request.ref, done)
 

@@ -131,6 +131,15 @@ class WorkerSettings(LayeredSettings):
     max_lora_rank: int = Field(64, ge=1, description="the largest adapter rank served")
     max_loaded_adapters: int = Field(32, ge=1, description="adapters kept read in memory, the least recently "
                                      "used read again from disk when next asked for")
+    distributed: Literal["tensor", "pipeline"] | None = Field(
+        None, description="a worker group: the model sharded over the processes mlx.launch starts (each runs "
+        "`mlxq worker` with the same settings; rank 0 is the only Redis client): tensor or pipeline parallel, as "
+        "mlx-lm shards the model's family; unset: one process")
+    group_port: int = Field(47150, ge=1, le=65535, description="in a worker group, the port rank 0's engine "
+                            "process listens on for the other ranks (each step's plan, and their watchdog)")
+    group_stall_s: float = Field(30.0, gt=0, description="in a worker group, how long a rank waits for another "
+                                 "before the group stops (collectives never time out): joining, a step, a "
+                                 "silent rank 0")
     num_draft_tokens: int = Field(4, ge=1, le=16, description="most draft tokens a sequence proposes per step")
     cache_memory_mb: int | None = Field(None, ge=0, description="prefix cache budget in MB (0: off); "
                                         "unset: cache_memory_percent of RAM")
@@ -265,6 +274,20 @@ class WorkerSettings(LayeredSettings):
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
             raise ValueError(f"adapters: {', '.join(twice)} given twice")
+        return self
+
+    @model_validator(mode="after")
+    def _group_on_the_plain_batch(self) -> WorkerSettings:
+        if self.distributed is None:
+            return self
+        refused = [name for name, given in (("prompt_lookup_max", self.prompt_lookup_max),
+                                            ("draft_model", self.draft_model), ("kv_bits", self.kv_bits),
+                                            ("ssd_cache_dir", self.ssd_cache_dir), ("adapters", self.adapters),
+                                            ("max_kv_size", self.max_kv_size), ("models", self.models)) if given]
+        if refused:
+            raise ValueError(f"distributed with {', '.join(refused)}: a worker group runs mlx-lm's plain batch of "
+                             "one model (no speculation, quantized or rotating KV, disk tier, adapters or "
+                             "several models yet); unset one of them")
         return self
 
     @model_validator(mode="after")

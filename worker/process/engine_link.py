@@ -184,7 +184,7 @@ class EngineLink:
         """Kill an engine process that takes no step for `engine_stall_s` while it has
         work: `serve` then reports its death. Asks it for a `Pong` once it is quiet for
         half that, so that a slow but live engine (a long prefill) is not taken for hung."""
-        stall_s = self.settings.engine_stall_s
+        stall_s = self.settings.group_stall_s if self.settings.distributed else self.settings.engine_stall_s
         while True:
             await asyncio.sleep(stall_s / 4)
             if not self.ready.is_set() or not busy():

@@ -63,6 +63,7 @@ from worker.prepare.generation import Preparer
 from worker.prepare.pooling import PoolingPreparer
 from worker.process.channel import BlockingChannel
 from worker.process.engine_link import SOCKET_FD
+from worker.process.group import load_leader
 from worker.settings import Hosting, WorkerSettings
 
 log = structlog.get_logger("mlxq.engine")
@@ -78,7 +79,9 @@ class EngineProcess:
         self.channel = channel
         self.settings = settings
         self.faults = Faults.from_environment()
-        self.engine = Engine(partial(load_model, settings, refusing=hosting.refusal is not None),
+        load = partial(load_leader, settings) if settings.distributed \
+            else partial(load_model, settings, refusing=hosting.refusal is not None)
+        self.engine = Engine(load,
                              SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults)
         self.hosting = hosting

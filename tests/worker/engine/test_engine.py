@@ -180,6 +180,20 @@ def test_cancel_running_and_waiting_requests():
     assert h.backends[0].running == {}
 
 
+def test_a_resumed_request_cancelled_before_it_restarts_keeps_its_earlier_text():
+    """Its stream already holds an earlier delivery's deltas: its `done` says their text and
+    tokens (a reader checks that the deltas add up to it), not nothing."""
+    h = Harness(max_num_seqs=1, step_s=0.01)
+    h.engine.submit(request("running", max_tokens=1000))
+    h.outputs.get(timeout=5)  # "running" holds the only slot
+    earlier = Resume(tokens=[5, 6], text="ab", deltas=2)
+    h.engine.submit(request("resumed", resume=earlier))
+    h.engine.cancel("resumed")
+    h.engine.cancel("running")
+    (done,) = h.events_until_terminal({"running", "resumed"})["resumed"]
+    assert done.finish_reason == "cancelled" and done.text == "ab" and done.usage.completion_tokens == 2
+
+
 def test_a_failing_step_fails_its_batch_and_the_engine_keeps_serving():
     """A step that raises gives each request in the batch one `internal` error; later work completes."""
     h = Harness(max_num_seqs=4, fail_on_step=2)

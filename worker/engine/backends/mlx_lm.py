@@ -7,7 +7,7 @@ its tests see `BatchBackend`, which a fake can implement without a model.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, StopSequences
@@ -16,7 +16,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
 from worker.engine.adapters import AdapterBank
 from worker.engine.adapters.layers import AdapterRows
-from worker.engine.backends.base import Coverage, Loaded, ModelInfo, TokenOut
+from worker.engine.backends.base import BatchBackend, Coverage, Loaded, ModelInfo, TokenOut
 from worker.engine.backends.draft_model import DraftModel
 from worker.engine.backends.prompt_lookup import PromptLookup
 from worker.engine.backends.speculative import Gate, Proposer, SpeculationStats, SpeculativeGenerationBatch
@@ -112,8 +112,9 @@ def upcoming_tokens(generator: Any) -> dict[int, int]:
     return dict(zip(uids, values, strict=True)) if len(values) == len(uids) else {}
 
 
-def load_text_model(settings: WorkerSettings) -> Loaded:
-    """Load model and tokenizer (a local path or a Hugging Face id) through mlx-lm's `load()`."""
+def load_text_model(settings: WorkerSettings, sharded: Sharded | None = None) -> Loaded:
+    """Load model and tokenizer (a local path or a Hugging Face id) through mlx-lm's
+    `load()`, or this process's shard of them (a worker group's rank 0: `sharded`)."""
     from mlx_lm import load
 
     path = settings.model
@@ -121,7 +122,8 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
     if (settings.prompt_lookup_max or settings.draft_model) and settings.max_kv_size is not None:
         raise ValueError(f"{path}: speculative decoding cannot drop rejected drafts from a rotating cache "
                          "(max_kv_size); unset one of them")
-    model, tokenizer, config = load(path, return_config=True)  # type: ignore[misc]
+    model, tokenizer, config = load(path, return_config=True) if sharded is None \
+        else sharded.load(path)  # type: ignore[misc]
     text_config: dict[str, Any] = config.get("text_config", config)  # type: ignore[union-attr,assignment]
     context = text_config.get("max_position_embeddings") or getattr(tokenizer, "model_max_length", 0) or 4096
     info = ModelInfo(name=path, tokenizer=tokenizer,
@@ -130,21 +132,20 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
 
     speculating = bool(settings.prompt_lookup_max or settings.draft_model)
     draft = load_draft(settings.draft_model, tokenizer, info.vocab_size) if settings.draft_model else None
-    adapters = None if speculating or not settings.max_loras else load_adapters(model, settings)
+    adapters = None if speculating or sharded or not settings.max_loras else load_adapters(model, settings)
     # Across backends (one is made anew after a failed step); a test hook can pin it to speculate.
     stats, gate = SpeculationStats(), Gate(adaptive=not Faults.from_environment().always_speculate)
 
-    def make_backend() -> MlxBatchBackend:
+    def make_backend() -> BatchBackend:
+        if sharded is not None:
+            return sharded.backend(plain_backend(model, settings))
         speculative = None
         if speculating:
             proposer: Proposer = PromptLookup(settings.prompt_lookup_max) if draft is None \
                 else DraftModel(draft, info.vocab_size)
             speculative = SpeculativeGenerationBatch.empty(model, greedy_sampler).configure(
                 proposer, settings.num_draft_tokens, set(), stats, gate)
-        return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
-                               prefill_batch_size=settings.prefill_batch_size,
-                               prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size,
-                               speculative=speculative, adapters=adapters)
+        return plain_backend(model, settings, speculative, adapters)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
                   prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
@@ -152,6 +153,28 @@ def load_text_model(settings: WorkerSettings) -> Loaded:
                   memory=mlx_memory, release_memory=mx.clear_cache,
                   speculation=(lambda: {"method": "ngram" if draft is None else "draft_model", **stats.as_json(),
                                         "tok_s": gate.as_json()}) if speculating else None)
+
+
+class Sharded(Protocol):
+    """How a worker group's rank 0 loads its shard and drives its batch in step with the
+    other ranks (`worker.process.group`)."""
+
+    def load(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
+        """This rank's shard of the model, its tokenizer and its config."""
+        ...
+
+    def backend(self, plain: MlxBatchBackend) -> BatchBackend:
+        """The batch the engine drives: `plain`, with each change told to the other ranks."""
+        ...
+
+
+def plain_backend(model: Any, settings: WorkerSettings, speculative: SpeculativeGenerationBatch | None = None,
+                  adapters: AdapterBank | None = None) -> MlxBatchBackend:
+    """mlx-lm's batch, as the settings size it."""
+    return MlxBatchBackend(model, completion_batch_size=settings.completion_batch_size,
+                           prefill_batch_size=settings.prefill_batch_size,
+                           prefill_step_size=settings.prefill_step_size, max_kv_size=settings.max_kv_size,
+                           speculative=speculative, adapters=adapters)
 
 
 def load_adapters(model: Any, settings: WorkerSettings) -> AdapterBank:
