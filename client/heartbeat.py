@@ -68,6 +68,7 @@ class Heartbeat:
     totals: dict[str, int] = field(default_factory=dict)
     last_error: dict[str, Any] | None = None  # {code, message, request_id, at}
     stats: EngineStats | None = None  # the engine's figures (None until its model is loaded)
+    group: dict[str, Any] | None = None  # a worker group's: its mode, its ranks' hosts (rank 0 first)
 
     @property
     def model(self) -> ModelState | None:
@@ -116,7 +117,7 @@ class Heartbeat:
             tok_s=_float(raw.get("tok_s")),
             totals={k: v for k, v in totals.items() if isinstance(v, int)} if isinstance(totals, dict) else {},
             last_error=last_error if isinstance(last_error, dict) else None,
-            stats=EngineStats.from_wire(raw))
+            stats=EngineStats.from_wire(raw), group=group if isinstance(group := raw.get("group"), dict) else None)
 
 
 def _models(raw: dict[str, Any]) -> tuple[ModelState, ...]:

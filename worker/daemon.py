@@ -36,6 +36,7 @@ from worker.fleet.metrics import Metrics
 from worker.fleet.naming import NameTaken
 from worker.messages import EngineReady, Step
 from worker.process.engine_link import EngineFailed, EngineLink
+from worker.process.group_place import GroupPlace
 from worker.queue.cancels import listen_for_cancels
 from worker.queue.fencing import Fencing
 from worker.queue.intake import Intake
@@ -113,7 +114,7 @@ class Worker:
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
         leases = Leases(self.settings, self.membership, self.requests, ready.name, self.totals, self.blas,
-                        ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid)
+                        ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid, self._group())
         try:
             consumer = await leases.claim_name()
         except NameTaken as e:
@@ -230,6 +231,11 @@ class Worker:
     async def _record_crashes(self, blamed: set[str]) -> None:
         for request_id in sorted(blamed):
             await retrying(partial(self.marks.record_crash, request_id), "recording a crash")
+
+    def _group(self) -> dict[str, object] | None:
+        """A worker group's description for the heartbeat (this process is its rank 0)."""
+        place = GroupPlace.from_environment() if self.settings.distributed else None
+        return None if place is None or self.settings.distributed is None else place.describe(self.settings.distributed)
 
     def _blame(self) -> tuple[list[str], set[str]]:
         """The requests a dead engine process held, and those of them that count a crash

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -80,12 +81,17 @@ class Group:
             self.launcher.stdin.close()
 
 
-def start_group(redis_url: str, model: Path, queue: str, mode: str, logs_dir: Path) -> Group:
+def start_group(redis_url: str, model: Path, queue: str, mode: str, logs_dir: Path,
+                rank1_model: Path | None = None) -> Group:
     consumer = f"group-{queue}"
     log_path = logs_dir / f"group-{queue}.log"
     worker = [sys.executable, "-m", "mlxq", "worker", "--redis-url", redis_url, "--model", str(model), "--queue",
               queue, "--consumer", consumer, "--heartbeat-s", "0.5", "--log-format", "json", "--distributed", mode,
               "--group-port", str(free_port()), "--group-stall-s", str(STALL_S)]
+    if rank1_model is not None:  # rank 1 given another model directory than rank 0's
+        swap = (f'a=(); for w in "$@"; do [ "$MLX_RANK" = 1 ] && [ "$w" = "{model}" ] && w="{rank1_model}"; '
+                'a+=("$w"); done; exec "${a[@]}"')
+        worker = ["bash", "-c", swap, "-", *worker]
     launch = [str(Path(sys.executable).parent / "mlx.launch"), "--hosts", "127.0.0.1", "-n", "2", "--backend", "ring",
               "--", *worker]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", "MLXQ_TEST_SLOW_ON_TOKEN": str(HELD[
@@ -101,6 +107,7 @@ def start_group(redis_url: str, model: Path, queue: str, mode: str, logs_dir: Pa
     finally:
         r.close()
     if launcher.poll() is not None:
+        group.stop()
         raise RuntimeError(f"the group did not start:\n{group.log()}")
     return group
 
@@ -157,6 +164,7 @@ def test_a_group_serves_as_one_process_does(valkey, single, r, outputs, logs_dir
         assert logprobs[0] and logprobs[0] == pytest.approx(logprobs[1], abs=1e-3)
         beat = json.loads(r.get(KEYS.worker(group.consumer)))
         assert beat["model"].endswith(family)
+        assert beat["group"] == {"mode": mode, "ranks": 2, "hosts": ["127.0.0.1", "127.0.0.1"]}
     finally:
         group.stop()
     assert group.launcher.returncode == 0, group.log()
@@ -238,6 +246,15 @@ def test_a_group_and_an_ordinary_worker_share_a_queue(valkey, llama, r, outputs,
     finally:
         worker.stop()
         group.stop()
+
+
+def test_a_rank_that_cannot_load_its_shard_stops_the_group_with_the_reason(valkey, llama, tmp_path, logs_dir):
+    broken = tmp_path / "broken"
+    shutil.copytree(llama, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(RuntimeError, match="the group did not start") as refused:
+        start_group(valkey, llama, f"grp{uuid.uuid4().hex[:6]}", "tensor", logs_dir, rank1_model=broken)
+    assert "rank 1 could not load its shard" in str(refused.value)
 
 
 def test_what_a_group_cannot_run_is_refused_at_start():

@@ -31,8 +31,14 @@ def follow(settings: WorkerSettings, place: GroupPlace) -> int:
     """Serve rank 0's plans until it closes; the exit status."""
     assert settings.model is not None and settings.distributed is not None
     group = mx.distributed.init(strict=True)
-    model = shard(settings.model, settings.distributed, group)[0]
     sock = _connect(place, settings)
+    try:
+        model = shard(settings.model, settings.distributed, group)[0]
+    except Exception as e:  # noqa: BLE001 - rank 0 says why the group cannot start
+        log.critical("could not load this rank's shard", rank=place.rank, error=repr(e))
+        send_frame(sock, ["failed", f"{type(e).__name__}: {e}"[:2000]])
+        return 1
+    send_frame(sock, ["loaded"])
     log.info("following rank 0", rank=place.rank, ranks=place.size, mode=settings.distributed)
     shared = tokens_from_rank0(group)
     backend: MlxBatchBackend | None = None

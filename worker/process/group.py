@@ -93,15 +93,21 @@ def shard(path: str, mode: str, group: Any) -> tuple[Any, Any, dict[str, Any]]:
 
 class Followers:
     """Rank 0's connections to the other ranks: the plan goes out on them, and any of them
-    dropping, or failing to take a frame, ends this process (the group cannot go on)."""
+    failing to load, dropping, or failing to take a frame ends this process (the group
+    cannot go on; a rank that failed to load would leave rank 0's own load waiting in its
+    last collective forever)."""
 
     def __init__(self, place: GroupPlace, port: int, stall_s: float) -> None:
         self._stall_s = stall_s
         self._lock = threading.Lock()
         self._sent_at = time.monotonic()
-        self._socks = _accept(place, port, stall_s)
-        for rank, sock in self._socks.items():
-            threading.Thread(target=self._watch, args=(rank, sock), name=f"mlxq-rank{rank}", daemon=True).start()
+        joined = _accept(place, port, stall_s)
+        self._socks = {rank: sock for rank, (sock, _) in joined.items()}
+        for rank, (_, reader) in joined.items():
+            threading.Thread(target=self._watch, args=(rank, reader), name=f"mlxq-rank{rank}", daemon=True).start()
+
+    def start(self) -> None:
+        """Every rank has loaded: from now on, an empty plan whenever the batch is idle."""
         threading.Thread(target=self._keep_alive, name="mlxq-group-keepalive", daemon=True).start()
 
     def send(self, ops: list[Any]) -> None:
@@ -120,20 +126,24 @@ class Followers:
             if time.monotonic() - self._sent_at > self._stall_s / 4:
                 self.send([])
 
-    def _watch(self, rank: int, sock: socket.socket) -> None:
-        """A follower never speaks after its hello: any read returning is its end."""
+    def _watch(self, rank: int, reader: Any) -> None:
+        """A follower says once whether its shard loaded, then nothing: any read after
+        that returning is its end."""
         try:
-            sock.recv(1)
-        except OSError:
+            loaded = receive_frame(reader)
+            if loaded != ["loaded"]:
+                _leave(f"rank {rank} could not load its shard: {loaded[1] if isinstance(loaded, list) else loaded}")
+            receive_frame(reader)
+        except (EOFError, OSError, ValueError):
             pass
         _leave(f"rank {rank} left the group")
 
 
-def _accept(place: GroupPlace, port: int, stall_s: float) -> dict[int, socket.socket]:
-    """Each other rank's connection, told apart by its hello (its rank)."""
+def _accept(place: GroupPlace, port: int, stall_s: float) -> dict[int, tuple[socket.socket, Any]]:
+    """Each other rank's connection and its reader, told apart by its hello (its rank)."""
     server = socket.create_server(("0.0.0.0", port), reuse_port=False)
     server.settimeout(stall_s)
-    joined: dict[int, socket.socket] = {}
+    joined: dict[int, tuple[socket.socket, Any]] = {}
     try:
         while len(joined) < place.size - 1:
             try:
@@ -143,13 +153,17 @@ def _accept(place: GroupPlace, port: int, stall_s: float) -> dict[int, socket.so
                 raise RuntimeError(f"ranks {missing} did not join the group within group_stall_s "
                                    f"({stall_s:g} s)") from None
             sock.settimeout(stall_s)
-            rank = receive_frame(sock.makefile("rb"))
+            reader = sock.makefile("rb")  # the one reader: a second would miss what this one buffered
+            try:
+                rank = receive_frame(reader)
+            except (EOFError, ValueError, OSError, msgpack.UnpackException):
+                rank = None  # not one of ours
             if not isinstance(rank, int) or not 0 < rank < place.size or rank in joined:
                 sock.close()
                 continue
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            joined[rank] = sock
+            joined[rank] = (sock, reader)
     finally:
         server.close()
     return joined
@@ -215,8 +229,9 @@ class LeaderShard:
     def load(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
         self.group = mx.distributed.init(strict=True)
         assert self.settings.distributed is not None
-        loaded = shard(path, self.settings.distributed, self.group)
         self.followers = Followers(self.place, self.settings.group_port, self.settings.group_stall_s)
+        loaded = shard(path, self.settings.distributed, self.group)  # ends in a collective: every rank loaded
+        self.followers.start()
         log.info("worker group joined", ranks=self.place.size, mode=self.settings.distributed)
         return loaded
 

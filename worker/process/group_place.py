@@ -13,8 +13,15 @@ class GroupPlace:
     """This process's place in the group, as `mlx.launch` tells it."""
 
     rank: int
-    size: int
-    leader: str  # rank 0's address
+    hosts: tuple[str, ...]  # each rank's address, rank 0 first
+
+    @property
+    def size(self) -> int:
+        return len(self.hosts)
+
+    @property
+    def leader(self) -> str:
+        return self.hosts[0]
 
     @classmethod
     def from_environment(cls) -> GroupPlace | None:
@@ -24,4 +31,8 @@ class GroupPlace:
             return None
         with open(hostfile) as file:
             hosts = json.load(file)
-        return cls(int(rank), len(hosts), str(hosts[0][0]).rsplit(":", 1)[0])
+        return cls(int(rank), tuple(str(entry[0]).rsplit(":", 1)[0] for entry in hosts))
+
+    def describe(self, mode: str) -> dict[str, object]:
+        """What the heartbeat says of the group."""
+        return {"mode": mode, "ranks": self.size, "hosts": list(self.hosts)}
