@@ -37,13 +37,14 @@ from support import (
 from client import Delta, Done
 
 STALL_S = 5  # group_stall_s: how long a rank waits for another before the group stops
-REQUESTS = [  # greedy, seeded, with a stop string, with logprobs; of different lengths
+REQUESTS = [  # greedy, seeded, with a stop string, with logprobs, constrained; of different lengths
     {"prompt": "Tell me about queues.", "max_tokens": 24},
     {"prompt": "Write a poem", "max_tokens": 40, "temperature": 0.8, "seed": 5},
     {"prompt": "Name the planets", "max_tokens": 12, "temperature": 1.2, "seed": 11, "top_p": 0.9},
     {"prompt": "Count with me", "max_tokens": 30, "stop": [" g"]},
     {"prompt": "Once upon a time", "max_tokens": 16, "logprobs": True, "top_logprobs": 2},
     {"prompt_tokens": [5, 17, 200, 33, 9], "max_tokens": 36, "ignore_eos": True},
+    {"prompt": "Pick one", "max_tokens": 10, "response_format": {"type": "choice", "choices": ["yes", "no", "maybe"]}},
 ]
 
 
