@@ -17,9 +17,10 @@ from typing import Any
 import structlog
 from pydantic import ValidationError
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
 from client.keys import Keys
-from worker.queue.retrying import retrying
+from worker.queue.retrying import describe, is_permission_error, retrying
 from worker.settings import AdapterEntry, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
@@ -52,11 +53,21 @@ def _valid(name: str, path: str) -> bool:
 
 async def follow_adapters(redis: Redis, keys: Keys, settings: WorkerSettings,
                           serve: Callable[[Adapters], None]) -> None:
-    """Have the engine serve the queue's adapters, as they change."""
+    """Have the engine serve the queue's adapters, as they change. Under an ACL that keeps
+    the hash from this worker, it serves its settings' adapters alone (said once)."""
     served = wanted_adapters(settings, {})  # what the engine loaded at start
+    refused = False
     while True:
-        runtime = await retrying(partial(redis.hgetall, keys.adapters(settings.queue)),  # type: ignore[arg-type]
-                                 "reading the queue's adapters")
+        try:
+            runtime = await retrying(partial(redis.hgetall, keys.adapters(settings.queue)),  # type: ignore[arg-type]
+                                     "reading the queue's adapters")
+        except RedisError as e:
+            if not is_permission_error(e):
+                raise
+            if not refused:
+                log.warning("redis refuses the queue's runtime adapters to this worker; it serves its settings' "
+                            "alone", key=keys.adapters(settings.queue), reason=describe(e))
+            refused, runtime = True, {}
         wanted = wanted_adapters(settings, runtime)
         if wanted != served:
             serve(wanted)
