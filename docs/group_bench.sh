@@ -18,7 +18,7 @@ work=$(mktemp -d)
 $bin/mlxq redis --port "$port" --dir "$work" >/dev/null 2>&1 &
 until $bin/python -c "import redis; redis.Redis(port=$port).ping()" 2>/dev/null; do sleep 0.2; done
 running=""
-cleanup() { [ -n "$running" ] && kill "$running" 2>/dev/null; wait 2>/dev/null; $bin/mlxq redis stop --port "$port" >/dev/null 2>&1 || true; rm -rf "$work"; }
+cleanup() { [ -n "$running" ] && kill "$running" 2>/dev/null; $bin/mlxq redis stop --port "$port" >/dev/null 2>&1 || true; wait 2>/dev/null; rm -rf "$work"; }
 trap cleanup EXIT
 ready() { until grep -q '"worker ready"' "$1"; do kill -0 "$running" || { cat "$1"; exit 1; }; sleep 0.2; done; }
 bench() { $bin/mlxq bench --redis-url "$url" --queue "$1" --requests 32 --concurrency 16 --input-len 100 \
@@ -26,11 +26,11 @@ bench() { $bin/mlxq bench --redis-url "$url" --queue "$1" --requests 32 --concur
 for p in $(seq "$pairs"); do
   $bin/python -m mlxq worker --redis-url "$url" --queue one --model "$model" --log-format json >"$work/one.log" 2>&1 &
   running=$!; ready "$work/one.log"; bench one "docs/bench/group-$size-one-$p.json"; kill "$running"; wait "$running" || true
-  sleep 100000 | $bin/mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- "$PWD/$bin/python" -m mlxq worker \
-    --redis-url "$url" --queue group --model "$model" --log-format json --distributed tensor \
-    --group-port $((port + 1)) >"$work/group.log" 2>&1 &  # an open stdin: the launcher spins less
+  setsid bash -c "sleep 100000 | $bin/mlx.launch --hosts 127.0.0.1 -n 2 --backend ring -- $PWD/$bin/python -m mlxq \
+    worker --redis-url $url --queue group --model $model --log-format json --distributed tensor \
+    --group-port $((port + 1))" >"$work/group.log" 2>&1 &  # an open stdin: the launcher spins less
   running=$!; ready "$work/group.log"; bench group "docs/bench/group-$size-group-$p.json"
-  pkill -TERM -f "queue group --model" || true; wait "$running" || true
+  kill -TERM -- -"$running"; wait "$running" || true
 done
 running=""
 $bin/python - "$size" "$pairs" <<'PY'

@@ -57,6 +57,8 @@ from worker.settings import Hosting, WorkerSettings
 
 log = structlog.get_logger("mlxq.worker")
 
+DRAIN_GRACE_S = 10.0  # past the drain deadline, for the engine process to say it stopped
+
 class Worker:
     """One worker: a consumer in the queue's group, with one engine process."""
 
@@ -277,7 +279,13 @@ class Worker:
             return 1
         log.info("draining", held=len(self.requests), drain_timeout_s=self.settings.drain_timeout_s)
         self.engine.shutdown(self.settings.drain_timeout_s)
-        await asyncio.wait([engine])  # it ends with the engine process, once the drain is over
+        # It ends with the engine process, once the drain is over; one that does not (stuck
+        # in a step, in a worker group's collective) is killed, and its requests handed back.
+        done, _ = await asyncio.wait([engine], timeout=self.settings.drain_timeout_s + DRAIN_GRACE_S)
+        if not done:
+            log.error("the engine process did not stop after the drain; killing it", engine_pid=self.engine.pid)
+            self.engine.kill()
+            await asyncio.wait([engine])
         log.info("engine stopped; publishing what is left", events=publisher.outputs.qsize())
         await publisher.outputs.join()
         return 0

@@ -177,6 +177,11 @@ class EngineLink:
         self.adapters = adapters
         self._send(SetAdapters(adapters))
 
+    def kill(self) -> None:
+        """SIGKILL the engine process (`serve` then reports its death)."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 

@@ -170,8 +170,10 @@ def _accept(place: GroupPlace, port: int, stall_s: float) -> dict[int, tuple[soc
 
 
 def _leave(why: str) -> None:
-    log.critical("the worker group cannot go on; this rank exits", reason=why)
-    os._exit(1)
+    try:  # a log whose reader is gone (mlx.launch killed) raises: the exit must not depend on it
+        log.critical("the worker group cannot go on; this rank exits", reason=why)
+    finally:
+        os._exit(1)
 
 
 class GroupBackend:
