@@ -143,7 +143,7 @@ def main() -> None:
     engine.start()
     engine.wait_ready(60)
     spare = loaded.make_backend()  # the loaded model, for raw BatchGenerator beside the engine's
-    model = spare._generator.model
+    model = spare._model  # the model itself, not the adapters' wrapper the batch calls
     spare.close()
     requests = args.requests or (6 if args.concurrency == 1 else 3 * args.concurrency)
     warm_up = Workload(requests=2, output_len=8, seed=1).plan()
