@@ -151,7 +151,8 @@ def text_of(events: list) -> str:
 @pytest.mark.parametrize(("family", "mode"), [("llama", "tensor"), ("qwen2", "pipeline")])
 def test_a_group_serves_as_one_process_does(valkey, single, r, outputs, logs_dir, family, mode, request):
     """Greedy, seeded and sampled rows, stop strings and logprobs, joining and leaving at
-    different steps: the group's tokens and logprobs are the single worker's."""
+    different steps, prompts reusing cached prefixes, a cancel: the group's tokens and
+    logprobs are the single worker's."""
     group = start_group(valkey, request.getfixturevalue(family), f"grp{uuid.uuid4().hex[:6]}", mode, logs_dir)
     try:
         grouped = run_all(r, outputs, group.queue, REQUESTS)
@@ -163,28 +164,40 @@ def test_a_group_serves_as_one_process_does(valkey, single, r, outputs, logs_dir
         logprobs = [[lp.logprob for d in e[4] if isinstance(d, Delta) for lp in d.logprobs or []]
                     for e in (grouped, alone)]
         assert logprobs[0] and logprobs[0] == pytest.approx(logprobs[1], abs=1e-3)
+        assert_prefixes_reused_as_one_process_does(r, outputs, group.queue, single[family].queue, grouped)
+        assert_a_cancel_stops_a_row(r, outputs, group.queue)
         beat = json.loads(r.get(KEYS.worker(group.consumer)))
         assert beat["model"].endswith(family)
         assert beat["group"] == {"mode": mode, "ranks": 2, "hosts": ["127.0.0.1", "127.0.0.1"]}
+        wait_for(lambda: json.loads(r.get(KEYS.worker(group.consumer)))["prefix_cache"]["hits"] >= 2,
+                 what="the heartbeat counting the group's prefix cache hits")
     finally:
         group.stop()
     assert group.launcher.returncode == 0, group.log()
 
 
-def test_a_cancel_stops_a_row_of_the_group(valkey, llama, r, outputs, logs_dir):
-    group = start_group(valkey, llama, f"grp{uuid.uuid4().hex[:6]}", "tensor", logs_dir)
-    try:
-        held = f"held-{uuid.uuid4().hex[:8]}"
-        xadd_json(r, group.queue, held, HELD)
-        wait_for_deltas(r, wait_for(lambda: output_stream(r, held), what="the held output"), [held])
-        r.set(KEYS.cancel_flag(group.queue, held), 1, ex=60)
-        r.publish(KEYS.cancel_channel(group.queue), held)
-        assert check_stream(outputs.of(held)).finish_reason == "cancelled"
-        after = f"after-{uuid.uuid4().hex[:8]}"
-        xadd_json(r, group.queue, after, REQUESTS[0])
-        assert isinstance(check_stream(outputs.of(after)), Done)
-    finally:
-        group.stop()
+def assert_prefixes_reused_as_one_process_does(r, outputs, queue: str, reference: str, earlier: list[list]) -> None:
+    """Rank 0's prefix cache decides for every rank: a prompt repeated (all but its last
+    token reused) and one that extends part of a finished sequence (its cache cut) are
+    prefilled from each rank's own shard of the entry."""
+    extended = REQUESTS[5]["prompt_tokens"] + tokens_of(earlier[5])[:20] + [7, 8]
+    again = [REQUESTS[0], {"prompt_tokens": extended, "max_tokens": 16, "ignore_eos": True}]
+    grouped, alone = ([outputs.of(i, timeout=90) for i in _sent(r, q, again)] for q in (queue, reference))
+    assert [tokens_of(e) for e in grouped] == [tokens_of(e) for e in alone]
+    cached = [check_stream(e).usage.cached_tokens for e in grouped]
+    assert cached[0] > 0 and cached[1] == len(REQUESTS[5]["prompt_tokens"]) + 20, cached
+
+
+def assert_a_cancel_stops_a_row(r, outputs, queue: str) -> None:
+    held = f"held-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, held, HELD)
+    wait_for_deltas(r, wait_for(lambda: output_stream(r, held), what="the held output"), [held])
+    r.set(KEYS.cancel_flag(queue, held), 1, ex=60)
+    r.publish(KEYS.cancel_channel(queue), held)
+    assert check_stream(outputs.of(held)).finish_reason == "cancelled"
+    after = f"after-{uuid.uuid4().hex[:8]}"
+    xadd_json(r, queue, after, REQUESTS[0])
+    assert isinstance(check_stream(outputs.of(after)), Done)
 
 
 @pytest.mark.parametrize("rank", [1, 0])
@@ -256,6 +269,21 @@ def test_a_rank_that_cannot_load_its_shard_stops_the_group_with_the_reason(valke
     with pytest.raises(RuntimeError, match="the group did not start") as refused:
         start_group(valkey, llama, f"grp{uuid.uuid4().hex[:6]}", "tensor", logs_dir, rank1_model=broken)
     assert "rank 1 could not load its shard" in str(refused.value)
+
+
+def test_a_rank_that_never_starts_stops_rank_0_with_the_reason(valkey, llama, tmp_path):
+    """Joining the group would wait for rank 1 forever: rank 0 waits group_stall_s for its
+    hello, then its worker exits saying which ranks are missing."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps([[f"127.0.0.1:{free_port()}"], [f"127.0.0.1:{free_port()}"]]))
+    worker = subprocess.run([sys.executable, "-m", "mlxq", "worker", "--redis-url", valkey, "--model", str(llama),
+                             "--queue", f"grp{uuid.uuid4().hex[:6]}", "--distributed", "tensor",
+                             "--group-port", str(free_port()), "--group-stall-s", "1"],
+                            cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1", "MLX_RANK": "0",
+                                           "MLX_HOSTFILE": str(hostfile)},
+                            capture_output=True, text=True, timeout=120)
+    assert worker.returncode != 0
+    assert "ranks [1] did not join the group within group_stall_s (1 s)" in worker.stdout + worker.stderr
 
 
 def test_what_a_group_cannot_run_is_refused_at_start():

@@ -225,8 +225,7 @@ class EngineCore:
         of its prompt (kept under `salt`) if there is one."""
         prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
         cache = self.loaded.prefix_cache
-        hit = cache.fetch(prompt, salt) if cache is not None else None
-        cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
+        cached = cache.fetch(prompt, salt) if cache is not None else None
         processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
                                              request.stopping.stop_tokens, request.stopping.min_tokens)
         guide = None
@@ -245,10 +244,10 @@ class EngineCore:
                 self.guides.discard(guide)  # its bitmask row goes back
             raise
         if cache is not None:
-            cache.count(hit)
+            cache.count(cached)
         if guide is not None:
             self.guides.attach(uid, guide)
-        output.cached_tokens = 0 if hit is None else hit.reused
+        output.cached_tokens = 0 if cached is None else len(cached.tokens)
         return uid
 
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
@@ -276,7 +275,7 @@ def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str]]
         return
     for coverage, salt in finished:
         try:
-            cache.store(coverage.tokens, coverage.cache, salt)
+            cache.store(coverage, salt)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
             log.warning("could not keep a prompt cache", error=repr(e))
 

@@ -13,6 +13,10 @@ engine thread only.
 A request's `cache_salt` (vLLM's) is a namespace: it hits only what requests of the same
 salt stored, so a tenant cannot learn from the time to its first token what another
 tenant's prompts held.
+
+In a worker group, rank 0's cache decides for every rank: each entry has an id, and a
+`Mirror` hears which finished batch row each new entry was kept from and which entries
+left, so the other ranks keep and drop their own shards of the same entries.
 """
 
 from __future__ import annotations
@@ -20,12 +24,13 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
 from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_cache
 
 from client.engine_stats import CacheStats
+from worker.engine.coverage import Coverage
 
 MODEL = "model"  # the trie's namespace (with the salt): one model per worker
 
@@ -35,29 +40,35 @@ class _Key(NamedTuple):
     tokens: tuple[int, ...]
 
 
-@dataclass
-class Hit:
-    """A copy of a stored cache covering the first `reused` tokens of a prompt."""
+class Mirror(Protocol):
+    """Copies of the entries kept elsewhere (a worker group's other ranks)."""
 
-    cache: list[Any]
-    reused: int
+    def keep(self, row: int, entry: int) -> None:
+        """Keep the cache of the batch row `row`, which just finished, as entry `entry`."""
+        ...
+
+    def forget(self, entry: int) -> None: ...
 
 
 @dataclass
 class _Entry:
     cache: list[Any]
     nbytes: int
+    id: int
 
 
 class PrefixCache:
     """Stored KV caches keyed by the tokens they cover, under a byte and an entry budget."""
 
-    def __init__(self, max_bytes: int, max_entries: int, min_common_prefix: int = 8) -> None:
+    def __init__(self, max_bytes: int, max_entries: int, min_common_prefix: int = 8,
+                 mirror: Mirror | None = None) -> None:
         self.max_bytes = max_bytes
         self.max_entries = max_entries
         self.min_common_prefix = min_common_prefix  # below this, a partial match is not worth a copy
         self._trie = PromptTrie()
         self._entries: OrderedDict[_Key, _Entry] = OrderedDict()  # LRU order: oldest first
+        self._mirror = mirror
+        self._last_id = 0
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -70,9 +81,9 @@ class PrefixCache:
         return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes,
                           capacity=self.max_entries, refused=self.refused)
 
-    def fetch(self, tokens: list[int], salt: str = "") -> Hit | None:
-        """The longest reusable cached prefix of `tokens` (at most all but the last token)
-        that requests of the same `salt` stored."""
+    def fetch(self, tokens: list[int], salt: str = "") -> Coverage | None:
+        """A copy of the longest reusable cached prefix of `tokens` (at most all but the
+        last token) that requests of the same `salt` stored."""
         found = self._trie.search((MODEL, salt), tokens)
         candidates = []  # (stored key, tokens reused)
         if found.exact is not None:
@@ -88,46 +99,50 @@ class PrefixCache:
                 return hit
         return None
 
-    def count(self, hit: Hit | None) -> None:
+    def count(self, hit: Coverage | None) -> None:
         """Record a lookup's outcome, once its cache was actually used (or not)."""
         if hit is None:
             self.misses += 1
         else:
             self.hits += 1
 
-    def store(self, tokens: list[int], cache: list[Any], salt: str = "") -> bool:
-        """Keep a detached copy of `cache`, which covers exactly `tokens`, for requests of
-        `salt`; False if refused."""
-        if not tokens or self.max_bytes <= 0 or self.max_entries <= 0:
-            return False
-        detached = _detached(cache)
+    def store(self, finished: Coverage, salt: str = "") -> int | None:
+        """Keep a detached copy of a finished sequence's cache for requests of `salt`; the
+        new entry's id (from 1), None if refused."""
+        tokens = finished.tokens
+        if not tokens or self.max_bytes <= 0 or self.max_entries <= 0 or \
+                (self._mirror is not None and finished.row is None):
+            return None
+        detached = detached_cache(finished.cache)
         nbytes = sum(c.nbytes for c in detached)
         if nbytes > self.max_bytes:
             self.refused += 1
-            return False
+            return None
         key = _Key(salt, tuple(tokens))
         self._drop(key)
         while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
             self._drop(next(iter(self._entries)))
+        self._last_id += 1
         self._trie.add((MODEL, salt), tokens, key.tokens)
-        self._entries[key] = _Entry(detached, nbytes)
+        self._entries[key] = _Entry(detached, nbytes, self._last_id)
         self.nbytes += nbytes
+        if self._mirror is not None:
+            assert finished.row is not None
+            self._mirror.keep(finished.row, self._last_id)
         if can_trim_prompt_cache(detached):  # a stored prefix of this key is now redundant
             for prefix_len, _ in self._trie.pop_prefixes((MODEL, salt), tokens):
                 self._forget(_Key(salt, key.tokens[:prefix_len]))
-        return True
+        return self._last_id
 
-    def _copy(self, key: _Key, reused: int) -> Hit | None:
+    def _copy(self, key: _Key, reused: int) -> Coverage | None:
         entry = self._entries.get(key)
         if entry is None or reused < 1:
             return None
-        cache = copy.deepcopy(entry.cache)
-        if reused < len(key.tokens):
-            if not can_trim_prompt_cache(cache):
-                return None  # e.g. a rotating cache: a full prefill instead
-            trim_prompt_cache(cache, len(key.tokens) - reused)
+        cache = prefix_copy(entry.cache, len(key.tokens), reused)
+        if cache is None:
+            return None
         self._entries.move_to_end(key)
-        return Hit(cache, reused)
+        return Coverage(cache, list(key.tokens[:reused]), entry=entry.id)
 
     def _drop(self, key: _Key) -> None:
         if key in self._entries:
@@ -138,9 +153,22 @@ class PrefixCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            if self._mirror is not None:
+                self._mirror.forget(entry.id)
 
 
-def _detached(cache: list[Any]) -> list[Any]:
+def prefix_copy(cache: list[Any], covered: int, reused: int) -> list[Any] | None:
+    """A copy of `cache` (which covers `covered` tokens) cut to its first `reused`; None
+    if it cannot be cut (e.g. a rotating cache: a full prefill instead)."""
+    copied = copy.deepcopy(cache)
+    if reused < covered:
+        if not can_trim_prompt_cache(copied):
+            return None
+        trim_prompt_cache(copied, covered - reused)
+    return copied
+
+
+def detached_cache(cache: list[Any]) -> list[Any]:
     """A copy whose arrays hold just the covered tokens and share no buffer with the batch."""
     detached = []
     for layer in cache:

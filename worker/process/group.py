@@ -4,11 +4,13 @@ pipeline parallel), on one Mac or several, fed from the queue by rank 0.
 Every rank runs `mlxq worker` under `mlx.launch`. Rank 0 is an ordinary worker (the only
 Redis client); its engine process holds shard 0 and drives the batch. The other ranks
 (`worker.process.follower`) hold their shards and replay rank 0's batch: each step, rank
-0 sends them what changed (sequences inserted and removed, the step's prefill plan) over
-a TCP connection of their own, and every rank then runs the same step, the shards
-meeting in the model's collectives. Only rank 0 samples: its sampler's tokens are summed
-with the followers' zeros (`all_sum`), so every rank feeds the same next tokens, and
-logits processors, seeds, stop checks and detokenizing stay rank 0's alone.
+0 sends them what changed (sequences inserted and removed, the step's prefill plan, the
+prefix cache entries kept, reused and dropped) over a TCP connection of their own, and
+every rank then runs the same step, the shards meeting in the model's collectives.
+Each rank keeps its own shard of every prefix cache entry; rank 0's cache decides. Only
+rank 0 samples: its sampler's tokens are summed with the followers' zeros (`all_sum`),
+so every rank feeds the same next tokens, and logits processors, seeds, stop checks and
+detokenizing stay rank 0's alone.
 
 The plan connection is also the group's watchdog: collectives never time out, so a rank
 that sees its peer's connection drop, or hears nothing for `group_stall_s`, exits at
@@ -32,6 +34,7 @@ from mlx_lm.sample_utils import LogitsProcessor, Sampler, greedy_sampler
 
 from worker.engine.backends import Coverage, Loaded, TokenOut, is_vision_model, task_of
 from worker.engine.backends.mlx_lm import MlxBatchBackend, load_text_model
+from worker.engine.prefix_cache import detached_cache, prefix_copy
 from worker.engine.scheduler import StepPlan
 from worker.messages import PreparedMedia
 from worker.process.group_place import GroupPlace
@@ -180,58 +183,63 @@ class GroupBackend:
     """`BatchBackend` on rank 0: its own batch, with each change and step told to the
     other ranks before the step runs there and here."""
 
-    def __init__(self, plain: MlxBatchBackend, followers: Followers, group: Any) -> None:
+    def __init__(self, plain: MlxBatchBackend, shard: LeaderShard) -> None:
         self._plain = plain
-        self._followers = followers
-        self._group = group
-        self._greedy = tokens_for_all(greedy_sampler, group)
-        self._ops: list[Any] = []
+        self._shard = shard
+        self._greedy = tokens_for_all(greedy_sampler, shard.group)
 
     def insert(self, prompt: list[int], max_tokens: int, sampler: Sampler,
                logits_processors: list[LogitsProcessor], cached: Coverage | None = None,
                media: PreparedMedia | None = None, logprobs: bool = False, speculative: bool = True,
                cache_salt: str = "", adapter: int = 0) -> int:
-        assert cached is None and media is None and not adapter, "a group keeps no caches, media or adapters"
+        assert media is None and not adapter, "a group serves no media or adapters"
+        assert cached is None or cached.entry is not None, "a reused cache comes from the prefix cache"
         shared = sampler is greedy_sampler  # the same object for every greedy row, as on the other ranks
-        uid = self._plain.insert(prompt, max_tokens, self._greedy if shared else tokens_for_all(sampler, self._group),
-                                 logits_processors, logprobs=logprobs)
-        self._ops.append(["insert", prompt, max_tokens, GREEDY if shared else f"row{uid}"])
+        uid = self._plain.insert(prompt, max_tokens,
+                                 self._greedy if shared else tokens_for_all(sampler, self._shard.group),
+                                 logits_processors, cached, logprobs=logprobs)
+        reused = None if cached is None else [cached.entry, len(cached.tokens)]
+        self._shard.ops.append(["insert", prompt, max_tokens, GREEDY if shared else f"row{uid}", reused])
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         uids = list(uids)
-        self._ops.append(["remove", uids])
-        self._plain.remove(uids)
-        return {}
+        self._shard.ops.append(["remove", uids, keep_caches])
+        return self._plain.remove(uids, keep_caches)
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
-        self._ops.append(["step", plan.prefill_chunk, plan.prefill_prompts])
-        self._followers.send(self._ops)
-        self._ops = []
+        self._shard.ops.append(["step", plan.prefill_chunk, plan.prefill_prompts])
+        self._shard.send_ops()
         return self._plain.step(plan)
 
     def upcoming_tokens(self) -> dict[int, int]:
         return self._plain.upcoming_tokens()
 
     def close(self) -> None:
-        self._followers.send([["close"]])
+        self._shard.ops.append(["close"])
+        self._shard.send_ops()
         self._plain.close()
 
 
 class LeaderShard:
-    """`Sharded` for rank 0's engine process: joins the group, loads shard 0, waits for
-    the other ranks to connect."""
+    """`Sharded` for rank 0's engine process: waits for the other ranks to say hello,
+    joins the group with them, loads shard 0; then collects what the other ranks must
+    replay (the batch's changes, the prefix cache's decisions: it is the cache's
+    `Mirror`) and sends it before each step."""
 
     def __init__(self, settings: WorkerSettings, place: GroupPlace) -> None:
         self.settings = settings
         self.place = place
         self.group: Any = None
         self.followers: Followers | None = None
+        self.ops: list[Any] = []  # what the other ranks replay before the next step
 
     def load(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
+        # Every rank says hello first (or the load fails within group_stall_s): joining
+        # the group blocks this process, unbounded, until every rank joins.
+        self.followers = Followers(self.place, self.settings.group_port, self.settings.group_stall_s)
         self.group = mx.distributed.init(strict=True)
         assert self.settings.distributed is not None
-        self.followers = Followers(self.place, self.settings.group_port, self.settings.group_stall_s)
         loaded = shard(path, self.settings.distributed, self.group)  # ends in a collective: every rank loaded
         self.followers.start()
         log.info("worker group joined", ranks=self.place.size, mode=self.settings.distributed)
@@ -239,30 +247,80 @@ class LeaderShard:
 
     def backend(self, plain: MlxBatchBackend) -> GroupBackend:
         assert self.followers is not None, "loaded first"
-        return GroupBackend(plain, self.followers, self.group)
+        return GroupBackend(plain, self)
+
+    def keep(self, row: int, entry: int) -> None:
+        self.ops.append(["keep", row, entry])
+
+    def forget(self, entry: int) -> None:
+        self.ops.append(["forget", entry])
+
+    def send_ops(self) -> None:
+        assert self.followers is not None, "loaded first"
+        self.followers.send(self.ops)
+        self.ops = []
 
 
-def replay(ops: list[Any], backend: MlxBatchBackend | None, new_backend: Callable[[], MlxBatchBackend],
-           sampler_for: Callable[[str], Sampler]) -> MlxBatchBackend | None:
-    """Apply one plan from rank 0 to a follower's batch (made anew after a `close`)."""
-    for op in ops:
-        kind = op[0]
-        if kind == "close":
-            if backend is not None:
-                backend.close()
-            backend = None
-            continue
-        backend = backend or new_backend()
-        if kind == "insert":
-            _, prompt, max_tokens, key = op
-            backend.insert(prompt, max_tokens, sampler_for(key), [])
-        elif kind == "remove":
-            backend.remove(op[1])
-        elif kind == "step":
-            backend.step(StepPlan(op[1], op[2]))
-        else:
-            raise ValueError(f"unknown plan step {kind!r}")
-    return backend
+class Replica:
+    """A follower's batch and its shards of rank 0's prefix cache entries, changed only
+    as rank 0's plans say. The batch is made anew after a `close`; the entries last."""
+
+    def __init__(self, new_backend: Callable[[], MlxBatchBackend], sampler_for: Callable[[str], Sampler]) -> None:
+        self._new_backend = new_backend
+        self._sampler_for = sampler_for
+        self._backend: MlxBatchBackend | None = None
+        self._finished: dict[int, Coverage] = {}  # the last step's finished rows, until rank 0 says which to keep
+        self._entries: dict[int, Coverage] = {}
+        self._ops: dict[str, Callable[..., None]] = {
+            "insert": self._insert, "remove": self._remove, "step": self._step, "close": self._close,
+            "keep": self._keep, "forget": self._forget}
+
+    @property
+    def idle(self) -> bool:
+        """Whether no batch is open (before the first plan, or after a `close`)."""
+        return self._backend is None
+
+    def apply(self, ops: list[Any]) -> None:
+        """Apply one plan from rank 0."""
+        for kind, *args in ops:
+            if kind not in self._ops:
+                raise ValueError(f"unknown plan step {kind!r}")
+            self._ops[kind](*args)
+
+    def _batch(self) -> MlxBatchBackend:
+        self._backend = self._backend or self._new_backend()
+        return self._backend
+
+    def _insert(self, prompt: list[int], max_tokens: int, key: str, reused: list[int] | None) -> None:
+        cached = None
+        if reused is not None:
+            entry, count = reused
+            stored = self._entries[entry]  # rank 0 forgets no entry before this insert
+            cache = prefix_copy(stored.cache, len(stored.tokens), count)
+            assert cache is not None, "rank 0 cut the same cache"
+            cached = Coverage(cache, stored.tokens[:count])
+        self._batch().insert(prompt, max_tokens, self._sampler_for(key), [], cached)
+
+    def _remove(self, uids: list[int], keep_caches: bool) -> None:
+        self._finished.update(self._batch().remove(uids, keep_caches))
+
+    def _step(self, prefill_chunk: int, prefill_prompts: int) -> None:
+        tokens = self._batch().step(StepPlan(prefill_chunk, prefill_prompts))
+        # Rank 0 has said which of the last step's to keep: this step's replace them.
+        self._finished = {t.uid: t.coverage for t in tokens if t.coverage is not None}
+
+    def _keep(self, row: int, entry: int) -> None:
+        finished = self._finished.pop(row)
+        self._entries[entry] = Coverage(detached_cache(finished.cache), finished.tokens)
+
+    def _forget(self, entry: int) -> None:
+        del self._entries[entry]
+
+    def _close(self) -> None:
+        if self._backend is not None:
+            self._backend.close()
+        self._backend = None
+        self._finished = {}
 
 
 def load_leader(settings: WorkerSettings) -> Loaded:
@@ -276,5 +334,4 @@ def load_leader(settings: WorkerSettings) -> Loaded:
     if is_vision_model(settings.model) or task_of(settings) != "generate":
         raise RuntimeError(f"distributed: {settings.model} is not a text generation model; a worker group shards "
                            "text models through mlx-lm")
-    # Each rank would need the same prefix cache entries of its own shard: not yet.
-    return load_text_model(settings.model_copy(update={"cache_memory_mb": 0}), LeaderShard(settings, place))
+    return load_text_model(settings, LeaderShard(settings, place))

@@ -34,9 +34,9 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
     """Greedy tokens, the finished sequence's cache, and how many prompt tokens came from `cache`."""
     net, tokenizer = model
     backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=2048)
-    hit = cache.fetch(prompt) if cache else None
-    cached = None if hit is None else Coverage(hit.cache, prompt[: hit.reused])
-    uid = backend.insert(prompt[hit.reused:] if hit else prompt, max_tokens, build_sampler(GREEDY),
+    cached = cache.fetch(prompt) if cache else None
+    reused = 0 if cached is None else len(cached.tokens)
+    uid = backend.insert(prompt[reused:], max_tokens, build_sampler(GREEDY),
                          build_logits_processors(GREEDY), cached)
     tokens: list[int] = []
     while True:
@@ -46,7 +46,7 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
             if out.finish_reason is not None:
                 backend.close()
                 assert out.coverage is not None
-                return tokens, out.coverage, 0 if hit is None else hit.reused
+                return tokens, out.coverage, reused
 
 
 def snapshot(cache: PrefixCache) -> list[np.ndarray]:
@@ -61,7 +61,7 @@ def test_identical_prompt_reuses_all_but_one_token_and_matches_cold(model):
     assert cache.fetch(PROMPT) is None, "miss first"
     cold, coverage, _ = generate(model, PROMPT)
     assert coverage.tokens == PROMPT + cold, "a finished sequence's cache covers its prompt and every token made"
-    assert cache.store(coverage.tokens, coverage.cache)
+    assert cache.store(coverage)
     (entry,) = cache._entries.values()
     assert entry.cache[0].offset == len(coverage.tokens), "the key is exactly what the cache covers"
     warm, _, reused = generate(model, PROMPT, cache=cache)
@@ -74,12 +74,12 @@ def test_a_cache_salt_hits_only_what_requests_of_that_salt_stored(model):
     the byte budget still holds every salt's entries together."""
     _, coverage, _ = generate(model, PROMPT)
     cache = PrefixCache(max_bytes=10**9, max_entries=2)
-    assert cache.store(coverage.tokens, coverage.cache, "team-a")
+    assert cache.store(coverage, "team-a")
     assert cache.fetch(PROMPT, "team-b") is None and cache.fetch(PROMPT) is None
     hit = cache.fetch(PROMPT, "team-a")
-    assert hit is not None and hit.reused == len(PROMPT) - 1
-    cache.store(coverage.tokens, coverage.cache, "team-b")
-    cache.store(coverage.tokens, coverage.cache)  # a third entry: the oldest (team-a's) goes
+    assert hit is not None and len(hit.tokens) == len(PROMPT) - 1
+    cache.store(coverage, "team-b")
+    cache.store(coverage)  # a third entry: the oldest (team-a's) goes
     assert len(cache) == 2 and cache.fetch(PROMPT, "team-a") is None
     assert cache.fetch(PROMPT, "team-b") is not None and cache.fetch(PROMPT) is not None
 
@@ -87,7 +87,7 @@ def test_a_cache_salt_hits_only_what_requests_of_that_salt_stored(model):
 def test_extended_and_divergent_prompts_reuse_the_common_prefix(model):
     cache = PrefixCache(max_bytes=10**9, max_entries=10)
     _, coverage, _ = generate(model, PROMPT)
-    cache.store(coverage.tokens, coverage.cache)
+    cache.store(coverage)
     extended = coverage.tokens + [7, 8, 9]
     cold, _, _ = generate(model, extended)
     warm, _, reused = generate(model, extended, cache=cache)
@@ -104,7 +104,7 @@ def test_a_short_prompt_is_cached_too(model):
     cache = PrefixCache(max_bytes=10**9, max_entries=10)
     short = [300, 301, 302]
     cold, coverage, _ = generate(model, short, max_tokens=1)
-    cache.store(coverage.tokens, coverage.cache)
+    cache.store(coverage)
     warm, _, reused = generate(model, short, max_tokens=1, cache=cache)
     assert reused == 2 and warm == cold
 
@@ -112,7 +112,7 @@ def test_a_short_prompt_is_cached_too(model):
 def test_a_stored_entry_is_unchanged_by_the_request_that_reuses_it(model):
     cache = PrefixCache(max_bytes=10**9, max_entries=10)
     _, coverage, _ = generate(model, PROMPT)
-    cache.store(coverage.tokens, coverage.cache)
+    cache.store(coverage)
     before = snapshot(cache)
     generate(model, coverage.tokens + [1, 2, 3], max_tokens=40, cache=cache)  # decodes 40 tokens on top of it
     assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache), strict=True))
@@ -124,28 +124,56 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_cannot_fit(model
         _, coverage, _ = generate(model, list(range(start, start + 20)), max_tokens=2)
         entries.append(coverage)
     size = PrefixCache(10**9, 10)
-    size.store(entries[0].tokens, entries[0].cache)
+    size.store(entries[0])
     one = size.nbytes
     cache = PrefixCache(max_bytes=2 * one, max_entries=10)
-    cache.store(entries[0].tokens, entries[0].cache)
-    cache.store(entries[1].tokens, entries[1].cache)
+    cache.store(entries[0])
+    cache.store(entries[1])
     assert cache.fetch(entries[0].tokens) is not None  # entry 0 is now the most recently used
-    cache.store(entries[2].tokens, entries[2].cache)
+    cache.store(entries[2])
     assert cache.fetch(entries[1].tokens) is None, "the least recently used went"
     assert cache.fetch(entries[0].tokens) is not None and cache.fetch(entries[2].tokens) is not None
     tiny = PrefixCache(max_bytes=one - 1, max_entries=10)
-    assert not tiny.store(entries[0].tokens, entries[0].cache)
+    assert not tiny.store(entries[0])
     assert tiny.refused == 1 and len(tiny) == 0
     few = PrefixCache(max_bytes=10 * one, max_entries=1)
-    few.store(entries[0].tokens, entries[0].cache)
-    few.store(entries[1].tokens, entries[1].cache)
+    few.store(entries[0])
+    few.store(entries[1])
     assert len(few) == 1 and few.fetch(entries[1].tokens) is not None
+
+
+class Recorded:
+    """A worker group's other ranks, as rank 0's cache tells them what to keep and drop."""
+
+    def __init__(self) -> None:
+        self.told: list[tuple] = []
+
+    def keep(self, row: int, entry: int) -> None:
+        self.told.append(("keep", row, entry))
+
+    def forget(self, entry: int) -> None:
+        self.told.append(("forget", entry))
+
+
+def test_a_mirror_hears_each_entry_kept_and_dropped_and_hits_name_their_entry(model):
+    """The other ranks of a group keep their shards of exactly rank 0's entries."""
+    entries = [generate(model, list(range(start, start + 20)), max_tokens=2)[1] for start in (400, 500)]
+    mirror = Recorded()
+    cache = PrefixCache(max_bytes=10**9, max_entries=1, mirror=mirror)
+    rowless = Coverage(entries[0].cache, entries[0].tokens)
+    assert cache.store(rowless) is None, "a cache no row can be named for is not kept where others copy it"
+    first, second = (Coverage(e.cache, e.tokens, row=row) for row, e in ((7, entries[0]), (9, entries[1])))
+    assert cache.store(first) == 1
+    hit = cache.fetch(first.tokens + [3])
+    assert hit is not None and hit.entry == 1 and hit.tokens == first.tokens
+    assert cache.store(second) == 2  # one entry at most: the first goes
+    assert mirror.told == [("keep", 7, 1), ("forget", 1), ("keep", 9, 2)]
 
 
 def test_hits_count_only_when_used(model):
     cache = PrefixCache(max_bytes=10**9, max_entries=10)
     _, coverage, _ = generate(model, PROMPT)
-    cache.store(coverage.tokens, coverage.cache)
+    cache.store(coverage)
     cache.fetch(PROMPT)
     assert (cache.hits, cache.misses) == (0, 0)
     generate(model, PROMPT, cache=cache)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from client.engine_stats import CacheStats
 from client.protocol import Task
+from worker.engine.coverage import Coverage
 from worker.messages import PoolInput
 
 if TYPE_CHECKING:
@@ -22,14 +23,6 @@ if TYPE_CHECKING:
     from worker.messages import PreparedMedia
 
 VISION_EXTRA = "pip install '.[worker,vision]' in the mlxq checkout"
-
-
-@dataclass(frozen=True)
-class Coverage:
-    """A sequence's KV cache and exactly the tokens it covers (prompt and generated)."""
-
-    cache: list[Any]
-    tokens: list[int]
 
 
 @dataclass(frozen=True)

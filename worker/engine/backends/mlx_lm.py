@@ -20,7 +20,7 @@ from worker.engine.backends.base import BatchBackend, Coverage, Loaded, ModelInf
 from worker.engine.backends.draft_model import DraftModel
 from worker.engine.backends.prompt_lookup import PromptLookup
 from worker.engine.backends.speculative import Gate, Proposer, SpeculationStats, SpeculativeGenerationBatch
-from worker.engine.prefix_cache import PrefixCache
+from worker.engine.prefix_cache import Mirror, PrefixCache
 from worker.engine.sampling import warm_up
 from worker.engine.scheduler import StepPlan
 from worker.faults import Faults
@@ -76,7 +76,7 @@ class MlxBatchBackend:
         if self._speculative is not None:
             self._speculative.eligible.difference_update(uids)
         caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
-        return {uid: self._coverage(cache, tokens) for uid, (cache, tokens) in (caches or {}).items()}
+        return {uid: self._coverage(uid, cache, tokens) for uid, (cache, tokens) in (caches or {}).items()}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
@@ -84,14 +84,14 @@ class MlxBatchBackend:
         if self._speculative is not None:  # finished sequences leave the batch by themselves
             self._speculative.eligible.difference_update(r.uid for r in generated if r.finish_reason)
         return [TokenOut(r.uid, r.token, r.finish_reason,
-                         None if r.prompt_cache is None else self._coverage(r.prompt_cache, r.all_tokens),
+                         None if r.prompt_cache is None else self._coverage(r.uid, r.prompt_cache, r.all_tokens),
                          logprobs=r.logprobs)
                 for r in generated]
 
-    def _coverage(self, cache: list[Any], tokens: list[int]) -> Coverage:
+    def _coverage(self, uid: int, cache: list[Any], tokens: list[int]) -> Coverage:
         """A finished sequence's KV caches, without its adapter slot (a cached prefix is
         reused under a slot of its own)."""
-        return Coverage(cache if self._adapters is None else cache[:-1], list(tokens))
+        return Coverage(cache if self._adapters is None else cache[:-1], list(tokens), row=uid)
 
     def upcoming_tokens(self) -> dict[int, int]:
         return upcoming_tokens(self._generator)
@@ -148,16 +148,17 @@ def load_text_model(settings: WorkerSettings, sharded: Sharded | None = None) ->
         return plain_backend(model, settings, speculative, adapters)
 
     return Loaded(info=info, make_backend=make_backend, new_detokenizer=lambda: tokenizer.detokenizer,
-                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries),
+                  prefix_cache=PrefixCache(settings.cache_budget_bytes(), settings.cache_max_entries, mirror=sharded),
                   adapters=adapters,
                   memory=mlx_memory, release_memory=mx.clear_cache,
                   speculation=(lambda: {"method": "ngram" if draft is None else "draft_model", **stats.as_json(),
                                         "tok_s": gate.as_json()}) if speculating else None)
 
 
-class Sharded(Protocol):
+class Sharded(Mirror, Protocol):
     """How a worker group's rank 0 loads its shard and drives its batch in step with the
-    other ranks (`worker.process.group`)."""
+    other ranks (`worker.process.group`), which keep their shards of its prefix cache's
+    entries (the cache's `Mirror`)."""
 
     def load(self, path: str) -> tuple[Any, Any, dict[str, Any]]:
         """This rank's shard of the model, its tokenizer and its config."""
