@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 import mlx.core as mx
 import msgpack
@@ -172,7 +172,7 @@ def _accept(place: GroupPlace, port: int, stall_s: float) -> dict[int, tuple[soc
     return joined
 
 
-def _leave(why: str) -> None:
+def _leave(why: str) -> NoReturn:
     try:  # a log whose reader is gone (mlx.launch killed) raises: the exit must not depend on it
         log.critical("the worker group cannot go on; this rank exits", reason=why)
     finally:
@@ -210,7 +210,10 @@ class GroupBackend:
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._shard.ops.append(["step", plan.prefill_chunk, plan.prefill_prompts])
         self._shard.send_ops()
-        return self._plain.step(plan)
+        try:
+            return self._plain.step(plan)
+        except Exception as e:  # noqa: BLE001 - the other ranks wait in this step's collectives
+            _leave(f"a step failed on rank 0 ({e!r}); the other ranks cannot leave it")
 
     def upcoming_tokens(self) -> dict[int, int]:
         return self._plain.upcoming_tokens()
