@@ -79,6 +79,9 @@ class EngineStats:
     mask_fill_ms: float = 0.0
     time: EngineTime | None = None  # where the engine thread's time went, since it started
     adapters: list[dict[str, Any]] | None = None  # its LoRA adapters (name, path, loaded, rank, running | error)
+    # Its prefix cache's digest, for the fleet's placement (`worker.queue.affinity`); the
+    # heartbeat gives its size alone.
+    prefix_digest: tuple[int, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {"running": self.running, "waiting": self.waiting, "memory": self.memory,

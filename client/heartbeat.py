@@ -69,6 +69,7 @@ class Heartbeat:
     last_error: dict[str, Any] | None = None  # {code, message, request_id, at}
     stats: EngineStats | None = None  # the engine's figures (None until its model is loaded)
     group: dict[str, Any] | None = None  # a worker group's: its mode, its ranks' hosts (rank 0 first)
+    placement: dict[str, Any] | None = None  # placement by prefix: enabled, its digest's size and version
 
     @property
     def model(self) -> ModelState | None:
@@ -117,7 +118,8 @@ class Heartbeat:
             tok_s=_float(raw.get("tok_s")),
             totals={k: v for k, v in totals.items() if isinstance(v, int)} if isinstance(totals, dict) else {},
             last_error=last_error if isinstance(last_error, dict) else None,
-            stats=EngineStats.from_wire(raw), group=group if isinstance(group := raw.get("group"), dict) else None)
+            stats=EngineStats.from_wire(raw), group=group if isinstance(group := raw.get("group"), dict) else None,
+            placement=placement if isinstance(placement := raw.get("placement"), dict) else None)
 
 
 def _models(raw: dict[str, Any]) -> tuple[ModelState, ...]:
@@ -156,13 +158,16 @@ def _markers(value: Any) -> tuple[str, str] | None:
 
 TOKEN_COUNTS = ("prompt_tokens", "generation_tokens", "cached_tokens")
 EVENT_COUNTS = ("takeovers", "dead_letters", "engine_restarts")
+# Placement by prefix: served where its prefix is cached, moved to the worker that caches
+# it, kept here because that worker was full, taken from a worker's lane past the bound.
+PLACEMENTS = ("affine", "forwarded", "balanced", "stolen")
 
 
 def counter_names() -> list[str]:
     """Every counter a worker's stats record holds: a fixed set (finish reasons and error
     codes are the protocol's), so the hash stays small whatever requests carry."""
     return ([f"finished:{reason}" for reason in get_args(FinishReason)] + [f"errors:{code}" for code in ErrorCode]
-            + list(TOKEN_COUNTS) + list(EVENT_COUNTS))
+            + list(TOKEN_COUNTS) + list(EVENT_COUNTS) + [f"placed:{reason}" for reason in PLACEMENTS])
 
 
 @dataclass(frozen=True)

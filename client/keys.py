@@ -47,6 +47,20 @@ class Keys:
         """Where entries that cannot be served go, with the reason."""
         return f"{self.prefix}:q:{queue}:dead"
 
+    def affinity_lane(self, queue: str, consumer: str) -> str:
+        """The requests placed on one worker of `queue` because its prefix cache holds
+        their prompt's start: it reads them first; any worker takes them after
+        `affinity_wait_ms`, or at once when it is gone."""
+        return f"{self.prefix}:q:{queue}:at:{consumer}"
+
+    def affinity_lanes(self, queue: str) -> str:
+        """Set: the workers of `queue` that have a placement lane (`affinity_lane`)."""
+        return f"{self.prefix}:affinity:{queue}"
+
+    def digest(self, queue: str, consumer: str) -> str:
+        """What one worker's prefix cache holds, as a msgpack list of prefix-chain hashes."""
+        return f"{self.prefix}:digest:{queue}:{consumer}"
+
     # A request's own keys are under its queue: a producer confined to its queue by an ACL
     # line (`%R~mlxq:out:<queue>:*`, ...) reads, cancels and names as `reply_to` only what
     # belongs to its queue. A worker's queue name has no ':' (its settings refuse one), so

@@ -37,6 +37,7 @@ from worker.fleet.naming import NameTaken
 from worker.messages import EngineReady, Step
 from worker.process.engine_link import EngineFailed, EngineLink
 from worker.process.group_place import GroupPlace
+from worker.queue.affinity import Affinity
 from worker.queue.cancels import listen_for_cancels
 from worker.queue.fencing import Fencing
 from worker.queue.intake import Intake
@@ -86,6 +87,7 @@ class Worker:
         self._fatal: BaseException | None = None
         self._stats: EngineStats | None = None  # the engine's latest, kept for the heartbeat
         self._scrapes: socket.socket | None = None  # the metrics port, bound at start
+        self._affinity: Affinity | None = None  # placement by prefix, made with the consumer name
 
     async def run(self) -> int:
         """Serve until told to stop; returns the process exit status."""
@@ -116,7 +118,8 @@ class Worker:
         assert self._loop is not None
         self._install_signal_handlers(self._loop)
         leases = Leases(self.settings, self.membership, self.requests, ready.name, self.totals, self.blas,
-                        ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid, self._group())
+                        ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid, self._group(),
+                        lambda: None if self._affinity is None else self._affinity.describe())
         try:
             consumer = await leases.claim_name()
         except NameTaken as e:
@@ -126,6 +129,11 @@ class Worker:
         streams = RequestStreams(self.redis, self.keys, self.settings.queue, consumer,
                                  dedupe_ttl_s=self.settings.dedupe_ttl_s, lanes=self.settings.lanes,
                                  dead_letter_maxlen=self.settings.dead_letter_maxlen)
+        self._affinity = Affinity(self.redis, self.keys, streams, self.totals,
+                                  enabled=self.settings.prefix_placement and ready.task == "generate",
+                                  wait_ms=self.settings.affinity_wait_ms, ttl_s=leases.ttl_s,
+                                  refresh_s=self.settings.heartbeat_s, clock_offset_s=clock_offset_s)
+        await retrying(streams.register_lane, "creating this worker's placement lane")
         fencing = Fencing(self.redis, self.keys, self.settings.queue, consumer, self.settings.result_ttl_s)
         publisher = self.publisher = Publisher(streams, fencing, self.requests, on_published=self._on_published)
         intake = self._intake(clock_offset_s, streams, fencing, publisher)
@@ -163,7 +171,7 @@ class Worker:
         reclaimer = Reclaimer(streams, self.settings.reclaim_interval_s,
                               min_idle_ms=int(2000 * self.settings.heartbeat_s), totals=self.totals)
         return Intake(self.settings, streams, self.marks, fencing, self.requests, reclaimer, self.engine,
-                      publisher.emit, clock_offset_s, self.totals)
+                      publisher.emit, clock_offset_s, self.totals, self._affinity)
 
     async def _serve(self, intake: Intake, leases: Leases, publisher: Publisher) -> int:
         """Run the loops until a stop; then drain, hand back and close."""
@@ -176,6 +184,7 @@ class Worker:
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases"),
+                  *([asyncio.create_task(self._affinity.run(), name="placement")] if self._affinity else []),
                   asyncio.create_task(follow_adapters(self.redis, self.keys, self.settings, self.engine.set_adapters),
                                       name="adapters"),
                   *([asyncio.create_task(self._watch_host(), name="host")] if self.hosting.host_pid else [])]
@@ -258,6 +267,8 @@ class Worker:
 
     def _update_stats(self, stats: EngineStats) -> None:
         self._stats = stats  # the one copy: the heartbeat and the metrics read it
+        if self._affinity is not None:
+            self._affinity.set_own(stats.prefix_digest)
 
     def _announce(self, ready: EngineReady, consumer: str) -> None:
         if self.settings.completion_batch_size < self.settings.max_num_seqs:

@@ -197,6 +197,7 @@ class EngineRequest:
     speculative: bool = True  # False: the request opted out of speculative decoding
     cache_salt: str = ""  # its prefix and vision caches' namespace: it hits only what its salt stored
     adapter: str = ""  # the LoRA adapter it runs with ("" : the model alone)
+    prefix_chain: tuple[int, ...] = ()  # its prompt prefix as the fleet names it (`common.prefix_chain`)
 
     @property
     def id(self) -> str:

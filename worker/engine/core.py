@@ -136,7 +136,8 @@ class EngineCore:
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
         coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
-        kept = [(coverage[uid], self._salt(uid)) for uid in finished if uid in coverage]
+        kept = [(coverage[uid], self._salt(uid), self.running[uid].request.prefix_chain)
+                for uid in finished if uid in coverage]
         self._retire(finished)
         _keep_caches(self.loaded.prefix_cache, kept)
 
@@ -268,14 +269,14 @@ class EngineCore:
         self.backend = self.loaded.make_backend()
 
 
-def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str]]) -> None:
-    """Keep the finished sequences' caches (each with its request's cache salt) for later
-    prompts that share their prefix."""
+def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str, tuple[int, ...]]]) -> None:
+    """Keep the finished sequences' caches (each with its request's cache salt and prefix
+    chain) for later prompts that share their prefix."""
     if cache is None:
         return
-    for coverage, salt in finished:
+    for coverage, salt, chain in finished:
         try:
-            cache.store(coverage, salt)
+            cache.store(coverage, salt, chain)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
             log.warning("could not keep a prompt cache", error=repr(e))
 

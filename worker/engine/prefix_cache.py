@@ -14,6 +14,10 @@ A request's `cache_salt` (vLLM's) is a namespace: it hits only what requests of 
 salt stored, so a tenant cannot learn from the time to its first token what another
 tenant's prompts held.
 
+Each entry keeps the fleet's name of its request's prompt prefix (`common.prefix_chain`):
+the cache's digest, every hash of the chains it holds, is what the worker tells the
+fleet it can serve cheaply (`worker.queue.affinity`).
+
 In a worker group, rank 0's cache decides for every rank: each entry has an id, and a
 `Mirror` hears which finished batch row each new entry was kept from and which entries
 left, so the other ranks keep and drop their own shards of the same entries.
@@ -55,6 +59,7 @@ class _Entry:
     cache: list[Any]
     nbytes: int
     id: int
+    chain: tuple[int, ...] = ()
 
 
 class PrefixCache:
@@ -69,6 +74,7 @@ class PrefixCache:
         self._entries: OrderedDict[_Key, _Entry] = OrderedDict()  # LRU order: oldest first
         self._mirror = mirror
         self._last_id = 0
+        self.changes = 0  # entries kept or dropped so far: the digest is made anew only after one
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
@@ -106,9 +112,20 @@ class PrefixCache:
         else:
             self.hits += 1
 
-    def store(self, finished: Coverage, salt: str = "") -> int | None:
-        """Keep a detached copy of a finished sequence's cache for requests of `salt`; the
-        new entry's id (from 1), None if refused."""
+    def digest(self, limit: int) -> tuple[int, ...]:
+        """The hashes of the prefix chains held, the most recently used entries' first, at
+        most `limit` of them."""
+        held: dict[int, None] = {}
+        for entry in reversed(self._entries.values()):
+            held.update(dict.fromkeys(entry.chain))
+            if len(held) >= limit:
+                break
+        return tuple(held)[:limit]
+
+    def store(self, finished: Coverage, salt: str = "", chain: tuple[int, ...] = ()) -> int | None:
+        """Keep a detached copy of a finished sequence's cache for requests of `salt`, named
+        for the fleet by its request's prefix `chain`; the new entry's id (from 1), None if
+        refused."""
         tokens = finished.tokens
         if not tokens or self.max_bytes <= 0 or self.max_entries <= 0 or \
                 (self._mirror is not None and finished.row is None):
@@ -124,8 +141,9 @@ class PrefixCache:
             self._drop(next(iter(self._entries)))
         self._last_id += 1
         self._trie.add((MODEL, salt), tokens, key.tokens)
-        self._entries[key] = _Entry(detached, nbytes, self._last_id)
+        self._entries[key] = _Entry(detached, nbytes, self._last_id, chain)
         self.nbytes += nbytes
+        self.changes += 1
         if self._mirror is not None:
             assert finished.row is not None
             self._mirror.keep(finished.row, self._last_id)
@@ -153,6 +171,7 @@ class PrefixCache:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self.nbytes -= entry.nbytes
+            self.changes += 1
             if self._mirror is not None:
                 self._mirror.forget(entry.id)
 

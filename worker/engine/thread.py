@@ -19,6 +19,7 @@ import mlx.core as mx
 import structlog
 
 from client.engine_stats import CacheStats, EngineStats, EngineTime
+from common.prefix_chain import DIGEST_HASHES
 from worker.engine.backends import Loaded, ModelInfo
 from worker.engine.cores import Core, make_core
 from worker.engine.cpu_scheduling import use_batch_scheduling
@@ -70,6 +71,8 @@ class Engine:
         self._drain_until: float | None = None
         self._next_housekeeping = 0.0
         self._time = EngineTime()
+        self._digest: tuple[int, ...] = ()  # the prefix cache's, made anew when it changed
+        self._digested = 0
         # Chosen once: the tests' slow-step fault, or nothing (the loop checks no fault per step).
         self._before_step: Callable[[StepOutput], None] = \
             self._hold_if_slowed if faults.slow_token is not None else lambda _: None
@@ -187,13 +190,16 @@ class Engine:
         self._loaded.release_memory()
         cache = self._loaded.prefix_cache
         caches: dict[str, CacheStats | None] = {"prefix_cache": None if cache is None else cache.stats()}
+        if cache is not None and cache.changes != self._digested:
+            self._digest, self._digested = cache.digest(DIGEST_HASHES), cache.changes
         caches.update(self._loaded.cache_stats())
         counts = self._core.stats()
         self._on_stats(EngineStats(counts.running, counts.waiting, self._loaded.memory(), caches["prefix_cache"],
                                    caches.get("vision_cache"), caches.get("ssd_cache"),
                                    None if self._loaded.speculation is None else self._loaded.speculation(),
                                    counts.mask_fills, counts.mask_fill_ms, replace(self._time),
-                                   None if self._loaded.adapters is None else self._loaded.adapters.listing()))
+                                   None if self._loaded.adapters is None else self._loaded.adapters.listing(),
+                                   self._digest))
         self._next_housekeeping = time.monotonic() + HOUSEKEEPING_S
 
     def _set_adapters(self, command: SetAdapters) -> None:

@@ -50,7 +50,8 @@ class Leases:
     def __init__(self, settings: WorkerSettings, membership: Membership, requests: RequestTable,
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
                  task: Task = "generate", engine_stats: Callable[[], EngineStats | None] = lambda: None,
-                 engine_pid: Callable[[], int | None] = lambda: None, group: dict[str, Any] | None = None) -> None:
+                 engine_pid: Callable[[], int | None] = lambda: None, group: dict[str, Any] | None = None,
+                 placement: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`
@@ -68,6 +69,7 @@ class Leases:
         self.engine_stats = engine_stats  # the engine's latest (the worker keeps them)
         self.ttl_s = 3 * settings.heartbeat_s
         self.group = group  # a worker group's mode, ranks and hosts (rank 0 is this process)
+        self.placement = placement  # placement by prefix, as it stands (set once the name is claimed)
 
     async def claim_name(self) -> str:
         """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
@@ -138,4 +140,4 @@ class Leases:
             blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
-            stats=self.engine_stats(), group=self.group)
+            stats=self.engine_stats(), group=self.group, placement=self.placement())

@@ -103,14 +103,18 @@ class _Collected(Collector):
         finished = CounterMetricFamily("mlxq_request_success", "Requests finished, by reason",
                                        labels=["finished_reason"])
         errors = CounterMetricFamily("mlxq_request_errors", "Requests failed, by error code", labels=["code"])
+        placed = CounterMetricFamily("mlxq_placements", "Requests placed by their prompt's prefix, by reason: "
+                                     "served where it is cached (affine), moved to the worker that caches it "
+                                     "(forwarded), kept because that worker was full (balanced), taken from a "
+                                     "worker's lane past affinity_wait_ms (stolen)", labels=["reason"])
         for name in counter_names():
             kind, _, label = name.partition(":")
-            if kind == "finished":
-                finished.add_metric([label], counts[name])
-            elif kind == "errors":
-                errors.add_metric([label], counts[name])
+            family = {"finished": finished, "errors": errors, "placed": placed}.get(kind)
+            if family is not None:
+                family.add_metric([label], counts[name])
         yield finished
         yield errors
+        yield placed
         statuses = [held.status for held in self.requests]
         streaming = sum(s is RequestStatus.STREAMING for s in statuses)
         yield _gauge("num_requests_running", "Requests streaming (first event written)", streaming)

@@ -12,6 +12,7 @@ import structlog
 from client.keys import Keys
 from client.pooling import pooling_kind
 from client.protocol import Encoding, Envelope, ErrorCode, RequestBody, RequestRejected, encode_metadata, validate_body
+from common.prefix_chain import prefix_chain
 from worker.engine.backends import ModelInfo
 from worker.engine.constraints import Grammars, format_grammar
 from worker.engine.tools import forced_call_grammar
@@ -109,6 +110,7 @@ class Preparer:
             speculative=body.speculative,
             cache_salt=body.cache_salt or "",
             adapter=body.adapter or "",
+            prefix_chain=prefix_chain(envelope.raw),
         )
 
     def _check_prompt_length(self, tokens: list[int]) -> int:

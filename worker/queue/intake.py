@@ -17,6 +17,7 @@ from functools import partial
 import structlog
 
 from client.protocol import Envelope, ErrorCode, Undeliverable, read_envelope, read_id
+from common.prefix_chain import prefix_chain
 from worker.messages import (
     Admitted,
     Answered,
@@ -30,6 +31,7 @@ from worker.messages import (
     Route,
     failed,
 )
+from worker.queue.affinity import Affinity
 from worker.queue.fencing import Fencing, take_fence
 from worker.queue.recovery import Delivery, Reclaimer
 from worker.queue.requests import HeldRequest, RequestStatus, RequestTable
@@ -54,7 +56,8 @@ class Intake:
 
     def __init__(self, settings: WorkerSettings, streams: RequestStreams, marks: RequestMarks, fencing: Fencing,
                  requests: RequestTable, reclaimer: Reclaimer, engine: EngineInbox,
-                 emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals) -> None:
+                 emit: Callable[[Outgoing], None], clock_offset_s: float, totals: Totals,
+                 affinity: Affinity | None = None) -> None:
         self.settings = settings
         self.streams = streams
         self.marks = marks
@@ -64,7 +67,8 @@ class Intake:
         self.engine = engine
         self.emit = emit  # hands an event straight to the publisher
         self.clock_offset_s = clock_offset_s
-        self.totals = totals  # counts its dead letters
+        self.totals = totals  # counts its dead letters and placements
+        self.affinity = affinity  # placement by prefix
         self._outages_seen = outage.ended
         self._retake = False  # requests were let go when the engine died: list our pending entries again
 
@@ -81,12 +85,13 @@ class Intake:
             if not free and self.streams.batch_lines_waiting:
                 # Every slot is held and batch lines wait: the next slot to free goes to what
                 # waits then (interactive first), so wait for it rather than block on Redis.
-                deliveries = await self._reclaimed(room) or await self._read(room, 0, 0)
+                deliveries = await self._reclaimed(room) or await self._stolen(room) or await self._read(room, 0, 0)
                 if not deliveries:
                     await self.requests.wait_for_leave(self.settings.block_ms / 1000)
                     continue
             else:
-                deliveries = await self._reclaimed(room) or await self._read(room, self.settings.block_ms, free)
+                deliveries = await self._reclaimed(room) or await self._stolen(room) or \
+                    await self._read(room, self._block_ms(), free)
             for delivery in deliveries:
                 await self._accept(delivery)
 
@@ -94,6 +99,26 @@ class Intake:
         read = partial(self.streams.read, room, block_ms, free)
         return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
                 await retrying(read, "reading requests")]
+
+    def _block_ms(self) -> int:
+        """How long a read may wait for new entries: with other workers' placement lanes
+        to watch, no longer than their bound."""
+        if self.affinity is None or not self.affinity.peers:
+            return self.settings.block_ms
+        return max(1, min(self.settings.block_ms, self.settings.affinity_wait_ms))
+
+    async def _stolen(self, room: int) -> list[Delivery]:
+        """Entries placed on other workers that waited for them too long (`affinity`)."""
+        if self.affinity is None:
+            return []
+        try:
+            stolen = await retrying(partial(self.affinity.steal, room), "looking at other workers' placement lanes")
+        except Exception as e:  # noqa: BLE001 - upkeep, as the reclaim scan
+            if is_permission_error(e):
+                raise
+            log.warning("could not look at other workers' placement lanes", error=describe(e))
+            return []
+        return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in stolen]
 
     async def _reclaimed(self, room: int) -> list[Delivery]:
         """Entries to take over, if any; a scan that fails (no group after Redis restarted
@@ -177,6 +202,9 @@ class Intake:
         # Decoding and walking megabytes of body would stall every stream's publishing: off the loop.
         large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
         envelope = await asyncio.to_thread(read) if large else read()
+        if await self._placed_elsewhere(delivery, envelope, route):
+            self.requests.end(route.id, RequestStatus.SETTLED)
+            return
         reply_to = envelope.reply_to
         if reply_to is not None and self.streams.keys.reply_to_problem(self.streams.queue, reply_to):
             reply_to = None  # its error goes to the request's own stream
@@ -201,6 +229,28 @@ class Intake:
                                  "finishing it")
             return
         await self._submit(delivery, envelope, held, arrival, resume)
+
+    async def _placed_elsewhere(self, delivery: Delivery, envelope: Envelope, route: Route) -> bool:
+        """Move a fresh entry of the queue to the worker whose prefix cache holds more of
+        its prompt, if one has room (`affinity`); count where it is served and why."""
+        if self.affinity is None:
+            return False
+        if route.stream == self.streams.own_lane:
+            self.totals.count("placed:affine")
+            return False
+        if delivery.deliveries > 1 or route.stream not in self.streams.interactive_streams or envelope.raw is None:
+            return False  # taken over, stolen, or a batch line: served where it is
+        choice = await retrying(partial(self.affinity.choose, prefix_chain(envelope.raw)),
+                                "reading the load of the worker that caches its prefix")
+        if choice.reason:
+            self.totals.count(f"placed:{choice.reason}")
+        if choice.peer is None:
+            return False
+        assert delivery.fields is not None
+        await retrying(partial(self.affinity.forward, route.stream, route.entry_id, delivery.fields, choice.peer),
+                       "placing a request on the worker that caches its prefix")
+        log.debug("placed on the worker that caches its prefix", request_id=route.id, worker=choice.peer)
+        return True
 
     async def _submit(self, delivery: Delivery, envelope: Envelope, held: HeldRequest, arrival: Arrival,
                       resume: Resume | None) -> None:

@@ -70,7 +70,8 @@ class Reclaimer:
         if time.monotonic() < self._next_scan:
             return []
         self._next_scan = time.monotonic() + self.interval_s
-        for stream in self.streams.request_streams:
+        lanes = [self.streams.keys.affinity_lane(self.streams.queue, name) for name in await self.streams.other_lanes()]
+        for stream in [*self.streams.request_streams, *lanes]:  # other workers' placement lanes too
             for consumer in await self.streams.dead_consumers(stream):
                 rows = await self.streams.pending(stream, consumer, room, self.min_idle_ms)
                 taken = await self._claim(stream, rows, self.min_idle_ms)

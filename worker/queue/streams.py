@@ -57,8 +57,9 @@ async def server_clock_offset_s(redis: aioredis.Redis) -> float:
 
 
 class RequestStreams:
-    """One consumer's view of a queue's request streams (its priority lanes first) and
-    its dead letters. The consumer name is fixed: it is made once the name is claimed."""
+    """One consumer's view of a queue's request streams (its placement lane, then its
+    priority lanes, first) and its dead letters. The consumer name is fixed: it is made
+    once the name is claimed."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, queue: str, consumer: str, *, dedupe_ttl_s: int,
                  lanes: list[str] | None = None, dead_letter_maxlen: int = 10_000) -> None:
@@ -69,7 +70,8 @@ class RequestStreams:
         self.batch_lane = keys.batch_lane(queue)
         self.batch_lines_waiting = False  # the last read of the batch lane got all it asked for
         self._next_batch_look = 0.0  # monotonic time from which an empty batch lane is read again
-        self.request_streams = request_streams(keys, queue, lanes)
+        self.own_lane = keys.affinity_lane(queue, consumer)  # what other workers placed here (`affinity`)
+        self.request_streams = [self.own_lane, *request_streams(keys, queue, lanes)]
         self.interactive_streams = [stream for stream in self.request_streams if stream != self.batch_lane]
         self.dead = keys.dead(queue)
         self.consumer = consumer
@@ -133,6 +135,33 @@ class RequestStreams:
                 if not got:
                     self._next_batch_look = time.monotonic() + BATCH_LANE_LOOK_S
         return entries
+
+    async def register_lane(self) -> None:
+        """Create this worker's placement lane and list it, so that its entries are taken
+        by others once it is gone."""
+        await ensure_groups(self.redis, [self.own_lane])
+        await self.redis.sadd(self.keys.affinity_lanes(self.queue), self.consumer)
+
+    async def other_lanes(self) -> list[str]:
+        """The workers, other than this one, whose placement lanes are listed."""
+        members: Any = await self.redis.smembers(self.keys.affinity_lanes(self.queue))
+        return sorted(name for name in map(as_text, members) if name != self.consumer)
+
+    async def drop_lane(self, consumer: str) -> None:
+        """Stop listing a gone worker's placement lane, unless it still holds entries
+        (pending ones are taken over first, by `recovery`). Unlisted first, then looked
+        at: an entry placed meanwhile lists it again (`add_to_lane`), so none is missed.
+        The empty stream stays: deleting it could race with a placement."""
+        await self.redis.srem(self.keys.affinity_lanes(self.queue), consumer)
+        if await self.redis.xlen(self.keys.affinity_lane(self.queue, consumer)):
+            await self.redis.sadd(self.keys.affinity_lanes(self.queue), consumer)
+
+    async def add_to_lane(self, consumer: str, fields: dict[Any, Any]) -> None:
+        """Place an entry in a worker's placement lane, and list the lane."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.xadd(self.keys.affinity_lane(self.queue, consumer), fields)
+            pipe.sadd(self.keys.affinity_lanes(self.queue), consumer)
+            await pipe.execute()
 
     async def settle(self, stream: str, entry_ids: Iterable[str]) -> None:
         """Acknowledge and delete entries that need no output (repeats, deleted entries)."""

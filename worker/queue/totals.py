@@ -14,7 +14,7 @@ import time
 from collections import Counter, deque
 from typing import Any
 
-from client.heartbeat import EVENT_COUNTS, StatsRecord, counter_names
+from client.heartbeat import EVENT_COUNTS, PLACEMENTS, StatsRecord, counter_names
 from client.protocol import Delta, Done, Error, ErrorCode, Event
 
 RATE_WINDOW_S = 60.0  # tok/s is over this last stretch
@@ -50,7 +50,7 @@ class Totals:
 
     def count(self, name: str, n: int = 1) -> None:
         """Count `n` takeovers, dead letters or engine restarts."""
-        assert name in EVENT_COUNTS, name
+        assert name in EVENT_COUNTS or name.removeprefix("placed:") in PLACEMENTS, name
         self.counts[name] += n
 
     def tok_s(self, now: float | None = None) -> float:
