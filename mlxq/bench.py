@@ -40,16 +40,27 @@ class Workload:
     response_format: str = "none"  # json, regex or none: what the constrained requests ask for
     constrained: float = 1.0  # the share of requests that ask for it
     adapters: tuple[str, ...] = ()  # LoRA adapters the requests name, in turn (none: the model alone)
+    tenants: int = 0  # each request starts with one of this many tenants' own prefix_len-token prefixes
+
+    def ideal_cached(self, planned: list[Planned]) -> int:
+        """With tenants: the prompt tokens a fleet could take from its prefix caches, every
+        request after each tenant's first hitting its tenant's prefix."""
+        firsts = {tuple(p.prompt_tokens[:self.prefix_len]) for p in planned}
+        return (len(planned) - len(firsts)) * self.prefix_len if self.tenants else 0
 
     def plan(self) -> list[Planned]:
         """The requests, each with its send time (seconds after the start)."""
         rng = random.Random(self.seed)
         prefix = [rng.randrange(10, self.vocab) for _ in range(self.prefix_len)]
+        systems = [[rng.randrange(10, self.vocab) for _ in range(self.prefix_len)] for _ in range(self.tenants)]
         planned, at = [], 0.0
         for i in range(self.requests):
             length = self._jittered(rng, self.input_len)
-            shared = rng.random() < self.shared_prefix
-            head = prefix[:length - 1] if shared else []
+            if systems:  # a tenant's system prompt, then its question
+                head = systems[rng.randrange(len(systems))]
+                length += len(head)
+            else:
+                head = prefix[:length - 1] if rng.random() < self.shared_prefix else []
             tokens = head + [rng.randrange(10, self.vocab) for _ in range(length - len(head))]
             constrained = self.response_format != "none" and rng.random() < self.constrained
             planned.append(Planned(tokens, self._jittered(rng, self.output_len), at,

@@ -26,7 +26,7 @@ def run(args: argparse.Namespace) -> int:
                         len_jitter=args.len_jitter, shared_prefix=args.shared_prefix, prefix_len=args.prefix_len,
                         stream_interval=args.stream_interval, vocab=args.vocab,
                         response_format=args.response_format, constrained=args.constrained,
-                        adapters=tuple(args.adapter or ()),
+                        adapters=tuple(args.adapter or ()), tenants=args.tenants,
                         seed=random.randrange(2**31) if args.seed is None else args.seed)
     levels: list[int | None] = [None] if args.backlog else [int(c) or None for c in args.concurrency.split(",")]
     args.width = _served_width(args) if args.backlog else None  # the baselines' batch width for a backlog
@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
             # New prompts for each run, so that no run hits what an earlier one left in the workers' prefix cache.
             planned = dataclasses.replace(workload, seed=workload.seed + i * args.repeat + repeat).plan()
             runs["redis"].append(_redis_run(args, planned, level))
+            if workload.tenants:
+                runs["redis"][-1]["ideal_cached_tokens"] = workload.ideal_cached(planned)
             for baseline in baselines:  # right after, on the same prompts: the machine's drift cancels in the ratio
                 runs[baseline].append(_baseline_run(args, baseline, planned, level))
                 pairs[baseline].append(Pair(runs["redis"][-1], runs[baseline][-1]))
@@ -100,7 +102,9 @@ def _describe(workload: Workload) -> str:
     arrivals = f"Poisson {workload.rate}/s" if workload.rate else "a burst"
     text = (f"{workload.requests} requests ({arrivals}), {workload.input_len} prompt + {workload.output_len} new "
             f"tokens, seed {workload.seed}")
-    if workload.shared_prefix:
+    if workload.tenants:
+        text += f", {workload.tenants} tenants each with its own {workload.prefix_len}-token prefix"
+    elif workload.shared_prefix:
         text += f", {workload.shared_prefix:.0%} sharing a {workload.prefix_len}-token prefix"
     if workload.adapters:
         text += f", adapters {', '.join(workload.adapters)} in turn"
@@ -248,6 +252,10 @@ def _print_ratios(report: dict[str, Any]) -> None:
         print(f"TTFT p50 at concurrency 1 through Redis minus sequential in process: "
               f"{report['ttft_p50_c1_over_sequential_ms']} ms")
     for row in report["runs"]:
+        if row.get("ideal_cached_tokens"):
+            print(f"{row['name']}: cached prompt tokens {row['cached_tokens']} of an ideal "
+                  f"{row['ideal_cached_tokens']} ({row['cached_tokens'] / row['ideal_cached_tokens']:.2f}); TTFT "
+                  f"p50 {row['ttft_ms']['p50']} ms, p90 {row['ttft_ms']['p90']} ms")
         stages = row.get("stages_ms") or {}
         if any(v is not None for v in stages.values()):
             print(f"{row['name']}: worker stages p50, ms from arrival: " + ", ".join(

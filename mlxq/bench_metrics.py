@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-PERCENTILES = (50, 95, 99)
+PERCENTILES = (50, 90, 95, 99)
 # The worker's stages of a request, each in ms from its arrival (docs/protocol.md, `timing`).
 STAGES = ("read_ms", "prepared_ms", "queued_ms", "ttft_ms", "published_ms", "total_ms")
 
@@ -42,7 +42,7 @@ class RequestTiming:
 
 
 def percentiles(values: list[float]) -> dict[str, float | None]:
-    """p50 / p95 / p99 (linear interpolation) and the max; None for an empty list."""
+    """p50 / p90 / p95 / p99 (linear interpolation) and the max; None for an empty list."""
     if not values:
         return {**{f"p{p}": None for p in PERCENTILES}, "max": None}
     points = np.percentile(np.asarray(values, dtype=float), PERCENTILES)

@@ -335,7 +335,11 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--len-jitter", type=float, default=0.0, help="lengths uniform within ± this fraction")
     bench.add_argument("--shared-prefix", type=float, default=0.0,
                        help="fraction of requests starting with one common prefix")
-    bench.add_argument("--prefix-len", type=int, default=64, help="length of the common prefix")
+    bench.add_argument("--prefix-len", type=int, default=64, help="length of the common prefix (of each tenant's)")
+    bench.add_argument("--tenants", type=int, default=0,
+                       help="each request starts with one of this many tenants' own --prefix-len-token system "
+                       "prompts, then --input-len tokens of its own (placement by prefix); reports the cached "
+                       "share of prompt tokens against the ideal")
     bench.add_argument("--stream-interval", type=int, default=1, help="tokens per delta")
     bench.add_argument("--response-format", choices=["none", "json", "regex"], default="none",
                        help="constrain requests: a JSON schema, or a regex (see mlxq/bench.py)")

@@ -10,6 +10,7 @@ import redis as redis_py
 
 from client.engine_stats import CacheStats
 from client.fleet import Fleet, StreamView, WorkerView, read_fleet
+from client.heartbeat import PLACEMENTS
 from client.hosts import HostedModel
 from client.keys import Keys
 
@@ -39,7 +40,7 @@ def render(fleet: Fleet) -> str:
                     [_stream_row(s) for s in fleet.streams]) or ["(no queues)"]
     lines.append("")
     lines += _table(["WORKER", "STATE", "HOST", "QUEUE", "MODEL", "RUN/WAIT", "TOK/S", "REQUESTS", "TOKENS",
-                     "ERRORS", "PREFIX HIT", "VISION HIT", "MLX MEM", "VERSION", "BLAS", "SEEN"],
+                     "ERRORS", "PREFIX HIT", "DIGEST", "PLACED", "VISION HIT", "MLX MEM", "VERSION", "BLAS", "SEEN"],
                     [_worker_row(w) for w in fleet.workers]) or ["(no workers)"]
     if fleet.models:
         lines.append("")
@@ -78,8 +79,22 @@ def _worker_row(w: WorkerView) -> list[str]:
     return [w.name, w.state, beat.host, model.queue if model else "?", served,
             running, str(beat.tok_s if beat.tok_s is not None else "-") if w.alive else "-", str(requests),
             str(totals.get("generation_tokens", 0)), errors, _rate(stats.prefix_cache if stats else None),
-            _rate(stats.vision_cache if stats else None), _bytes(stats.memory.get("active") if stats else None),
+            _digest(beat.placement), _placed(totals), _rate(stats.vision_cache if stats else None),
+            _bytes(stats.memory.get("active") if stats else None),
             beat.version, beat.blas, _ago(w.last_seen_s) + " ago"]
+
+
+def _digest(placement: dict[str, Any] | None) -> str:
+    """The hashes its prefix cache's digest lists (placement by prefix), or off."""
+    if not placement or not placement.get("enabled"):
+        return "off"
+    return str(placement.get("digest", 0))
+
+
+def _placed(totals: dict[str, int]) -> str:
+    """Its requests placed by prefix, by reason (`worker.queue.affinity`)."""
+    return " ".join(f"{reason}={totals[f'placed:{reason}']}" for reason in PLACEMENTS
+                    if totals.get(f"placed:{reason}")) or "-"
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:

@@ -16,7 +16,7 @@ from mlxq.bench_metrics import RequestTiming, command_stats, percentiles, summar
 
 
 def test_percentiles_interpolate_linearly():
-    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.5, "p95": 95.05, "p99": 99.01, "max": 100.0}
+    assert percentiles([float(v) for v in range(1, 101)]) == {"p50": 50.5, "p90": 90.1, "p95": 95.05, "p99": 99.01, "max": 100.0}
     assert percentiles([7.0]) == {"p50": 7.0, "p95": 7.0, "p99": 7.0, "max": 7.0}
     assert percentiles([]) == {"p50": None, "p95": None, "p99": None, "max": None}
 
@@ -59,6 +59,15 @@ def test_workload_lengths_arrivals_and_shared_prefix():
     gaps = [b.send_at - a.send_at for a, b in zip(poisson, poisson[1:], strict=False)]
     assert sum(gaps) / len(gaps) == pytest.approx(1 / 20, rel=0.15)
     assert Workload(seed=3).plan() == Workload(seed=3).plan()
+
+
+def test_a_tenants_workload_gives_each_request_its_tenants_prefix_and_counts_the_ideal():
+    workload = Workload(requests=40, input_len=10, prefix_len=50, tenants=4)
+    plan = workload.plan()
+    prefixes = [tuple(p.prompt_tokens[:50]) for p in plan]
+    assert len(set(prefixes)) == 4 and all(len(p.prompt_tokens) == 60 for p in plan)
+    assert len({tuple(p.prompt_tokens[50:]) for p in plan}) == 40, "each question its own"
+    assert workload.ideal_cached(plan) == (40 - 4) * 50, "every request after its tenant's first hits the prefix"
 
 
 worker = worker_fixture()

@@ -19,6 +19,7 @@ from support import (
     ON_BOTH,
     WorkerProcess,
     check_stream,
+    mlxq,
     output_stream,
     start_worker,
     tokens_of,
@@ -101,7 +102,7 @@ def warm(r, outputs, queue: str, pair: tuple, body: dict) -> tuple[WorkerProcess
 
 
 @ON_BOTH
-def test_requests_land_where_their_prefix_is_cached(pair, r, outputs):
+def test_requests_land_where_their_prefix_is_cached(pair, r, outputs, redis_url):
     queue, a, b = pair
     holder, other = warm(r, outputs, queue, (a, b), tenant("payments", "Who owns refunds?"))
     cached = []
@@ -114,6 +115,10 @@ def test_requests_land_where_their_prefix_is_cached(pair, r, outputs):
     assert all(c > 100 for c in cached), cached
     wait_for(lambda: count(r, holder, "placed:affine") + count(r, other, "placed:forwarded") >= 6,
              what="the placements counted")
+    shown = mlxq("status", "--redis-url", redis_url, "--queue", queue)
+    rows = {line.split()[0]: line for line in shown.stdout.splitlines() if line.strip()}
+    assert f"affine={count(r, holder, 'placed:affine')}" in rows[holder.consumer], shown.stdout
+    assert "DIGEST" in shown.stdout and str(beat(r, holder)["placement"]["digest"]) in rows[holder.consumer]
 
 
 @pytest.mark.pair_settings(max_num_seqs=2, prefetch=0)
