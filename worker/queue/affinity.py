@@ -32,7 +32,6 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ResponseError
 
-from client.fleet import read_workers_async
 from client.heartbeat import Heartbeat
 from client.keys import GROUP, Keys
 from client.replies import as_text, keyed_stream_entries
@@ -112,15 +111,26 @@ class Affinity:
         if not self.enabled:
             return
         await self._publish()
-        workers = await read_workers_async(self.redis, self.keys)
-        beats = {w.name: w.heartbeat for w in workers
-                 if w.alive and w.name != self.consumer and w.heartbeat.serves(self.queue)}
+        beats = {name: beat for name, beat in (await self._live_heartbeats()).items()
+                 if name != self.consumer and beat.serves(self.queue)}
         peers = {}
         for name, beat in beats.items():
             version, held = await self._held(name, beat)
             if beat.state == "ready" and held:
                 peers[name] = Peer(name, held, version, beat.in_flight, beat.max_num_seqs or 1)
         self.peers = peers
+
+    async def _live_heartbeats(self) -> dict[str, Heartbeat]:
+        """The heartbeats of the workers seen lately (only those: this runs every second)."""
+        recent = time.time() - 2 * self.ttl_s
+        members: Any = await self.redis.zrangebyscore(self.keys.fleet, recent, "+inf")
+        names = [as_text(n) for n in members]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.get(self.keys.worker(name))
+            raws = await pipe.execute()
+        return {name: beat for name, raw in zip(names, raws, strict=True)
+                if raw and (beat := Heartbeat.from_json(raw)) is not None}
 
     async def _publish(self) -> None:
         wire = msgpack.packb(sorted(self.own))
@@ -223,6 +233,8 @@ class Affinity:
             return 0  # no lane (yet, or any more)
         group = next((g for g in groups if as_text(g["name"]) == GROUP), None)
         if group is None:
+            return 0
+        if group.get("lag") == 0:  # (servers before Redis 7 give no lag: then looked at)
             return 0
         last = as_text(group["last-delivered-id"])
         waiting: Any = await self.redis.xrange(lane, min=f"({last}", max="+", count=64)
