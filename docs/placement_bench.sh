@@ -21,7 +21,11 @@ url=redis://127.0.0.1:$port
 $bin/mlxq redis --port "$port" --dir "$work" >/dev/null 2>&1 &
 until $bin/python -c "import redis; redis.Redis(port=$port).ping()" 2>/dev/null; do sleep 0.2; done
 pids=()
-stop_workers() { for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done; wait "${pids[@]}" 2>/dev/null || true; pids=(); }
+stop_workers() {  # (a bare `wait` would wait for the Redis server too)
+  [ ${#pids[@]} -eq 0 ] && return
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait "${pids[@]}" 2>/dev/null || true; pids=()
+}
 cleanup() { stop_workers; $bin/mlxq redis stop --port "$port" >/dev/null 2>&1 || true; rm -rf "$work"; }
 trap cleanup EXIT
 
