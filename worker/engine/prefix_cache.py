@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
 import mlx.core as mx
@@ -35,6 +35,16 @@ from mlx_lm.models.cache import PromptTrie, can_trim_prompt_cache, trim_prompt_c
 
 from client.engine_stats import CacheStats
 from worker.engine.coverage import Coverage
+from worker.engine.kv_blocks import (
+    BLOCK_TOKENS,
+    BlockPool,
+    Layers,
+    block_keys,
+    cut,
+    layers_bytes,
+    splittable,
+    token_bytes,
+)
 
 MODEL = "model"  # the trie's namespace (with the salt): one model per worker
 
@@ -56,10 +66,12 @@ class Mirror(Protocol):
 
 @dataclass
 class _Entry:
-    cache: list[Any]
-    nbytes: int
+    cache: list[Any]  # the whole cache; [] where it is kept as blocks
+    nbytes: int  # what it holds alone (its tail, where kept as blocks)
     id: int
     chain: tuple[int, ...] = ()
+    blocks: list[bytes] = field(default_factory=list)  # its shared blocks, in order (`kv_blocks`)
+    tail: Layers | None = None  # the tokens after its last whole block
 
 
 class PrefixCache:
@@ -75,13 +87,18 @@ class PrefixCache:
         self._mirror = mirror
         self._last_id = 0
         self.changes = 0  # entries kept or dropped so far: the digest is made anew only after one
-        self.nbytes = 0
+        self._blocks = BlockPool()
+        self._own_bytes = 0  # the entries' own bytes (whole caches, tails); the blocks' are the pool's
         self.hits = 0
         self.misses = 0
         self.refused = 0
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._own_bytes + self._blocks.nbytes
 
     def stats(self) -> CacheStats:
         return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes,
@@ -123,44 +140,90 @@ class PrefixCache:
         return tuple(held)[:limit]
 
     def store(self, finished: Coverage, salt: str = "", chain: tuple[int, ...] = ()) -> int | None:
-        """Keep a detached copy of a finished sequence's cache for requests of `salt`, named
-        for the fleet by its request's prefix `chain`; the new entry's id (from 1), None if
-        refused."""
+        """Keep a copy of a finished sequence's cache for requests of `salt`, named for the
+        fleet by its request's prefix `chain`: as shared blocks and a tail where it can be
+        (`kv_blocks`), else whole; the new entry's id (from 1), None if refused."""
         tokens = finished.tokens
         if not tokens or self.max_bytes <= 0 or self.max_entries <= 0 or \
                 (self._mirror is not None and finished.row is None):
             return None
-        detached = detached_cache(finished.cache)
-        nbytes = sum(c.nbytes for c in detached)
-        if nbytes > self.max_bytes:
-            self.refused += 1
-            return None
         key = _Key(salt, tuple(tokens))
         self._drop(key)
-        while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
-            self._drop(next(iter(self._entries)))
-        self._last_id += 1
+        entry = self._blocked(finished, salt) if splittable(finished.cache) else self._whole(finished)
+        if entry is None:
+            self.refused += 1
+            return None
         self._trie.add((MODEL, salt), tokens, key.tokens)
-        self._entries[key] = _Entry(detached, nbytes, self._last_id, chain)
-        self.nbytes += nbytes
+        self._entries[key] = entry
+        entry.chain = chain
         self.changes += 1
         if self._mirror is not None:
             assert finished.row is not None
-            self._mirror.keep(finished.row, self._last_id)
-        if can_trim_prompt_cache(detached):  # a stored prefix of this key is now redundant
-            for prefix_len, _ in self._trie.pop_prefixes((MODEL, salt), tokens):
-                self._forget(_Key(salt, key.tokens[:prefix_len]))
-        return self._last_id
+            self._mirror.keep(finished.row, entry.id)
+        if not entry.blocks and not can_trim_prompt_cache(entry.cache):
+            return entry.id
+        for prefix_len, _ in self._trie.pop_prefixes((MODEL, salt), tokens):  # now redundant
+            self._forget(_Key(salt, key.tokens[:prefix_len]))
+        return entry.id
+
+    def _whole(self, finished: Coverage) -> _Entry | None:
+        detached = detached_cache(finished.cache)
+        nbytes = sum(c.nbytes for c in detached)
+        if nbytes > self.max_bytes or not self._make_room(nbytes):
+            return None
+        self._own_bytes += nbytes
+        self._last_id += 1
+        return _Entry(detached, nbytes, self._last_id)
+
+    def _blocked(self, finished: Coverage, salt: str) -> _Entry | None:
+        """The entry as blocks (those already stored are shared) and a tail."""
+        covered = len(finished.tokens)
+        if covered * token_bytes(finished.cache) > self.max_bytes:
+            return None  # larger than the whole budget: the others stay
+        keys = block_keys(finished.tokens, salt)
+        missing = self._blocks.hold(keys)  # held first: making room must not free them
+        tail_start = len(keys) * BLOCK_TOKENS
+        needed = (len(missing) * BLOCK_TOKENS + covered - tail_start) * token_bytes(finished.cache)
+        if needed > self.max_bytes or not self._make_room(needed):
+            self._blocks.release([keys[i] for i in range(len(keys)) if i not in missing])
+            return None
+        for i in missing:
+            self._blocks.add(keys[i], cut(finished.cache, i * BLOCK_TOKENS, (i + 1) * BLOCK_TOKENS))
+        tail = cut(finished.cache, tail_start, covered) if covered > tail_start else None
+        nbytes = 0 if tail is None else layers_bytes(tail)
+        self._own_bytes += nbytes
+        self._last_id += 1
+        return _Entry([], nbytes, self._last_id, blocks=keys, tail=tail)
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Evict the least recently used entries until one more entry of `nbytes` fits."""
+        while self._entries and (len(self._entries) >= self.max_entries or self.nbytes + nbytes > self.max_bytes):
+            self._drop(next(iter(self._entries)))
+        return self.nbytes + nbytes <= self.max_bytes
 
     def _copy(self, key: _Key, reused: int) -> Coverage | None:
         entry = self._entries.get(key)
         if entry is None or reused < 1:
             return None
-        cache = prefix_copy(entry.cache, len(key.tokens), reused)
+        if entry.blocks or entry.tail is not None:
+            cache: list[Any] | None = self._assembled(entry, reused)
+        else:
+            cache = prefix_copy(entry.cache, len(key.tokens), reused)
         if cache is None:
             return None
         self._entries.move_to_end(key)
         return Coverage(cache, list(key.tokens[:reused]), entry=entry.id)
+
+    def _assembled(self, entry: _Entry, reused: int) -> list[Any]:
+        """New caches of an entry kept as blocks, holding its first `reused` tokens."""
+        needed = -(-reused // BLOCK_TOKENS)  # the blocks that hold them
+        blocks = entry.blocks[:needed]
+        tail = entry.tail if needed > len(entry.blocks) else None
+        cache = self._blocks.assemble(blocks, tail)
+        covered = cache[0].offset
+        if covered > reused:
+            trim_prompt_cache(cache, covered - reused)
+        return cache
 
     def _drop(self, key: _Key) -> None:
         if key in self._entries:
@@ -170,7 +233,8 @@ class PrefixCache:
     def _forget(self, key: _Key) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self.nbytes -= entry.nbytes
+            self._own_bytes -= entry.nbytes
+            self._blocks.release(entry.blocks)
             self.changes += 1
             if self._mirror is not None:
                 self._mirror.forget(entry.id)

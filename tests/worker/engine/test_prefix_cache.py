@@ -12,6 +12,7 @@ from support import KEYS, ON_BOTH, check_stream, worker_fixture, xadd_json
 from client import Done
 from worker.engine.backends import Coverage
 from worker.engine.backends.mlx_lm import MlxBatchBackend
+from worker.engine.kv_blocks import BLOCK_TOKENS, token_bytes
 from worker.engine.prefix_cache import PrefixCache
 from worker.engine.sampling import build_logits_processors, build_sampler
 from worker.engine.scheduler import StepPlan
@@ -50,7 +51,12 @@ def generate(model, prompt: list[int], max_tokens: int = 12, cache: PrefixCache 
 
 
 def snapshot(cache: PrefixCache) -> list[np.ndarray]:
-    return [np.array(a) for entry in cache._entries.values() for layer in entry.cache for a in layer.state[:2]]
+    """Every stored array: the shared blocks' and each entry's own."""
+    entries = sorted(cache._entries.values(), key=lambda e: e.id)  # (a hit moves its entry in the LRU order)
+    blocks = [layer for block in cache._blocks._blocks.values() for layer in block.layers]
+    own = [layer for entry in entries for layer in entry.tail or []] + \
+        [layer.state[:2] for entry in entries for layer in entry.cache]
+    return [np.array(a) for pair in blocks + own for a in pair]
 
 
 PROMPT = list(range(100, 140))
@@ -62,8 +68,7 @@ def test_identical_prompt_reuses_all_but_one_token_and_matches_cold(model):
     cold, coverage, _ = generate(model, PROMPT)
     assert coverage.tokens == PROMPT + cold, "a finished sequence's cache covers its prompt and every token made"
     assert cache.store(coverage)
-    (entry,) = cache._entries.values()
-    assert entry.cache[0].offset == len(coverage.tokens), "the key is exactly what the cache covers"
+    assert cache.nbytes == len(coverage.tokens) * token_bytes(coverage.cache), "the key is exactly what it covers"
     warm, _, reused = generate(model, PROMPT, cache=cache)
     assert reused == len(PROMPT) - 1
     assert warm == cold
@@ -140,6 +145,38 @@ def test_budget_evicts_the_least_recently_used_and_refuses_what_cannot_fit(model
     few.store(entries[0])
     few.store(entries[1])
     assert len(few) == 1 and few.fetch(entries[1].tokens) is not None
+
+
+def test_a_shared_prefix_is_stored_once_and_every_hit_decodes_as_cold(model):
+    """Entries that start alike share the KV of their common whole blocks: four requests
+    on one 200-token system prompt hold it once; a hit assembled from the shared blocks
+    (cut inside a block, or reaching into an entry's own tail) decodes as a cold run."""
+    system = list(range(200, 400))
+    entries = [generate(model, system + [900 + 10 * i + j for j in range(10)], max_tokens=4)[1] for i in range(4)]
+    per_token = token_bytes(entries[0].cache)
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    for entry in entries:
+        cache.store(entry)
+    shared = (200 // BLOCK_TOKENS) * BLOCK_TOKENS
+    assert cache.nbytes == (shared + sum(len(e.tokens) - shared for e in entries)) * per_token
+    assert cache.nbytes < 1.6 * len(entries[0].tokens) * per_token, "not four copies of the system prompt"
+    for prompt, reused in ((system + [5, 6, 7], 200), (system[:130] + [5, 6, 7], 130),
+                           (entries[2].tokens + [5], len(entries[2].tokens))):
+        cold, _, _ = generate(model, prompt)
+        warm, _, got = generate(model, prompt, cache=cache)
+        assert (got, warm) == (reused, cold)
+    before = snapshot(cache)
+    generate(model, system + [1, 2, 3], max_tokens=30, cache=cache)
+    assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(cache), strict=True)), "hits copy, never alias"
+    small = PrefixCache(max_bytes=cache.nbytes - per_token, max_entries=10)  # one entry's tail short of all four
+    for entry in entries:
+        small.store(entry)
+    assert [list(k.tokens) for k in small._entries] == [e.tokens for e in entries[1:]], "the oldest went"
+    hit = small.fetch(entries[0].tokens)
+    assert hit is not None and len(hit.tokens) == 200, "its system prompt's blocks stay, shared by the others"
+    for key in list(small._entries):
+        small._forget(key)
+    assert (len(small), small.nbytes) == (0, 0), "the last user of a block frees it"
 
 
 class Recorded:
