@@ -42,7 +42,7 @@ class Membership:
         await self._scripts.run(scripts.HEARTBEAT, [self.keys.worker(consumer)],
                                 [heartbeat, max(1, int(ttl_s * 1000)), instance])
         lost = []
-        for stream in self.request_streams:
+        for stream in dict.fromkeys([*self.request_streams, *entries]):  # placement lanes' entries too
             args = [GROUP, consumer, idle_ms, *entries.get(stream, [])]
             lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, [stream], args)]
         return lost
