@@ -276,14 +276,15 @@ def test_status_renders_every_column_from_a_fleet_view():
 
     beat = {"host": "mac-7", "queue": "q", "model": "qwen", "running": 2, "waiting": 1, "tok_s": 41.5,
             "prefix_cache": {"entries": 2, "hits": 1, "misses": 3}, "memory": {"active": 3 * 1024**3},
-            "version": "0.1.0", "blas": "mkl",
+            "version": "0.1.0", "blas": "mkl", "placement": {"enabled": True, "digest": 412, "version": "ab"},
             "last_error": {"code": "too_large", "message": "max_tokens: 9 is above", "at": time.time() - 30}}
     fleet = Fleet(workers=[WorkerView("mac-7-0", "ready", 1.0, Heartbeat.from_dict(beat),
-                                      {"finished:stop": 5, "errors:too_large": 2, "generation_tokens": 640})],
+                                      {"finished:stop": 5, "errors:too_large": 2, "generation_tokens": 640,
+                                       "placed:affine": 4, "placed:stolen": 1})],
                   streams=[StreamView("q", "urgent", "mlxq:q:q:urgent", 7, 4, 3, 12.0, 1, 10_000)])
     lines = render(fleet).splitlines()
     assert lines[0].endswith(": 1 ready")
     assert lines[3].split() == ["q", "urgent", "7", "4", "12s", "3", "1", "10000"]
     assert lines[6].split() == ["mac-7-0", "ready", "mac-7", "q", "qwen", "2/1", "41.5", "7", "640", "too_large=2",
-                                "25%", "-", "3.0", "GB", "0.1.0", "mkl", "1s", "ago"]
+                                "25%", "412", "affine=4", "stolen=1", "-", "3.0", "GB", "0.1.0", "mkl", "1s", "ago"]
     assert lines[-1] == "  mac-7-0: too_large 'max_tokens: 9 is above' (30s ago)"

@@ -175,7 +175,7 @@ def test_a_reply_stream_the_acl_forbids_fails_that_request_alone(server, admin, 
     reply_to gets its NOPERM as an error on its own stream, while the requests streaming
     beside it complete; the worker keeps running."""
     allowed = [f"~mlxq:{kind}:*" for kind in ("q", "out", "progress", "done", "cancel", "crashes", "workers",
-                                              "stats", "limits")]
+                                              "stats", "limits", "affinity", "digest")]
     url = acl_user(admin, server, *allowed, "~mlxq:fleet", "&mlxq:*", "+@all", "-@dangerous")
     confined = start_worker(url, demo_model, f"acl{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=4)
     try:
