@@ -46,9 +46,12 @@ for run in $(seq "$runs"); do
   for placement in true false; do
     queue="place-$placement-$run"
     start_workers "$queue" "$placement"
+    $bin/python docs/placement_backlog.py "$url" "$queue" "$(python3 -c "print(64 / $rate + 20)")" &
+    sampler=$!
     $bin/mlxq bench --redis-url "$url" --queue "$queue" --requests 64 --rate "$rate" --concurrency 0 \
       --tenants 8 --prefix-len 1500 --input-len 24 --output-len 16 --seed "$run" \
       --json "docs/bench/placement-$placement-$run.json" 2>/dev/null | grep -E "cached prompt|^redis"
+    wait "$sampler"
     for i in $(seq "$workers"); do  # each worker's placements
       echo "  w$i: $($bin/mlxq status --redis-url "$url" --queue "$queue" --json | $bin/python -c "import json, sys
 w = [w for w in json.load(sys.stdin)['workers'] if w['name'] == 'w$i-$queue'][0]
