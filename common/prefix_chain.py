@@ -22,6 +22,7 @@ from typing import Any
 
 BLOCK_BYTES = 256  # about 64 tokens of English; a prefix shorter than this is not worth placing
 MAX_BLOCKS = 64  # the first 16 KB of a prompt name it: longer shared prefixes rarely part later
+CHAIN_BYTES = BLOCK_BYTES * MAX_BLOCKS
 DIGEST_HASHES = 4096  # most hashes a worker's digest lists (32 KB): its most recently used entries' chains
 MESSAGE_END = b"\x1e"
 
@@ -50,23 +51,28 @@ def prefix_chain(raw: Any) -> Chain:
 
 
 def _prompt_bytes(raw: dict[str, Any]) -> bytes | None:
-    """The prompt as bytes, each kind marked apart: text, chat messages (role and text of
+    """The start of the prompt as bytes (what the chain can hold, no more: this runs on the
+    worker's event loop), each kind marked apart: text, chat messages (role and text of
     each), token ids; None where it holds anything else."""
     prompt, messages, tokens = raw.get("prompt"), raw.get("messages"), raw.get("prompt_tokens")
     if isinstance(prompt, str) and messages is None and tokens is None:
-        return b"p" + prompt.encode("utf-8", "surrogatepass")
+        return b"p" + prompt[:CHAIN_BYTES].encode("utf-8", "surrogatepass")  # a character is a byte or more
     if isinstance(messages, list) and prompt is None and tokens is None:
-        parts = [b"m"]
+        parts, size = [b"m"], 1
         for message in messages:
             text = _message_bytes(message)
             if text is None:
                 return None
             parts.append(text + MESSAGE_END)
+            size += len(parts[-1])
+            if size > CHAIN_BYTES:
+                break
         return b"".join(parts)
     if isinstance(tokens, list) and prompt is None and messages is None:
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens):
+        head = tokens[:CHAIN_BYTES // 4 + 1]
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in head):
             return None
-        return b"t" + struct.pack(f"<{len(tokens)}I", *tokens)
+        return b"t" + struct.pack(f"<{len(head)}I", *head)
     return None
 
 
