@@ -4,6 +4,7 @@ queue would give it elsewhere (a full worker, a dead one, an evicted prefix)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -65,11 +66,12 @@ def holds(r: redis.Redis, queue: str, worker: WorkerProcess, body: dict) -> bool
     return bool(raw) and prefix_chain(body)[1] in set(msgpack.unpackb(raw))
 
 
-def sees(r: redis.Redis, viewer: WorkerProcess, peer: WorkerProcess, **wanted: object) -> bool:
-    """Whether `viewer` knows `peer`'s digest as it is now (and its load, if asked)."""
+def sees(r: redis.Redis, queue: str, viewer: WorkerProcess, peer: WorkerProcess, **wanted: object) -> bool:
+    """Whether `viewer` knows `peer`'s digest as published now (its heartbeat may still name
+    the one before), and its load, if asked."""
     known = (beat(r, viewer)["placement"] or {}).get("peers", {}).get(peer.consumer)
-    return known is not None and known["version"] == beat(r, peer)["placement"]["version"] and \
-        all(known[k] == v for k, v in wanted.items())
+    published = hashlib.blake2b(r.get(KEYS.digest(queue, peer.consumer)) or b"", digest_size=6).hexdigest()
+    return known is not None and known["version"] == published and all(known[k] == v for k, v in wanted.items())
 
 
 def count(r: redis.Redis, worker: WorkerProcess, name: str) -> int:
@@ -97,7 +99,7 @@ def warm(r, outputs, queue: str, pair: tuple, body: dict) -> tuple[WorkerProcess
     holder = wait_for(lambda: next((w for w in (a, b) if holds(r, queue, w, body)), None),
                       what="a worker publishing the prefix it holds")
     other = b if holder is a else a
-    wait_for(lambda: sees(r, other, holder), what="the other worker reading the holder's digest")
+    wait_for(lambda: sees(r, queue, other, holder), what="the other worker reading the holder's digest")
     return holder, other
 
 
@@ -132,7 +134,7 @@ def test_a_full_or_dead_affine_worker_leaves_its_requests_to_another(pair, r, ou
     held = [place(r, queue, holder, HELD) for _ in range(2)]  # both of its slots, until cancelled
     for request_id in held:
         wait_for_deltas(r, wait_for(lambda rid=request_id: output_stream(r, rid), what="a held output"), [request_id])
-    wait_for(lambda: sees(r, other, holder, load=2), what="the other worker seeing the holder full")
+    wait_for(lambda: sees(r, queue, other, holder, load=2), what="the other worker seeing the holder full")
     balanced = send(r, queue, tenant("search", "Is the crawler up?"))
     assert check_stream(outputs.of(balanced)).usage.cached_tokens == 0, "served by the other worker"
     wait_for(lambda: count(r, other, "placed:balanced") + count(r, other, "placed:stolen") >= 1,
@@ -163,7 +165,7 @@ def test_a_worker_that_evicted_a_prefix_stops_attracting_it(pair, r, outputs):
     holder, other = warm(r, outputs, queue, (a, b), body)
     check_stream(outputs.of(place(r, queue, holder, tenant("growth", "What is our funnel?"))))  # its one entry now
     wait_for(lambda: not holds(r, queue, holder, body), what="the holder's digest without the evicted prefix")
-    wait_for(lambda: sees(r, other, holder), what="the other worker reading the new digest")
+    wait_for(lambda: sees(r, queue, other, holder), what="the other worker reading the new digest")
     forwarded = count(r, other, "placed:forwarded")
     check_stream(outputs.of(send(r, queue, tenant("billing", "And the refund?"))))
     assert count(r, other, "placed:forwarded") == forwarded
