@@ -19,6 +19,7 @@ from typing import Any, Literal, cast, get_args
 from .engine_stats import EngineStats
 from .protocol import ErrorCode, FinishReason, Task
 
+LONGEST = 5  # running requests a heartbeat lists
 WorkerState = Literal["ready", "draining", "stopped"]
 ModelLoad = Literal["loaded", "loading", "draining", "available"]
 
@@ -49,6 +50,23 @@ class ModelState:
 
 
 @dataclass(frozen=True)
+class RunningRequest:
+    """One of the requests a worker has held longest: for the dashboard's "in flight"."""
+
+    id: str
+    stream: str  # the request stream it was read from (its queue's, or a lane's)
+    read_at: float  # unix seconds
+    tokens: int = 0  # generated so far
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> RunningRequest | None:
+        if not isinstance(raw, dict) or not isinstance(raw.get("id"), str):
+            return None
+        return cls(raw["id"][:256], _str(raw.get("stream"), "?")[:256], _float(raw.get("read_at")) or 0.0,
+                   _int(raw.get("tokens")) or 0)
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """What one worker process says about itself every `heartbeat_s`."""
 
@@ -70,6 +88,7 @@ class Heartbeat:
     stats: EngineStats | None = None  # the engine's figures (None until its model is loaded)
     group: dict[str, Any] | None = None  # a worker group's: its mode, its ranks' hosts (rank 0 first)
     placement: dict[str, Any] | None = None  # placement by prefix: enabled, its digest's size and version
+    longest: tuple[RunningRequest, ...] = ()  # the requests it has held longest, longest first (a few)
 
     @property
     def model(self) -> ModelState | None:
@@ -119,7 +138,13 @@ class Heartbeat:
             totals={k: v for k, v in totals.items() if isinstance(v, int)} if isinstance(totals, dict) else {},
             last_error=last_error if isinstance(last_error, dict) else None,
             stats=EngineStats.from_wire(raw), group=group if isinstance(group := raw.get("group"), dict) else None,
-            placement=placement if isinstance(placement := raw.get("placement"), dict) else None)
+            placement=placement if isinstance(placement := raw.get("placement"), dict) else None,
+            longest=_running(raw.get("longest")))
+
+
+def _running(value: Any) -> tuple[RunningRequest, ...]:
+    found = (RunningRequest.from_dict(x) for x in value[:LONGEST]) if isinstance(value, list) else ()
+    return tuple(r for r in found if r is not None)
 
 
 def _models(raw: dict[str, Any]) -> tuple[ModelState, ...]:

@@ -124,6 +124,21 @@ class Keys:
         """One worker's totals and last heartbeat (a hash), kept for days after it stops."""
         return f"{self.prefix}:stats:{consumer}"
 
+    def drain(self, consumer: str) -> str:
+        """A request that one worker drain and stop (its process instance, with a TTL): the
+        dashboard's drain and unload buttons, which reach a worker on any machine."""
+        return f"{self.prefix}:drain:{consumer}"
+
+    @property
+    def timeline(self) -> str:
+        """What each worker served, a sample every `timeline_s` (a stream, trimmed to the last
+        `TIMELINE_KEEP_S` by entry id): the dashboard's charts."""
+        return f"{self.prefix}:timeline"
+
+    def dashboard_session(self, token_hash: str) -> str:
+        """One signed-in dashboard session (JSON: the key it was opened with, its CSRF token), with a TTL."""
+        return f"{self.prefix}:dashboard:session:{token_hash}"
+
     @property
     def fleet(self) -> str:
         """Every worker seen lately (a sorted set: consumer name, scored by when last seen)."""

@@ -5,6 +5,7 @@
     /v1/files, /v1/batches      OpenAI's Batch API (gateway/batches.py)
     POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's API, gateway/anthropic.py)
     GET  /health                GET  /metrics
+    /dashboard                  the fleet, live, in a browser (gateway/dashboard/)
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from .anthropic import MessageShape, anthropic_error, read_messages
 from .batches import Batches, Files
 from .bodies import read_body
 from .budget import TenantBudget
+from .dashboard.access import Sessions
+from .dashboard.pages import Dashboard
 from .errors import TIMEOUT, ApiError
 from .metrics import GatewayMetrics
 from .models import ModelDirectory
@@ -70,10 +73,13 @@ class Gateway:
                            budget_bytes=settings.files_budget_bytes, ttl_s=settings.file_ttl_s)
         self.batches = Batches(redis, keys, self.files, self.directory, max_batches=settings.max_batches)
         self.runner = BatchRunner(self.client, lease_s=settings.batch_lease_s, window=settings.batch_window)
+        self.dashboard = Dashboard(self.client, Sessions(redis, keys, self.key_store, self._keys), self.batches,
+                                   settings.redis_url)
 
     async def close(self) -> None:
         """Stop reading the reply stream and close the Redis connections."""
         await self.replies.close()
+        self.dashboard.close()
         await self.client.aclose()
 
     async def authorize(self, request: Request) -> Caller:
@@ -87,6 +93,9 @@ class Gateway:
         if bearer and matches_any(bearer, self._keys):
             return ADMIN
         record = await self.key_store.lookup(bearer) if bearer.startswith(KEY_PREFIX) else None
+        if record is not None and record.viewer:
+            raise ApiError(403, "this is a viewer key: it reads the dashboard (/dashboard) and calls no API",
+                           "permission_error", "viewer_key")
         if record is not None:
             return Caller(record.tenant, record)
         if not self._keys and not await self.key_store.any():
@@ -237,23 +246,25 @@ def _page_params(request: Request) -> tuple[str | None, int]:
     return request.query_params.get("after"), int(limit)
 
 
-def create_app(settings: GatewaySettings) -> Starlette:
-    """The ASGI app of one gateway."""
+def create_app(settings: GatewaySettings, api: bool = True) -> Starlette:
+    """The ASGI app of one gateway; without `api`, its dashboard alone (`mlxq dashboard`)."""
     gateway = Gateway(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
-        runner = asyncio.create_task(gateway.runner.run())  # drives the batches nobody drives
+        # An API gateway drives the batches nobody drives; a dashboard alone only shows them.
+        runners = [asyncio.create_task(gateway.runner.run())] if api else []
         yield
-        runner.cancel()
-        await asyncio.gather(runner, return_exceptions=True)
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
         try:
             await asyncio.wait_for(gateway.close(), CLOSE_TIMEOUT_S)
         except asyncio.TimeoutError:
             log.warning("the Redis connections did not close in time; exiting without waiting for them",
                         timeout_s=CLOSE_TIMEOUT_S)
 
-    routes = [
+    api_routes = [
         Route("/v1/chat/completions", gateway.route("chat", lambda r: gateway.completions(r, "chat")),
               methods=["POST"]),
         Route("/v1/completions", gateway.route("completion", lambda r: gateway.completions(r, "completion")),
@@ -275,9 +286,8 @@ def create_app(settings: GatewaySettings) -> Starlette:
         Route("/v1/messages", gateway.route("messages", gateway.messages, anthropic_error), methods=["POST"]),
         Route("/v1/messages/count_tokens", gateway.route("messages", gateway.count_tokens, anthropic_error),
               methods=["POST"]),
-        Route("/health", gateway.route("health", gateway.health)),
-        Route("/metrics", gateway.scrape),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    common = [Route("/health", gateway.route("health", gateway.health)), Route("/metrics", gateway.scrape)]
+    app = Starlette(routes=[*(api_routes if api else []), *gateway.dashboard.routes(), *common], lifespan=lifespan)
     app.state.gateway = gateway
     return app

@@ -13,6 +13,7 @@ had owners).
     role    sees                                      may
     admin   every tenant                              everything
     user    its tenant's files, batches, its models   create and cancel its own
+    viewer  the dashboard, every tenant               nothing: it reads the dashboard only
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ KEY_PREFIX = "sk-mlxq-"
 TENANT_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 REFRESH_S = 1.0
 
-Role = Literal["admin", "user"]
+Role = Literal["admin", "user", "viewer"]
 
 
 class KeyRecord(BaseModel):
@@ -62,10 +63,14 @@ class KeyRecord(BaseModel):
     def admin(self) -> bool:
         return self.role == "admin"
 
+    @property
+    def viewer(self) -> bool:
+        return self.role == "viewer"
+
     @model_validator(mode="after")
     def _admin_tenant_is_for_admins(self) -> KeyRecord:
         if self.tenant == ADMIN_TENANT and self.role != "admin":  # it owns what admins and older versions made
-            raise ValueError(f"tenant {ADMIN_TENANT!r} is the admins' own: give a user key another tenant")
+            raise ValueError(f"tenant {ADMIN_TENANT!r} is the admins' own: give a {self.role} key another tenant")
         return self
 
 
@@ -80,6 +85,10 @@ class Caller:
     @property
     def admin(self) -> bool:
         return self.record is None or self.record.admin
+
+    @property
+    def viewer(self) -> bool:
+        return self.record is not None and self.record.viewer
 
     def owns(self, tenant: str | None) -> bool:
         """Whether this caller may see what `tenant` made (data made before owners: the admin tenant's)."""
@@ -144,7 +153,10 @@ class KeyStore:
 
     async def lookup(self, key: str) -> KeyRecord | None:
         """The record of `key`, or None if it is not a key (read at most once a `REFRESH_S`)."""
-        hashed = digest(key)
+        return await self.lookup_digest(digest(key))
+
+    async def lookup_digest(self, hashed: str) -> KeyRecord | None:
+        """`lookup` by the key's digest (what a dashboard session keeps of its key)."""
         now = time.monotonic()
         seen = self._seen.get(hashed)
         if seen is not None and now - seen[0] < REFRESH_S:

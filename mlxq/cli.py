@@ -76,8 +76,8 @@ class _Formatter(argparse.HelpFormatter):
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlxq", description="LLM inference from a Redis Streams queue, on MLX.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_worker, _add_gateway, _add_keys, _add_submit, _add_batch, _add_status, _add_dead, _add_adapters,
-                _add_redis, _add_bench, _add_demo_model):
+    for add in (_add_worker, _add_gateway, _add_dashboard, _add_keys, _add_submit, _add_batch, _add_status,
+                _add_dead, _add_adapters, _add_redis, _add_bench, _add_demo_model):
         add(commands)
     return parser
 
@@ -152,6 +152,34 @@ def _run_gateway(args: argparse.Namespace) -> int:
     return gateway_command.run(args)
 
 
+def _add_dashboard(commands: Any) -> None:
+    """`mlxq dashboard`: the gateway's dashboard alone, with the gateway's settings."""
+    dashboard = _command(commands, "dashboard", "serve the live web dashboard alone (no API)",
+                         "The fleet, queues, running requests, dead letters, batches and the last hour's charts "
+                         "at http://HOST:PORT/dashboard, as `mlxq gateway` serves them beside its API. It takes "
+                         "the gateway's settings: sign in with one of its api_keys or a key made by `mlxq keys "
+                         "create --role admin|viewer`.")
+    dashboard.add_argument("--config", type=Path, help="TOML file of gateway settings (see config/gateway.toml)")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+
+        from gateway.settings import ENV_PREFIX, GatewaySettings
+    except ImportError as e:
+        dashboard.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
+        dashboard.set_defaults(run=partial(_missing_extra, "dashboard", e), extra_missing=True)
+    else:
+        for name, field in GatewaySettings.model_fields.items():
+            _add_setting(dashboard, name, field, ENV_PREFIX)
+        dashboard.set_defaults(run=_run_dashboard)
+
+
+def _run_dashboard(args: argparse.Namespace) -> int:
+    from . import gateway_command
+
+    return gateway_command.run(args, api=False)
+
+
 def _add_keys(commands: Any) -> None:
     """`mlxq keys`: the gateways' API keys, in Redis."""
     keys = _command(commands, "keys", "create, list or revoke the gateways' API keys",
@@ -161,7 +189,8 @@ def _add_keys(commands: Any) -> None:
     keys.add_argument("action", choices=["create", "list", "revoke"])
     keys.add_argument("key_id", nargs="?", metavar="KEY_ID", help="revoke: the key's id (key_..., from `list`)")
     keys.add_argument("--tenant", help="create: the team the key belongs to (A-Za-z0-9_.-)")
-    keys.add_argument("--role", choices=["user", "admin"], default="user", help="create: an admin sees every tenant")
+    keys.add_argument("--role", choices=["user", "admin", "viewer"], default="user",
+                      help="create: an admin sees every tenant and acts on it; a viewer reads the dashboard only")
     keys.add_argument("--models", help="create: the models (names or queues) it may call, comma-separated "
                       "(default: every model)")
     keys.add_argument("--rpm", type=int, help="create: requests per minute (default: no limit)")

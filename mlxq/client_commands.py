@@ -14,6 +14,7 @@ import redis as redis_py
 
 from client import Client, Done, Job, JobCancelled, JobFailed, JobTimeout, QueueFull, RequestRejected
 from client.connect import connect as redis_for_url
+from client.dead_letters import DeadLetterError, DeadLetters
 from client.diagnose import redis_url_problem
 from client.fleet import read_fleet
 from client.keys import Keys
@@ -142,7 +143,7 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_dead(args: argparse.Namespace) -> int:
-    letters = dead.DeadLetters(connect(args), Keys(args.prefix), args.queue)
+    letters = DeadLetters(connect(args), Keys(args.prefix), args.queue)
     if args.action == "list":
         print(dead.render_list(letters.newest(args.count)))
     elif args.action == "show":
@@ -156,7 +157,7 @@ def run_dead(args: argparse.Namespace) -> int:
         for entry_id in _entries(args, letters, allow_all=True):
             try:
                 new_id, stream = letters.requeue(entry_id)
-            except dead.DeadLetterError as e:
+            except DeadLetterError as e:
                 print(f"mlxq dead requeue: {e}", file=sys.stderr)
                 failures += 1
                 continue
@@ -168,7 +169,7 @@ def run_dead(args: argparse.Namespace) -> int:
     return 0
 
 
-def _entries(args: argparse.Namespace, letters: dead.DeadLetters, allow_all: bool) -> list[str]:
+def _entries(args: argparse.Namespace, letters: DeadLetters, allow_all: bool) -> list[str]:
     if args.all and allow_all:
         return letters.all_ids()
     if not args.entries:

@@ -12,7 +12,8 @@ from typing import Any
 from .errors import CommandError, settings_for_command
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, api: bool = True) -> int:
+    """`mlxq gateway`, or with `api` False `mlxq dashboard`: the dashboard alone."""
     import structlog
     import uvicorn
 
@@ -32,9 +33,12 @@ def run(args: argparse.Namespace) -> int:
     if not settings.api_keys:
         log.warning("no api_keys are configured: anyone who can connect may use the queue, unless keys made by "
                     "`mlxq keys create` are in Redis", listening=f"{host}:{port}")
-    log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=redacted(settings.redis_url),
-             models=settings.models or "from the workers' heartbeats")
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level, access_log=False,
+    if api:
+        log.info("gateway serving the OpenAI API", url=f"http://{host}:{port}/v1", redis=redacted(settings.redis_url),
+                 models=settings.models or "from the workers' heartbeats", dashboard=f"http://{host}:{port}/dashboard")
+    else:
+        log.info("serving the dashboard", url=f"http://{host}:{port}/dashboard", redis=redacted(settings.redis_url))
+    config = uvicorn.Config(create_app(settings, api), log_level=settings.log_level, access_log=False,
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -1,7 +1,7 @@
 """`mlxq keys`: the gateways' API keys, made, listed and revoked in Redis.
 
     create --tenant T [--models a,b] [--rpm N] [--tpm N] [--max-concurrency N]
-           [--max-priority P] [--files-budget BYTES] [--max-batches N] [--role admin|user]
+           [--max-priority P] [--files-budget BYTES] [--max-batches N] [--role admin|user|viewer]
     list                revoke KEY_ID
 
 `create` prints the key once; Redis keeps only its hash. A revoke reaches every gateway

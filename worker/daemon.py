@@ -27,13 +27,14 @@ from client.connect import close_async, connect_async
 from client.diagnose import redacted
 from client.engine_stats import EngineStats
 from client.keys import Keys
-from client.protocol import Event
+from client.protocol import Delta, Event
 from worker.fleet import metrics
 from worker.fleet.adapters import follow_adapters
 from worker.fleet.leases import Leases
 from worker.fleet.membership import Membership
 from worker.fleet.metrics import Metrics
 from worker.fleet.naming import NameTaken
+from worker.fleet.timeline import Timeline
 from worker.messages import EngineReady, Step
 from worker.process.engine_link import EngineFailed, EngineLink
 from worker.process.group_place import GroupPlace
@@ -79,6 +80,7 @@ class Worker:
         self.engine = EngineLink(settings, on_step=self._on_step, on_stats=self._update_stats)
         self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
         self.totals = Totals()
+        self.timeline = Timeline(self.redis, self.keys, settings.queue, self.request_streams, settings.timeline_s)
         self.metrics = Metrics(self.totals, self.requests, lambda: self._stats) \
             if settings.metrics_port is not None else None
         self.publisher: Publisher | None = None  # made with the consumer name, once claimed
@@ -119,7 +121,7 @@ class Worker:
         self._install_signal_handlers(self._loop)
         leases = Leases(self.settings, self.membership, self.requests, ready.name, self.totals, self.blas,
                         ready.tool_call, ready.task, lambda: self._stats, lambda: self.engine.pid, self._group(),
-                        lambda: None if self._affinity is None else self._affinity.describe())
+                        lambda: None if self._affinity is None else self._affinity.describe(), self._drain_asked)
         try:
             consumer = await leases.claim_name()
         except NameTaken as e:
@@ -161,6 +163,9 @@ class Worker:
         """Count a written event; counting is upkeep: whatever fails in it must not stop publishing."""
         try:
             self.totals.observe(event)
+            self.timeline.observe(event)
+            if isinstance(event, Delta) and (held := self.requests.get(event.id)) is not None:
+                held.tokens += len(event.tokens)
             if self.metrics is not None:
                 self.metrics.observe(event)
         except Exception as e:  # noqa: BLE001
@@ -184,6 +189,7 @@ class Worker:
                   asyncio.create_task(listen_for_cancels(self.redis, self.marks, self.requests, self.engine,
                                                          self.settings.result_ttl_s), name="cancels"),
                   asyncio.create_task(leases.run(), name="leases"),
+                  asyncio.create_task(self.timeline.run(leases.consumer), name="timeline"),
                   *([asyncio.create_task(self._affinity.run(), name="placement")] if self._affinity else []),
                   asyncio.create_task(follow_adapters(self.redis, self.keys, self.settings, self.engine.set_adapters),
                                       name="adapters"),
@@ -320,6 +326,11 @@ class Worker:
 
     def _die(self, error: BaseException) -> None:
         self._fatal = error
+        self._stop.set()
+
+    def _drain_asked(self) -> None:
+        """Someone asked through Redis (the dashboard's drain or unload) that this worker stop:
+        as a SIGTERM does."""
         self._stop.set()
 
     def _install_signal_handlers(self, loop: asyncio.AbstractEventLoop) -> None:

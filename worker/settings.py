@@ -202,6 +202,8 @@ class WorkerSettings(LayeredSettings):
     block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP block; below the 10 s socket timeout")
     heartbeat_s: float = Field(5.0, gt=0, description="how often the heartbeat and the leases on running "
                                "requests are renewed; silent for 3x this, a worker's requests are taken over")
+    timeline_s: float = Field(10.0, ge=0.1, description="how often this worker adds what it served to the fleet's "
+                              "timeline (mlxq:timeline, the last hour: the dashboard's charts)")
     reclaim_interval_s: float = Field(2.0, gt=0, description="how often to look for requests of workers that died")
     max_deliveries: int = Field(5, ge=1, description="deliveries after which an entry is dead-lettered (poisoned)")
     max_crashes: int = Field(2, ge=1, description="workers that may die while preparing one request (decoding, "

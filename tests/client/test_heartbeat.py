@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from client.engine_stats import CacheStats, EngineStats, EngineTime
-from client.heartbeat import Heartbeat, ModelState
+from client.heartbeat import LONGEST, Heartbeat, ModelState, RunningRequest
 
 BEAT = Heartbeat(consumer="mac-0", instance="abc", state="draining", host="mac", pid=42, started_at=1.5,
                  version="0.1.0", blas="mkl",
@@ -17,7 +17,8 @@ BEAT = Heartbeat(consumer="mac-0", instance="abc", state="draining", host="mac",
                  stats=EngineStats(2, 1, {"active": 10, "cache": 5}, prefix_cache=CacheStats(3, 4, 1, 1024, None, 1),
                                    ssd_cache=CacheStats(0, 0, 0), speculation={"method": "ngram", "accepted": 3},
                                    mask_fills=2, mask_fill_ms=1.5,
-                                   time=EngineTime(steps=9, model_s=0.5, other_s=0.25, handoff_s=0.125, idle_s=2.0)))
+                                   time=EngineTime(steps=9, model_s=0.5, other_s=0.25, handoff_s=0.125, idle_s=2.0)),
+                 longest=(RunningRequest("r1", "mlxq:q:chat", 100.5, 12), RunningRequest("r2", "mlxq:q:chat", 101.0)))
 
 
 def test_a_heartbeat_reads_back_as_written():
@@ -53,11 +54,13 @@ def test_whatever_else_a_heartbeat_key_holds_reads_without_an_error():
     assert Heartbeat.from_json(b"[1, 2]") is None
     beat = Heartbeat.from_json(json.dumps({"state": "on fire", "pid": "7", "host": 3, "in_flight": True,
                                            "models": [{"queue": 1}, "x", {"queue": "q", "path": "p", "state": "?"}],
-                                           "totals": {"a": "b", "c": 1}, "last_error": "oops"}))
+                                           "totals": {"a": "b", "c": 1}, "last_error": "oops",
+                                           "longest": [{"id": 5}, "x", {"id": "ok", "tokens": "many"}] * 9}))
     assert beat is not None
     assert (beat.state, beat.pid, beat.host, beat.in_flight, beat.totals, beat.last_error) == (
         "ready", None, "?", 0, {"c": 1}, None)
     assert beat.models == (ModelState("q", "q", "p", "available"),)
+    assert beat.longest[0] == RunningRequest("ok", "?", 0.0, 0) and len(beat.longest) <= LONGEST
     odd = Heartbeat.from_json('{"started_at": Infinity, "tok_s": NaN, "pid": 1e400}')  # JSON as Python reads it
     assert odd is not None and (odd.started_at, odd.tok_s, odd.pid) == (0.0, None, None)
 

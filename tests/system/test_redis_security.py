@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import redis
@@ -203,6 +204,12 @@ def test_the_gateway_with_its_own_user(secure_worker, acl_server, demo_model, lo
             batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
             wait_for(lambda: sdk.batches.retrieve(batch.id).status == "completed", what="the batch to complete")
             assert sdk.files.content(sdk.batches.retrieve(batch.id).output_file_id).content.count(b"\n") == 1
+        with httpx.Client(base_url=gateway.url, follow_redirects=True) as browser:  # the dashboard: every view
+            assert browser.get("/dashboard/login").url.path == "/dashboard"  # an open gateway signs in at once
+            for view in ("fleet", "queues", "running", "dead", "batches", "charts"):
+                page = browser.get(f"/dashboard/{view}")
+                assert page.status_code == 200, page.text  # a refused read would be a 503 page
+            assert secure_worker.consumer in browser.get("/dashboard/fleet").text
     finally:
         gateway.stop()
     assert "NOPERM" not in gateway.log() and "g-pass" not in gateway.log()

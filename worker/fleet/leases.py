@@ -22,7 +22,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from client.engine_stats import EngineStats
-from client.heartbeat import Heartbeat, ModelState, StatsRecord, WorkerState
+from client.heartbeat import LONGEST, Heartbeat, ModelState, RunningRequest, StatsRecord, WorkerState
 from client.protocol import Task
 from worker.fleet.membership import Membership
 from worker.fleet.naming import claim_consumer_name
@@ -51,7 +51,8 @@ class Leases:
                  model_name: str, totals: Totals, blas: str, tool_call: tuple[str, str] | None = None,
                  task: Task = "generate", engine_stats: Callable[[], EngineStats | None] = lambda: None,
                  engine_pid: Callable[[], int | None] = lambda: None, group: dict[str, Any] | None = None,
-                 placement: Callable[[], dict[str, Any] | None] = lambda: None) -> None:
+                 placement: Callable[[], dict[str, Any] | None] = lambda: None,
+                 on_drain_asked: Callable[[], None] = lambda: None) -> None:
         self.settings = settings
         self.membership = membership
         self.consumer = ""  # set once, by `claim_name`
@@ -70,6 +71,7 @@ class Leases:
         self.ttl_s = 3 * settings.heartbeat_s
         self.group = group  # a worker group's mode, ranks and hosts (rank 0 is this process)
         self.placement = placement  # placement by prefix, as it stands (set once the name is claimed)
+        self.on_drain_asked = on_drain_asked  # someone asked, through Redis, that this process drain
 
     async def claim_name(self) -> str:
         """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
@@ -100,6 +102,9 @@ class Leases:
         lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), beat.to_json(),
                                                 ttl_s=self.ttl_s, instance=self.instance)
         await self._record(beat)
+        if self.state == "ready" and await self.membership.drain_asked(self.consumer) == self.instance:
+            log.info("drain asked through Redis", key=self.membership.keys.drain(self.consumer))
+            self.on_drain_asked()
         for entry_id in lost:
             held = self.requests.by_entry(entry_id)
             if held is not None:
@@ -140,4 +145,6 @@ class Leases:
             blas=self.blas, models=(model,),
             in_flight=len(self.requests), max_num_seqs=self.settings.max_num_seqs, tok_s=self.totals.tok_s(),
             totals=self.totals.as_fields(), last_error=self.totals.last_error,
-            stats=self.engine_stats(), group=self.group, placement=self.placement())
+            stats=self.engine_stats(), group=self.group, placement=self.placement(),
+            longest=tuple(RunningRequest(held.route.id, held.route.stream, held.read_at, held.tokens)
+                          for held in self.requests.longest(LONGEST)))

@@ -47,6 +47,11 @@ class Membership:
             lost += [as_text(i) for i in await self._scripts.run(scripts.KEEP_MINE, [stream], args)]
         return lost
 
+    async def drain_asked(self, consumer: str) -> str | None:
+        """The process instance someone asked to drain under our consumer name, if any."""
+        asked = await self.redis.get(self.keys.drain(consumer))
+        return None if asked is None else as_text(asked)
+
     async def read_stats(self, consumer: str) -> StatsRecord:
         """The stats record an earlier run under our consumer name left (empty if none)."""
         stored: dict[bytes, bytes] = await self.redis.hgetall(self.keys.stats(consumer))  # type: ignore[assignment]

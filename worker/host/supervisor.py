@@ -224,7 +224,8 @@ class Host:
             model.measured = max(model.measured, stats.memory_held)
 
     def _exited(self, model: ModelProcess, code: int) -> None:
-        expected = model.state == "draining"
+        # A worker exits 0 only after a drain: ours, or one asked through Redis (the dashboard's unload).
+        expected = model.state == "draining" or code == 0
         if model.state == "loading":
             self.host_key.end_load(model.queue)
         model.process, model.state = None, "available"

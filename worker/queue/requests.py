@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import heapq
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -61,6 +62,7 @@ class HeldRequest:
     arrived_at: float | None = None  # its entry id's stamp on this host's clock, once known
     prepared_at: float | None = None  # when it was decoded, validated and tokenized
     first_published_at: float | None = None  # when its first delta was written
+    tokens: int = 0  # generated and written so far
 
     def timed(self, event: Event) -> Event:
         """A `done` with the stages the engine does not see: read, prepared, first delta
@@ -198,6 +200,10 @@ class RequestTable:
         for held in self._held.values():
             grouped.setdefault(held.route.stream, []).append(held.route.entry_id)
         return grouped
+
+    def longest(self, count: int) -> list[HeldRequest]:
+        """The `count` requests held longest, longest first."""
+        return heapq.nsmallest(count, self._held.values(), key=lambda held: held.read_at)
 
     def by_entry(self, entry_id: str) -> HeldRequest | None:
         return next((h for h in self._held.values() if h.route.entry_id == entry_id), None)

@@ -171,6 +171,25 @@ def test_an_idle_model_unloads_by_itself(redis_url, demo_model, tmp_path, r, out
         assert host.stop() == 0, host.log()
 
 
+def test_a_model_unloaded_through_redis_is_unloaded_not_failed_and_loads_again(redis_url, demo_model, tmp_path, r,
+                                                                                  outputs):
+    """The dashboard's Unload: the drain key of the model's worker, which drains and exits 0;
+    its host counts it unloaded (not a failure) and loads it again for the next request."""
+    tag = uuid.uuid4().hex[:6]
+    beta = f"beta{tag}"
+    host = start_host(redis_url, tmp_path, f"host{tag}", [model(beta, demo_model, pin=True)], memory_budget_gb=2)
+    try:
+        wait_for(lambda: states(r, host.name).get(beta) == "loaded", timeout=60, what="the model loaded")
+        consumer = json.loads(r.get(KEYS.host(host.name)))["models"][0]["consumer"]
+        instance = json.loads(r.get(KEYS.worker(consumer)))["instance"]
+        r.set(KEYS.drain(consumer), instance, ex=60)
+        wait_for(lambda: "model unloaded" in host.log(), timeout=60, what="the host to count the model unloaded")
+        assert "a model's worker exited" not in host.log()
+        assert isinstance(finished(outputs, submit(r, beta))[0], Done)  # loaded again (pinned: at once)
+    finally:
+        assert host.stop() == 0, host.log()
+
+
 def test_two_hosts_one_queue_nobody_holds_exactly_one_loads_it(redis_url, demo_model, tmp_path, r, outputs):
     """The one with more room: host 2's budget is the larger."""
     tag = uuid.uuid4().hex[:6]
