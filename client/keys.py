@@ -195,6 +195,11 @@ class Keys:
         `active` (a sorted set: its batches not yet ended, scored by when they expire)."""
         return f"{self.prefix}:tenant:{{{tenant}}}:{part}"
 
+    def response(self, response_id: str) -> str:
+        """A stored Responses API response: its record (JSON: the response, its input and
+        conversation items, its tenant), with a TTL."""
+        return f"{self.prefix}:response:{{{response_id}}}"
+
     @property
     def api_keys(self) -> str:
         """The gateways' API keys (a hash: sha256 of a key -> its record as JSON)."""

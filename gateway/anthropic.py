@@ -307,6 +307,9 @@ class MessageShape:
         self.blocks = 0  # blocks opened so far
         self.open: str | None = None  # the kind of the block open now: "thinking" or "text"
 
+    async def settle(self) -> None:
+        pass
+
     def whole(self, done: Done, logprobs: Any = None) -> dict[str, Any]:
         return message(done, self.call.model, self.id, self.tool_call if self.call.offers_tools else None)
 

@@ -3,6 +3,8 @@
     POST /v1/chat/completions   POST /v1/completions    (streaming or not)
     GET  /v1/models             GET  /v1/models/{model}
     /v1/files, /v1/batches      OpenAI's Batch API (gateway/batches.py)
+    POST /v1/responses          GET|DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items
+                                (OpenAI's Responses API, state in Redis: gateway/responses_api/)
     POST /v1/messages           POST /v1/messages/count_tokens   (Anthropic's API, gateway/anthropic.py)
     GET  /health                GET  /metrics
     /dashboard                  the fleet, live, in a browser (gateway/dashboard/)
@@ -44,6 +46,8 @@ from .quotas import Quotas, rate_limit_storage
 from .relay import Relay
 from .replies import ReplyStream
 from .requests import read_call
+from .responses_api.service import ResponsesApi
+from .responses_api.store import ResponseStore
 from .settings import GatewaySettings
 from .tenants import ADMIN, KEY_PREFIX, Caller, KeyStore, matches_any
 
@@ -73,6 +77,11 @@ class Gateway:
                            budget_bytes=settings.files_budget_bytes, ttl_s=settings.file_ttl_s)
         self.batches = Batches(redis, keys, self.files, self.directory, max_batches=settings.max_batches)
         self.runner = BatchRunner(self.client, lease_s=settings.batch_lease_s, window=settings.batch_window)
+        self.responses = ResponsesApi(self.client, self.directory, self.relay, self.quotas,
+                                      ResponseStore(redis, keys, settings.response_ttl_s,
+                                                    settings.max_stored_responses),
+                                      timeout_s=settings.request_timeout_s,
+                                      max_conversation_bytes=settings.max_body_bytes)
         self.dashboard = Dashboard(self.client, Sessions(redis, keys, self.key_store, self._keys), self.batches,
                                    settings.redis_url)
 
@@ -121,6 +130,24 @@ class Gateway:
         caller = await self.authorize(request)
         _, call = read_messages(await self._json(request))
         return await self.relay.serve(request, call, started, caller, shape_for=MessageShape)
+
+    async def create_response(self, request: Request) -> Response:
+        caller = await self.authorize(request)
+        return await self.responses.create(request, await self._json(request), caller)
+
+    async def response(self, request: Request) -> Response:
+        """GET or DELETE a stored response, or POST .../cancel."""
+        caller = await self.authorize(request)
+        response_id = request.path_params["response_id"]
+        if request.method == "DELETE":
+            return JSONResponse(await self.responses.delete(response_id, caller))
+        if request.url.path.endswith("/cancel"):
+            return JSONResponse(await self.responses.cancel(response_id, caller))
+        return JSONResponse(await self.responses.retrieve(response_id, caller))
+
+    async def response_input_items(self, request: Request) -> Response:
+        caller = await self.authorize(request)
+        return JSONResponse(await self.responses.input_items(request.path_params["response_id"], caller, request))
 
     async def count_tokens(self, request: Request) -> Response:
         """The prompt a message would have, counted by a worker of its model (templated,
@@ -283,6 +310,10 @@ def create_app(settings: GatewaySettings, api: bool = True) -> Starlette:
         Route("/v1/batches", gateway.route("batches", gateway.list_batches), methods=["GET"]),
         Route("/v1/batches/{batch_id}", gateway.route("batches", gateway.batch)),
         Route("/v1/batches/{batch_id}/cancel", gateway.route("batches", gateway.batch), methods=["POST"]),
+        Route("/v1/responses", gateway.route("responses", gateway.create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", gateway.route("responses", gateway.response), methods=["GET", "DELETE"]),
+        Route("/v1/responses/{response_id}/cancel", gateway.route("responses", gateway.response), methods=["POST"]),
+        Route("/v1/responses/{response_id}/input_items", gateway.route("responses", gateway.response_input_items)),
         Route("/v1/messages", gateway.route("messages", gateway.messages, anthropic_error), methods=["POST"]),
         Route("/v1/messages/count_tokens", gateway.route("messages", gateway.count_tokens, anthropic_error),
               methods=["POST"]),

@@ -116,6 +116,9 @@ class PoolingShape:
     def failure(self, error: ApiError) -> list[bytes]:
         return []
 
+    async def settle(self) -> None:
+        pass
+
     def whole(self, done: Done, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         if self.call.kind == "embeddings":
             return embeddings_response(self.call, done)

@@ -84,6 +84,7 @@ class Shape(Protocol):
     def lines(self, event: Event) -> list[bytes]: ...
     def failure(self, error: ApiError) -> list[bytes]: ...
     def whole(self, done: Done, logprobs: list[TokenLogprob] | None) -> dict[str, Any]: ...
+    async def settle(self) -> None: ...  # after the answer is made: what the shape keeps (a stored response)
 
 
 ShapeFor = Callable[[Call, str, "tuple[str, str] | None"], Shape]
@@ -114,6 +115,9 @@ class OpenAIShape:
     def whole(self, done: Done, logprobs: list[TokenLogprob] | None) -> dict[str, Any]:
         return self.shaper.whole(done, logprobs)
 
+    async def settle(self) -> None:
+        pass
+
 
 class Relay:
     """Serves calls: the one place that submits and follows requests."""
@@ -129,9 +133,9 @@ class Relay:
         self.keepalive_s = keepalive_s
 
     async def serve(self, request: Request, call: Call, started: float, caller: Caller,
-                    shape_for: ShapeFor | None = None) -> Response:
-        """Submit `call` for `caller` (under its key's limits) and answer it in the shape
-        `shape_for` makes (OpenAI's by default); raises `ApiError`."""
+                    shape_for: ShapeFor | None = None, request_id: str | None = None) -> Response:
+        """Submit `call` for `caller` (under its key's limits, under `request_id` or a new
+        id) and answer it in the shape `shape_for` makes (OpenAI's by default); raises `ApiError`."""
         served = await self.directory.resolve(call.model, caller)
         if served.task is not None and served.task != call.task:
             raise ApiError.invalid(f"model {call.model!r} serves {served.task}; this endpoint needs a model that "
@@ -139,7 +143,7 @@ class Relay:
         deadline_ms = int((time.time() + self.timeout_s) * 1000)  # not started by then: not computed at all
         body = dict(call.body) | ({"adapter": served.adapter} if served.adapter else {})
         caller.shape(body)
-        job, reply_to = self.replies.follow(uuid.uuid4().hex, served.queue)
+        job, reply_to = self.replies.follow(request_id or uuid.uuid4().hex, served.queue)
         job.on_queue = served.queue
         streaming = False
         try:
@@ -181,7 +185,9 @@ class Relay:
                     entries += event.logprobs
                 elif isinstance(event, Done):
                     self.metrics.first_byte(shape.route, started)
-                    return JSONResponse(shape.whole(event, entries), headers={"x-request-id": job.id})
+                    answer = shape.whole(event, entries)
+                    await shape.settle()
+                    return JSONResponse(answer, headers={"x-request-id": job.id})
                 elif isinstance(event, Error):
                     raise ApiError.from_code(event.code, event.message)
             if time.monotonic() >= ends_at:
@@ -226,11 +232,13 @@ class Relay:
                     for line in shape.lines(event):
                         yield line
                 if job.finished:
+                    await shape.settle()
                     return
                 if time.monotonic() >= ends_at:
                     await self._cancel(job)
                     for line in shape.failure(self._timed_out(job)):
                         yield line
+                    await shape.settle()
                     return
                 events = await job.read(min(beat_at, ends_at) - time.monotonic())
                 if events:

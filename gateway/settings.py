@@ -51,6 +51,10 @@ class GatewaySettings(LayeredSettings):
     batch_lease_s: float = Field(10.0, gt=0, description="a batch whose driver (a gateway, `mlxq batch`) stops "
                                  "is taken over by another this long after")
     batch_window: int = Field(512, ge=1, description="a batch's lines in the queue or running at once, at most")
+    response_ttl_s: int = Field(30 * 86400, ge=60, description="a stored response (/v1/responses with store, the "
+                                "default) is deleted this long after it was made, as OpenAI keeps them 30 days")
+    max_stored_responses: int = Field(10_000, ge=1, description="stored responses one tenant keeps; past it "
+                                      "its oldest are deleted")
     log_format: Literal["console", "json"] = Field("console", description="log lines for people or for machines")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="least severe level logged")
 

@@ -128,9 +128,11 @@ def _run_worker(args: argparse.Namespace) -> int:
 def _add_gateway(commands: Any) -> None:
     """`mlxq gateway`: one flag per gateway setting (none without the gateway extra)."""
     gateway = _command(commands, "gateway", "serve the OpenAI API in front of the queues",
-                       "An OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions, /v1/models) that "
-                       "enqueues each request and streams its output back. Flags override MLXQ_GATEWAY_* "
-                       "variables, which override the --config file, which overrides the defaults.")
+                       "An HTTP server that enqueues each request and streams its output back: OpenAI's "
+                       "/v1/chat/completions, /v1/completions, /v1/responses (stored in Redis), /v1/embeddings, "
+                       "/v1/rerank, /v1/models, /v1/files and /v1/batches; Anthropic's /v1/messages; the live "
+                       "dashboard at /dashboard; /health and /metrics. Flags override MLXQ_GATEWAY_* variables, "
+                       "which override the --config file, which overrides the defaults.")
     gateway.add_argument("--config", type=Path, help="TOML file of settings (see config/gateway.toml)")
     try:
         import starlette  # noqa: F401 - the extra's packages, so that --help says what is missing

@@ -204,6 +204,10 @@ def test_the_gateway_with_its_own_user(secure_worker, acl_server, demo_model, lo
             batch = sdk.batches.create(input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h")
             wait_for(lambda: sdk.batches.retrieve(batch.id).status == "completed", what="the batch to complete")
             assert sdk.files.content(sdk.batches.retrieve(batch.id).output_file_id).content.count(b"\n") == 1
+            stored = sdk.responses.create(model=QUEUE, input="Hi", max_output_tokens=3)  # kept in Redis
+            assert sdk.responses.retrieve(stored.id).output_text == stored.output_text
+            queued = sdk.responses.create(model=QUEUE, input="Hi", max_output_tokens=3, background=True)
+            wait_for(lambda: sdk.responses.retrieve(queued.id).status == "incomplete", what="the background one")
         with httpx.Client(base_url=gateway.url, follow_redirects=True) as browser:  # the dashboard: every view
             assert browser.get("/dashboard/login").url.path == "/dashboard"  # an open gateway signs in at once
             for view in ("fleet", "queues", "running", "dead", "batches", "charts"):
