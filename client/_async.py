@@ -29,8 +29,9 @@ from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE, Keys
 from .pooling import embeddings_of, ranked_of
 from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
 from .replies import stream_entries
+from .which_redis import default_url
 
-DEFAULT_URL = "redis://127.0.0.1:6390"
+DEFAULT_URL = "redis://127.0.0.1:6390"  # the embedded Valkey's, on its default port (see `which_redis`)
 CANCEL_TTL_S = 86400
 
 
@@ -41,8 +42,9 @@ class AsyncClient:
     ...     done = await client.generate("Hello", max_tokens=32)
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
+    def __init__(self, url: str | None = None, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX,
                  redis: aioredis.Redis | None = None) -> None:
+        url = url or default_url()  # $MLXQ_REDIS_URL, else the embedded Valkey's
         self.redis = redis or connect_async(url, socket_timeout=10)
         self.url = url
         self.queue = queue

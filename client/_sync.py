@@ -9,13 +9,14 @@ from typing import Any, TypeVar
 
 import redis as redis_py
 
-from ._async import DEFAULT_URL, AsyncClient, AsyncJob
+from ._async import AsyncClient, AsyncJob
 from ._batch_jobs import AsyncBatchHandle
 from ._portal import Portal
 from .batches import Batch, LineResult
 from .connect import connect
 from .keys import DEFAULT_PREFIX, DEFAULT_QUEUE
 from .protocol import Delta, Done, Encoding, Event, Ranked
+from .which_redis import default_url
 
 T = TypeVar("T")
 
@@ -28,7 +29,8 @@ class Client:
     ...         print(delta.text, end="")
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX) -> None:
+    def __init__(self, url: str | None = None, *, queue: str = DEFAULT_QUEUE, prefix: str = DEFAULT_PREFIX) -> None:
+        url = url or default_url()  # $MLXQ_REDIS_URL, else the embedded Valkey's (client/which_redis.py)
         self._portal = Portal()
         self._client = AsyncClient(url, queue=queue, prefix=prefix)
         self.url, self.queue, self.keys = url, queue, self._client.keys

@@ -75,6 +75,13 @@ class Fleet:
         """Live workers of `queue`."""
         return [w for w in self.workers if w.alive and w.heartbeat.serves(queue)]
 
+    def only(self, queues: list[str]) -> Fleet:
+        """The part of the fleet that serves `queues`: their streams, their workers, models and batches."""
+        wanted = set(queues)
+        return Fleet([w for w in self.workers if any(m.queue in wanted for m in w.heartbeat.models)],
+                     [s for s in self.streams if s.queue in wanted], [m for m in self.models if m.name in wanted],
+                     [b for b in self.batches if b.queue in wanted])
+
     def as_json(self) -> dict[str, Any]:
         workers = [{**asdict(w), "heartbeat": w.heartbeat.as_json()} for w in self.workers]
         return {"workers": workers, "streams": [asdict(s) for s in self.streams],

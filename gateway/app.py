@@ -109,9 +109,9 @@ class Gateway:
             return Caller(record.tenant, record)
         if not self._keys and not await self.key_store.any():
             return ADMIN
-        raise ApiError(401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with one of the "
-                       "gateway's api_keys or a key made by `mlxq keys create`", "invalid_request_error",
-                       "invalid_api_key")
+        how = "'x-api-key: <key>'" if "x-api-key" in request.headers else "'Authorization: Bearer <key>'"
+        raise ApiError(401, f"Incorrect API key provided: send {how} with one of the gateway's api_keys or a key "
+                       "made by `mlxq keys create`", "invalid_request_error", "invalid_api_key")
 
     async def completions(self, request: Request, kind: Literal["chat", "completion"]) -> Response:
         started = time.monotonic()

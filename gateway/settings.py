@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
-from client import DEFAULT_URL
 from client.keys import DEFAULT_PREFIX
+from client.which_redis import default_url
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 
 ENV_PREFIX = "MLXQ_GATEWAY_"
@@ -21,9 +20,9 @@ class GatewaySettings(LayeredSettings):
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", validate_default=True)
 
-    redis_url: str = Field(default_factory=lambda: os.environ.get("MLXQ_REDIS_URL") or DEFAULT_URL,
+    redis_url: str = Field(default_factory=default_url,
                            description="Redis URL of the workers' queues (unset: $MLXQ_REDIS_URL, else the "
-                           "embedded Valkey's)")
+                           "embedded Valkey's at $MLXQ_EMBEDDED_PORT or 6390)")
     prefix: str = Field(DEFAULT_PREFIX, description="key prefix of the workers")
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0: every interface)")
     port: int = Field(8000, ge=0, le=65535, description="port to listen on")

@@ -15,19 +15,16 @@ import sys
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
-from urllib.parse import urlsplit
 
 import redis
 
-from client import DEFAULT_URL
 from client.diagnose import describe
 from client.keys import DEFAULT_PREFIX, DEFAULT_QUEUE
+from client.which_redis import default_url, embedded_port
 
 from . import blas, client_commands, demo_model, demo_vision, embedded
 from .errors import CommandError, unreachable
 
-EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390
-DEFAULT_REDIS = embedded.url(EMBEDDED_PORT)
 WORKER_EXTRA = "pip install '.[worker,embedded]' in the mlxq checkout"
 GATEWAY_EXTRA = "pip install '.[gateway]' in the mlxq checkout"
 
@@ -53,8 +50,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"mlxq {args.command}: {e}", file=sys.stderr)
         return e.status
     except (redis.ConnectionError, redis.TimeoutError) as e:
-        url = getattr(args, "redis_url", None) or embedded.url(getattr(args, "port", EMBEDDED_PORT))
-        print(f"mlxq {args.command}: {unreachable(url, e, url == DEFAULT_REDIS)}", file=sys.stderr)
+        url = getattr(args, "redis_url", None) or embedded.url(getattr(args, "port", embedded_port()))
+        print(f"mlxq {args.command}: {unreachable(url, e, url == embedded.url(embedded_port()))}", file=sys.stderr)
         return 1
     except redis.RedisError as e:
         print(f"mlxq {args.command}: Redis refused: {describe(e)}", file=sys.stderr)
@@ -89,8 +86,9 @@ def _command(commands: Any, name: str, help: str, description: str) -> argparse.
 
 
 def _add_redis_url(parser: argparse.ArgumentParser, prefix: bool = True) -> None:
-    parser.add_argument("--redis-url", default=os.environ.get("MLXQ_REDIS_URL") or DEFAULT_REDIS,
-                        help=f"Redis URL (default: $MLXQ_REDIS_URL, else the embedded server at {DEFAULT_REDIS})")
+    parser.add_argument("--redis-url", default=default_url(),
+                        help="Redis URL (default: $MLXQ_REDIS_URL, else the embedded Valkey at "
+                             f"{embedded.url(embedded_port())}, its port $MLXQ_EMBEDDED_PORT or 6390)")
     if prefix:
         parser.add_argument("--prefix", default=DEFAULT_PREFIX, help="key prefix of the workers")
 
@@ -106,6 +104,8 @@ def _add_worker(commands: Any) -> None:
                       "Serve one queue. Flags override MLXQ_* variables, which override the --config file, "
                       "which overrides the defaults.")
     worker.add_argument("--config", type=Path, help="TOML file of settings (see config/worker.toml)")
+    worker.add_argument("--check", action="store_true", help="check the settings (the --config file with the flags "
+                        "and MLXQ_* variables) and exit: 0 valid, 2 and the reason")
     try:
         from worker.settings import WorkerSettings
     except ImportError as e:  # a client-only install
@@ -134,6 +134,8 @@ def _add_gateway(commands: Any) -> None:
                        "dashboard at /dashboard; /health and /metrics. Flags override MLXQ_GATEWAY_* variables, "
                        "which override the --config file, which overrides the defaults.")
     gateway.add_argument("--config", type=Path, help="TOML file of settings (see config/gateway.toml)")
+    gateway.add_argument("--check", action="store_true", help="check the settings (the --config file with the "
+                        "flags and MLXQ_GATEWAY_* variables) and exit: 0 valid, 2 and the reason")
     try:
         import starlette  # noqa: F401 - the extra's packages, so that --help says what is missing
         import uvicorn  # noqa: F401
@@ -162,6 +164,8 @@ def _add_dashboard(commands: Any) -> None:
                          "the gateway's settings: sign in with one of its api_keys or a key made by `mlxq keys "
                          "create --role admin|viewer`.")
     dashboard.add_argument("--config", type=Path, help="TOML file of gateway settings (see config/gateway.toml)")
+    dashboard.add_argument("--check", action="store_true", help="check the settings (the --config file with the "
+                        "flags and MLXQ_GATEWAY_* variables) and exit: 0 valid, 2 and the reason")
     try:
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
@@ -290,7 +294,8 @@ def _add_status(commands: Any) -> None:
                       "The fleet from Redis alone: each queue's backlog, in flight and dead letters; each "
                       "worker seen in the last hour, its state (ready, draining, stopped, gone), load and totals.")
     _add_redis_url(status)
-    status.add_argument("--queue", action="append", help="also show this queue, served or not (repeatable)")
+    status.add_argument("--queue", action="append", help="show only this queue (repeatable): its streams, workers "
+                        "and batches, served or not")
     status.add_argument("--json", action="store_true", help="one JSON object (per refresh with --watch)")
     status.add_argument("--watch", type=float, nargs="?", const=2.0, metavar="SECONDS",
                         help="refresh every SECONDS (2 if not given) until interrupted")
@@ -341,8 +346,10 @@ def _add_redis(commands: Any) -> None:
                       "others use it).")
     server.add_argument("action", nargs="?", choices=["run", "stop"], default="run",
                         help="run it (the default) or stop it")
-    server.add_argument("--port", type=int, default=EMBEDDED_PORT, help="port on 127.0.0.1")
-    server.add_argument("--dir", type=Path, default=None, help=f"data directory (default: {embedded.default_dir()})")
+    server.add_argument("--port", type=int, default=embedded_port(), help="port on 127.0.0.1 ($MLXQ_EMBEDDED_PORT, "
+                        "else 6390)")
+    server.add_argument("--dir", type=Path, default=None, help=f"data directory (default: {embedded.default_dir()} "
+                        "for port 6390, valkey-<port> beside it for another; one server a directory)")
     server.set_defaults(run=client_commands.run_redis)
 
 

@@ -115,14 +115,21 @@ def _run_pooling(args: argparse.Namespace) -> int:
 
 
 def _follow(job: Job, stream: bool, timeout: float, first_event: threading.Timer) -> Done:
-    """Print the job's text (as it arrives with `stream`) and return its result."""
+    """Print the job's text (as it arrives with `stream`) and return its result. A thinking
+    model's reasoning goes to stderr, so that stdout is the answer alone."""
     if stream:
+        reasoned = False
         for delta in job.stream(timeout=timeout):
             first_event.cancel()
+            if delta.reasoning:
+                print(("" if reasoned else "reasoning: ") + delta.reasoning, end="", file=sys.stderr, flush=True)
+                reasoned = True
             print(delta.text, end="", flush=True)
         print()
         return job.result(timeout=timeout)
     done = job.result(timeout=timeout)
+    if done.reasoning:
+        print(f"reasoning: {done.reasoning}", file=sys.stderr)
     print(done.text)
     return done
 
@@ -195,7 +202,10 @@ def run_redis(args: argparse.Namespace) -> int:
     if embedded.port_in_use(args.port):
         raise CommandError(f"port {args.port} is in use by something that is not Redis: free it or give --port",
                            status=2)
-    server = embedded.start(args.port, args.dir)
+    try:
+        server, lock = embedded.start(args.port, args.dir)
+    except embedded.DirectoryInUse as e:
+        raise CommandError(str(e), status=2) from None
     print(f"mlxq redis: Valkey serving {embedded.url(args.port)} (data in {server.data_dir}); Ctrl-C or "
           f"`{on_path('mlxq')} redis stop --port {args.port}` stops it", flush=True)
     stop = [False]
@@ -207,4 +217,5 @@ def run_redis(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+        lock.close()
     return 0

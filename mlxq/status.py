@@ -19,6 +19,8 @@ def run(redis: redis_py.Redis, keys: Keys, queues: list[str], as_json: bool, wat
     """Print the fleet once, or every `watch_s` until interrupted."""
     while True:
         fleet = read_fleet(redis, keys, queues)
+        if queues:  # those queues alone (each shown even where no worker serves it)
+            fleet = fleet.only(queues)
         if as_json:
             print(json.dumps(fleet.as_json()), flush=True)
         else:

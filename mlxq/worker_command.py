@@ -20,9 +20,11 @@ def run(args: argparse.Namespace) -> int:
     from worker.daemon import Worker
     from worker.settings import Hosting, WorkerSettings, load_settings
 
+    overrides = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
+    if args.check:
+        return _check(settings_for_command(partial(load_settings, args.config, **overrides)), args)
     blas.exec_with_blas([sys.executable, "-m", "mlxq", *args.argv])  # returns if there is nothing to put in front
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
-    overrides = {name: getattr(args, name, None) for name in WorkerSettings.model_fields}
     settings = settings_for_command(partial(load_settings, args.config, **overrides))
     logs.configure(settings.log_format, settings.log_level)
     if settings.models:
@@ -42,6 +44,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             _release(server, settings.embedded_port)
+
+
+def _check(settings: Any, args: argparse.Namespace) -> int:
+    """`--check`: the settings read (flags, environment, file) and each model's of a
+    `[[models]]` table, without starting anything; its problem is one line (status 2)."""
+    from worker.host.models_config import child_settings
+    from worker.settings import ModelsConfigError
+
+    for entry in settings.models:
+        try:
+            child_settings(settings, entry, f"check.{entry.name}")
+        except ModelsConfigError as e:
+            raise CommandError(f"mlxq worker: {e}", status=2) from None
+    source = f"{args.config}" if args.config else "the flags and environment"
+    models = f"; models: {', '.join(e.name for e in settings.models)}" if settings.models else ""
+    print(f"mlxq worker: {source}: the settings are valid (queue {settings.queue}{models})")
+    return 0
 
 
 def _group_rank() -> int:

@@ -7,18 +7,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
-from client import DEFAULT_URL
 from client.keys import BATCH_LANE, DEFAULT_PREFIX, DEFAULT_QUEUE
 from client.protocol import Task
+from client.which_redis import EMBEDDED_PORT
 from common.settings_layers import LayeredSettings, check_redis_url, load_layered
 from common.settings_layers import SettingsError as SettingsError  # where the worker command and tests look
 
-EMBEDDED_PORT = urlsplit(DEFAULT_URL).port or 6390  # where producers look by default
 ENV_PREFIX = "MLXQ_"
 # MLXQ_* variables that are not worker settings: the crash tests' faults, the gateway's, the BLAS re-exec's.
 OTHER_VARIABLES = ("MLXQ_TEST_", "MLXQ_GATEWAY_", "MLXQ_BLAS", "MLXQ_HOSTED_")

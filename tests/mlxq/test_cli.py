@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
 import redis
-from support import HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, mlxq, worker_fixture
+from support import HELD_PROMPT, KEYS, MLXQ, ROOT, free_port, mlxq, start_worker, wait_for, worker_fixture
 
 from client import Client, Done, decode_event
 
@@ -83,7 +85,7 @@ def test_worker_with_embedded_defaults(tmp_path):
         result = mlxq("submit", "--redis-url", url, "--max-tokens", "5", "Hi", env=env)
         assert result.returncode == 0, result.stderr
         assert (tmp_path / "cache" / "mlxq" / "demo-model" / "config.json").exists()
-        assert (tmp_path / "cache" / "mlxq" / "valkey" / "appendonlydir").is_dir()
+        assert (tmp_path / "cache" / "mlxq" / f"valkey-{port}" / "appendonlydir").is_dir()  # a directory a port
         with Client(url) as client:
             job = client.submit("A long one", max_tokens=1500)
             next(job.stream(timeout=30))
@@ -215,3 +217,92 @@ def test_submit_warns_when_no_worker_serves_the_queue(valkey):
     r = redis.Redis.from_url(valkey)
     assert r.exists(KEYS.cancel_flag(queue, queue)), "the cancel flag is set, so no worker computes it later"
     r.close()
+
+
+def test_every_command_and_the_client_find_the_same_redis(valkey):
+    """One resolution (client/which_redis.py): the flag, else $MLXQ_REDIS_URL, else the
+    embedded port $MLXQ_EMBEDDED_PORT. Each source is shown to reach the server by what
+    only it holds: a queue bound of 1 that one entry fills (submit exits 75, queue full),
+    a dead letter, the queue's length; the other commands reach it where nothing else
+    answers (the embedded port is 1 unless it is the source)."""
+    r = redis.Redis.from_url(valkey)
+    queue = f"which-{os.getpid()}"
+    r.hset(KEYS.limits(queue), "max_len", 1)
+    r.xadd(KEYS.queue(queue), {"id": "filler", "json": "{}"})
+    r.xadd(KEYS.dead(queue), {"reason": "which-redis marker", "field:id": "marked"})
+    port = valkey.rsplit(":", 1)[1]
+    sources = {"flag": (["--redis-url", valkey], {"MLXQ_REDIS_URL": "", "MLXQ_EMBEDDED_PORT": "1"}),
+               "MLXQ_REDIS_URL": ([], {"MLXQ_REDIS_URL": valkey, "MLXQ_EMBEDDED_PORT": "1"}),
+               "MLXQ_EMBEDDED_PORT": ([], {"MLXQ_REDIS_URL": "", "MLXQ_EMBEDDED_PORT": port})}
+    client = ("from client import AsyncClient, Client\n"
+              f"print(Client(queue={queue!r}).redis.hget({KEYS.limits(queue)!r}, 'max_len'))\n"
+              f"print(AsyncClient().url)")
+    for source, (flag, env) in sources.items():
+        env = {**os.environ, **env}
+        submitted = mlxq("submit", *flag, "--queue", queue, "Hi", env=env)
+        assert submitted.returncode == 75 and "full" in submitted.stderr, (source, submitted.stderr)
+        assert "which-redis marker" in mlxq("dead", "list", *flag, "--queue", queue, env=env).stdout, source
+        shown = mlxq("status", *flag, "--queue", queue, "--json", env=env)
+        streams = json.loads(shown.stdout)["streams"]
+        assert [s["length"] for s in streams if s["lane"] is None] == [1], source
+        assert {s["queue"] for s in streams} == {queue}, "--queue shows that queue alone"
+        for command in (("adapters", "list", "--queue", queue), ("batch", "list"), ("keys", "list")):
+            assert mlxq(*command, *flag, env=env).returncode == 0, (source, command)  # only that server answers
+        if not flag:
+            printed = subprocess.run([sys.executable, "-c", client], env=env, capture_output=True, text=True,
+                                     timeout=60, cwd=ROOT)
+            assert printed.stdout.split() == ["b'1'", valkey if source == "MLXQ_REDIS_URL" else
+                                              f"redis://127.0.0.1:{port}"], (source, printed.stderr)
+    r.close()
+
+
+def test_two_embedded_servers_are_refused_one_data_directory(tmp_path):
+    first_port, second_port = free_port(), free_port()
+    data = tmp_path / "data"
+    with open(tmp_path / "first.log", "wb") as log:
+        first = subprocess.Popen([*MLXQ, "redis", "--port", str(first_port), "--dir", str(data)], cwd=ROOT,
+                                 stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "serving" in (tmp_path / "first.log").read_text(), what="the first server")
+        second = mlxq("redis", "--port", str(second_port), "--dir", str(data))
+        assert second.returncode == 2
+        assert f"the data directory {data} is in use by the embedded Valkey on port {first_port}" in second.stderr
+    finally:
+        first.terminate()
+        first.wait(30)
+    alone = subprocess.Popen([*MLXQ, "redis", "--port", str(second_port), "--dir", str(data)], cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:  # once the first is gone, the directory is free
+        assert alone.stdout is not None and b"serving" in alone.stdout.readline()
+    finally:
+        alone.terminate()
+        alone.wait(30)
+        if alone.stdout is not None:
+            alone.stdout.close()
+
+
+@pytest.mark.parametrize("config", sorted((ROOT / "config").glob("*.toml")), ids=lambda p: p.name)
+def test_every_config_file_passes_its_check(config):
+    command = "gateway" if config.name == "gateway.toml" else "worker"
+    checked = mlxq(command, "--config", str(config), "--check")
+    assert checked.returncode == 0 and "the settings are valid" in checked.stdout, checked.stderr
+
+
+def test_a_config_with_an_unknown_key_fails_its_check(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('queue = "a"\nmax_num_seq = 4\n')
+    checked = mlxq("worker", "--config", str(bad), "--check")
+    assert checked.returncode == 2 and "max_num_seq" in checked.stderr and "max_num_seqs" in checked.stderr
+
+
+def test_submit_chat_on_a_thinking_model_shows_the_reasoning_apart(valkey, thinking_model, logs_dir):
+    """The answer on stdout, the reasoning on stderr: a thinking model's reply is never a blank line."""
+    worker = start_worker(valkey, thinking_model, f"think-{os.getpid()}", logs_dir)
+    try:
+        for flags in ([], ["--stream"]):
+            shown = mlxq("submit", "--redis-url", valkey, "--queue", worker.queue, "--chat", "--max-tokens", "24",
+                         *flags, "Why queues?")
+            assert shown.returncode == 0, shown.stderr
+            assert "reasoning: " in shown.stderr and "<think>" not in shown.stdout, (flags, shown)
+    finally:
+        worker.stop()

@@ -76,7 +76,7 @@ def test_the_embedded_valkey_stays_up_while_a_second_worker_uses_it(tmp_path, de
 def test_status_shows_the_fleet_and_a_dead_worker_as_gone(redis_url, demo_model, logs_dir):
     """`mlxq status --json` with two workers on one queue: both ready, with their totals;
     after one is killed, it is shown as gone (not hidden) and its totals stay. (Names of
-    their own: totals continue across restarts under a name.)"""
+    their own: totals continue across restarts under a name, not across queues.)"""
     queue = f"status-{uuid.uuid4().hex[:6]}"
     workers = [start_worker(redis_url, demo_model, queue, logs_dir, consumer=f"{queue}-{i}") for i in range(2)]
     try:
@@ -120,6 +120,11 @@ def test_status_shows_the_fleet_and_a_dead_worker_as_gone(redis_url, demo_model,
         back = wait_for(lambda: (w := mine(fleet()).get(killed.consumer)) and w["state"] == "ready" and w, 15,
                         "the restarted worker ready")
         assert back["heartbeat"]["totals"] == gone["totals"], "a restarted worker continues its totals"
+
+        workers[0].stop()  # the name reused for another queue: its totals are not that queue's
+        workers[0] = start_worker(redis_url, demo_model, f"{queue}-b", logs_dir, consumer=killed.consumer)
+        other = next(w for w in fleet()["workers"] if w["name"] == killed.consumer)
+        assert other["heartbeat"]["queue"] == f"{queue}-b" and other["totals"]["generation_tokens"] == 0
     finally:
         for worker in workers:
             worker.stop()

@@ -76,8 +76,13 @@ class Leases:
     async def claim_name(self) -> str:
         """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
         self.consumer = await claim_consumer_name(self.membership, self.settings, self._heartbeat, self.ttl_s)
-        self.totals.restore(await retrying(partial(self.membership.read_stats, self.consumer),
-                                           "reading this worker's totals"))
+        stored = await retrying(partial(self.membership.read_stats, self.consumer), "reading this worker's totals")
+        earlier = stored.heartbeat.model if stored.heartbeat else None
+        if earlier is None or (earlier.queue, earlier.path) == (self.settings.queue, self.model_name):
+            self.totals.restore(stored)
+        else:  # the name served another queue or model before: its counts are not this worker's
+            log.info("starting the totals from zero: this name served another queue or model before",
+                     before={"queue": earlier.queue, "model": earlier.path})
         await retrying(self._keep_alive, "writing the first heartbeat")  # with the totals restored
         return self.consumer
 

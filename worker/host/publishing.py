@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Literal
 
 import redis as redis_py
 import structlog
@@ -16,6 +17,7 @@ from client.keys import Keys
 from client.replies import as_text
 from worker.queue.retrying import describe
 
+Claim = Literal["claimed", "taken", "stopped"]
 log = structlog.get_logger("mlxq.host")
 
 
@@ -27,23 +29,23 @@ class HostKey:
         self.ttl_s = max(3.0, 3 * heartbeat_s)  # the key outlives a few missed looks
         self.lease_ms = int(max(10.0, 4 * heartbeat_s) * 1000)  # a load's: ends soon after a host that died mid-load
 
-    def claim(self, record: HostRecord, stopping: Callable[[], bool], retry_s: float) -> bool:
-        """Take the host key, waiting out one left by a host that died (it expires); False
-        if another live host holds the name."""
+    def claim(self, record: HostRecord, stopping: Callable[[], bool], retry_s: float) -> Claim:
+        """Take the host key, waiting out one left by a host that died (it expires): `taken`
+        if another live host holds the name, `stopped` if told to stop first."""
         deadline = time.monotonic() + self.ttl_s + 1
         while not stopping():
             try:
                 if self.redis.set(self.keys.host(self.name), record.to_wire(), nx=True, px=int(self.ttl_s * 1000)):
-                    return True
+                    return "claimed"
             except RedisError as e:  # not up yet: wait for it, as a worker does
                 log.warning("redis does not answer yet; trying again", error=describe(e))
                 deadline = time.monotonic() + self.ttl_s + 1
                 time.sleep(1.0)
                 continue
             if time.monotonic() > deadline:
-                return False
+                return "taken"
             time.sleep(retry_s)
-        return False
+        return "stopped"
 
     def publish(self, record: HostRecord, loading: list[str]) -> None:
         """This look's record, and the leases of the loads still under way renewed."""

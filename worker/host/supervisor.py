@@ -36,6 +36,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from client.connect import connect
+from client.diagnose import redacted
 from client.fleet import WorkerView, read_stream, read_workers
 from client.heartbeat import ModelLoad
 from client.hosts import HostedModel, HostRecord
@@ -130,7 +131,11 @@ class Host:
     def run(self) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_signal)
-        if not self.host_key.claim(HostRecord(self.name, pid=os.getpid()), lambda: self._stopping, self._tick_s):
+        claim = self.host_key.claim(HostRecord(self.name, pid=os.getpid()), lambda: self._stopping, self._tick_s)
+        if claim == "stopped":
+            log.info("stopped before Redis answered: nothing was started", redis=redacted(self.redis_url))
+            return 0
+        if claim == "taken":
             log.critical("worker exiting: another worker of several models runs under this name; give this one "
                          "another --consumer", name=self.name)
             return 2
