@@ -127,14 +127,28 @@ def _run_worker(args: argparse.Namespace) -> int:
 
 def _add_gateway(commands: Any) -> None:
     """`mlxq gateway`: one flag per gateway setting (none without the gateway extra)."""
-    gateway = _command(commands, "gateway", "serve the OpenAI API in front of the queues",
-                       "An HTTP server that enqueues each request and streams its output back: OpenAI's "
-                       "/v1/chat/completions, /v1/completions, /v1/responses (stored in Redis), /v1/embeddings, "
-                       "/v1/rerank, /v1/models, /v1/files and /v1/batches; Anthropic's /v1/messages; the live "
-                       "dashboard at /dashboard; /health and /metrics. Flags override MLXQ_GATEWAY_* variables, "
-                       "which override the --config file, which overrides the defaults.")
-    gateway.add_argument("--config", type=Path, help="TOML file of settings (see config/gateway.toml)")
-    gateway.add_argument("--check", action="store_true", help="check the settings (the --config file with the "
+    _add_gateway_command(commands, "gateway", "serve the OpenAI API in front of the queues",
+                         "An HTTP server that enqueues each request and streams its output back: OpenAI's "
+                         "/v1/chat/completions, /v1/completions, /v1/responses (stored in Redis), /v1/embeddings, "
+                         "/v1/rerank, /v1/models, /v1/files and /v1/batches; Anthropic's /v1/messages; the live "
+                         "dashboard at /dashboard; /health and /metrics. Flags override MLXQ_GATEWAY_* variables, "
+                         "which override the --config file, which overrides the defaults.", api=True)
+
+
+def _add_dashboard(commands: Any) -> None:
+    """`mlxq dashboard`: the gateway's dashboard alone, with the gateway's settings."""
+    _add_gateway_command(commands, "dashboard", "serve the live web dashboard alone (no API)",
+                         "The fleet, queues, running requests, dead letters, batches and the last hour's charts "
+                         "at http://HOST:PORT/dashboard, as `mlxq gateway` serves them beside its API. It takes "
+                         "the gateway's settings: sign in with one of its api_keys or a key made by `mlxq keys "
+                         "create --role admin|viewer`.", api=False)
+
+
+def _add_gateway_command(commands: Any, name: str, help: str, description: str, api: bool) -> None:
+    """A command that serves the gateway's app (with its API or without): its settings as flags."""
+    parser = _command(commands, name, help, description)
+    parser.add_argument("--config", type=Path, help="TOML file of settings (see config/gateway.toml)")
+    parser.add_argument("--check", action="store_true", help="check the settings (the --config file with the "
                         "flags and MLXQ_GATEWAY_* variables) and exit: 0 valid, 2 and the reason")
     try:
         import starlette  # noqa: F401 - the extra's packages, so that --help says what is missing
@@ -142,48 +156,18 @@ def _add_gateway(commands: Any) -> None:
 
         from gateway.settings import ENV_PREFIX, GatewaySettings
     except ImportError as e:
-        gateway.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
-        gateway.set_defaults(run=partial(_missing_extra, "gateway", e), extra_missing=True)
+        parser.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
+        parser.set_defaults(run=partial(_missing_extra, name, e), extra_missing=True)
     else:
-        for name, field in GatewaySettings.model_fields.items():
-            _add_setting(gateway, name, field, ENV_PREFIX)
-        gateway.set_defaults(run=_run_gateway)
+        for setting, field in GatewaySettings.model_fields.items():
+            _add_setting(parser, setting, field, ENV_PREFIX)
+        parser.set_defaults(run=partial(_run_gateway, api=api))
 
 
-def _run_gateway(args: argparse.Namespace) -> int:
+def _run_gateway(args: argparse.Namespace, api: bool) -> int:
     from . import gateway_command
 
-    return gateway_command.run(args)
-
-
-def _add_dashboard(commands: Any) -> None:
-    """`mlxq dashboard`: the gateway's dashboard alone, with the gateway's settings."""
-    dashboard = _command(commands, "dashboard", "serve the live web dashboard alone (no API)",
-                         "The fleet, queues, running requests, dead letters, batches and the last hour's charts "
-                         "at http://HOST:PORT/dashboard, as `mlxq gateway` serves them beside its API. It takes "
-                         "the gateway's settings: sign in with one of its api_keys or a key made by `mlxq keys "
-                         "create --role admin|viewer`.")
-    dashboard.add_argument("--config", type=Path, help="TOML file of gateway settings (see config/gateway.toml)")
-    dashboard.add_argument("--check", action="store_true", help="check the settings (the --config file with the "
-                        "flags and MLXQ_GATEWAY_* variables) and exit: 0 valid, 2 and the reason")
-    try:
-        import starlette  # noqa: F401
-        import uvicorn  # noqa: F401
-
-        from gateway.settings import ENV_PREFIX, GatewaySettings
-    except ImportError as e:
-        dashboard.epilog = f"This install lacks the gateway extra ({e.name} is missing): {GATEWAY_EXTRA}."
-        dashboard.set_defaults(run=partial(_missing_extra, "dashboard", e), extra_missing=True)
-    else:
-        for name, field in GatewaySettings.model_fields.items():
-            _add_setting(dashboard, name, field, ENV_PREFIX)
-        dashboard.set_defaults(run=_run_dashboard)
-
-
-def _run_dashboard(args: argparse.Namespace) -> int:
-    from . import gateway_command
-
-    return gateway_command.run(args, api=False)
+    return gateway_command.run(args, api)
 
 
 def _add_keys(commands: Any) -> None:

