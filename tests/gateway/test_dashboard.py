@@ -215,7 +215,11 @@ def test_markup_a_request_carries_renders_as_text(browser, gateway, workers, r):
 
 
 def test_a_batch_bar_advances_to_done_on_the_open_page(browser, gateway, workers):
-    api = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=ADMIN_KEY, max_retries=0)
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=ADMIN_KEY, max_retries=0) as api:
+        _a_batch_advances(browser, gateway, api)
+
+
+def _a_batch_advances(browser, gateway, api) -> None:
     lines = [{"custom_id": str(n), "method": "POST", "url": "/v1/completions",
               "body": {"model": QUEUE, "prompt": f"Line {n}", "max_tokens": 4}} for n in range(3)]
     file_id = api.files.create(file=("in.jsonl", io.BytesIO("\n".join(map(json.dumps, lines)).encode())),
@@ -265,8 +269,9 @@ def test_a_viewer_sees_but_the_server_refuses_its_buttons(browser, gateway, view
     answer = page.request.post(f"{gateway.url}/dashboard/act/drain", form=fields, max_redirects=0)
     assert answer.status == 403 and "viewer" in answer.text()
     assert r.get(KEYS.drain(target.consumer)) is None and target.process.poll() is None
-    with pytest.raises(openai.PermissionDeniedError):  # and no API
-        openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=viewer_key, max_retries=0).models.list()
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=viewer_key, max_retries=0) as api, \
+            pytest.raises(openai.PermissionDeniedError):  # and no API
+        api.models.list()
     assert console.errors == []
 
 

@@ -20,6 +20,7 @@ from support import (
     ROOT,
     own_valkey_fixture,
     start_gateway,
+    start_worker,
     wait_for,
     worker_fixture,
 )
@@ -46,23 +47,33 @@ class Gateways:
     def __init__(self, redis_url: str, logs_dir) -> None:
         self.redis_url, self.logs_dir = redis_url, logs_dir
         self.started = [self._start() for _ in range(2)]
+        self.clients: list[openai.OpenAI] = []  # closed with the gateways: no socket left to the collector
 
     def _start(self):
         return start_gateway(self.redis_url, self.logs_dir, "--api-keys", ADMIN_KEY)
 
     def restart(self) -> None:
+        self.close_clients()
         for gateway in self.started:
             assert gateway.stop() in (0, -signal.SIGTERM), gateway.log()
         self.started = [self._start() for _ in range(2)]
 
     def sdk(self, index: int = 0, key: str = ADMIN_KEY) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.started[index].url}/v1", api_key=key, max_retries=0, timeout=120)
+        client = openai.OpenAI(base_url=f"{self.started[index].url}/v1", api_key=key, max_retries=0, timeout=120)
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        for client in self.clients:
+            client.close()
+        self.clients.clear()
 
 
 @pytest.fixture(scope="module")
 def gateways(own_valkey, worker, logs_dir):
     made = Gateways(own_valkey, logs_dir)
     yield made
+    made.close_clients()
     for gateway in made.started:
         gateway.stop()
 
@@ -226,3 +237,23 @@ def test_a_hostile_body_is_a_400_and_the_gateway_serves_on(gateways):
         answer = httpx.post(url, content=body, headers=headers)
         assert answer.status_code == 400 and answer.json()["error"]["message"], answer.text
     assert gateways.sdk().responses.create(model="resp", input=ASK, max_output_tokens=2).output_text
+
+
+def test_reasoning_effort_turns_thinking_on_and_off_and_comes_back_as_an_item(gateways, own_valkey, thinking_model,
+                                                                               logs_dir):
+    thinker = start_worker(own_valkey, thinking_model, "think", logs_dir)
+    try:
+        sdk = gateways.sdk()
+        thought = sdk.responses.create(model="think", input="Why queues?", reasoning={"effort": "high"},
+                                       max_output_tokens=24)
+        assert thought.output[0].type == "reasoning" and thought.output[0].content[0].text
+        assert "<think>" not in thought.output_text
+        streamed = list(sdk.responses.create(model="think", input="Why queues?", reasoning={"effort": "high"},
+                                             max_output_tokens=24, stream=True))
+        reasoning = "".join(e.delta for e in streamed if e.type == "response.reasoning_text.delta")
+        assert reasoning == thought.output[0].content[0].text
+        plain = sdk.responses.create(model="think", input="Why queues?", reasoning={"effort": "none"},
+                                     max_output_tokens=24)
+        assert [item.type for item in plain.output] == ["message"]
+    finally:
+        thinker.stop()

@@ -145,21 +145,24 @@ class Stage:
 
 
 @pytest.fixture(scope="module")
-def stage(tmp_path_factory, valkey, demo_model, logs_dir) -> Iterator[Stage]:
+def stage(tmp_path_factory, demo_model, logs_dir) -> Iterator[Stage]:
     """A Valkey on a free port standing for the embedded one, with the worker `make run`
-    starts (the demo model, queue `default`); the files the examples read (a picture, a clip)."""
-    port = free_port()
-    server = ValkeyServer(port=port, data_dir=tmp_path_factory.mktemp("readme-valkey"),
-                          config={"save": "", "appendonly": "no"})
-    server.start(SERVER_START_S)
-    made = Stage(tmp_path_factory.mktemp("readme"), port, valkey)
+    starts (the demo model, queue `default`); another for the examples that run alone (never
+    the suite's shared one: keys made there would close every open gateway of the suite);
+    the files the examples read (a picture, a clip)."""
+    servers = [ValkeyServer(port=free_port(), data_dir=tmp_path_factory.mktemp("readme-valkey"),
+                            config={"save": "", "appendonly": "no"}) for _ in range(2)]
+    for server in servers:
+        server.start(SERVER_START_S)
+    made = Stage(tmp_path_factory.mktemp("readme"), servers[0].port, servers[1].connection_url)
     (made.tmp / "photo.png").write_bytes(media.png(64, 64))
     media.video(made.tmp / "clip.mp4")
-    worker = start_worker(server.connection_url, demo_model, "default", logs_dir, consumer="readme-default")
+    worker = start_worker(servers[0].connection_url, demo_model, "default", logs_dir, consumer="readme-default")
     yield made
     made.stop()
     worker.stop()
-    server.stop()
+    for server in servers:
+        server.stop()
 
 
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e.mode != "skip"], ids=lambda e: f"line{e.line}")

@@ -22,6 +22,7 @@ from support import (
     check_stream,
     free_port,
     start_worker,
+    wait_for,
     worker_fixture,
     xadd_json,
 )
@@ -173,11 +174,12 @@ def test_a_worker_confined_to_mlxq_keys_refuses_a_reply_to_outside_them(server, 
 def test_a_reply_stream_the_acl_forbids_fails_that_request_alone(server, admin, demo_model, logs_dir):
     """A user allowed every mlxq key but the shared reply streams: a request with a
     reply_to gets its NOPERM as an error on its own stream, while the requests streaming
-    beside it complete; the worker keeps running."""
+    beside it complete; the worker keeps running (its drain key and the fleet's timeline,
+    refused it too, cost it only those: said once, and it serves on)."""
     allowed = [f"~mlxq:{kind}:*" for kind in ("q", "out", "progress", "done", "cancel", "crashes", "workers",
                                               "stats", "limits", "affinity", "digest")]
     url = acl_user(admin, server, *allowed, "~mlxq:fleet", "&mlxq:*", "+@all", "-@dangerous")
-    confined = start_worker(url, demo_model, f"acl{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=4)
+    confined = start_worker(url, demo_model, f"acl{uuid.uuid4().hex[:6]}", logs_dir, max_num_seqs=4, timeline_s=0.5)
     try:
         beside = [f"beside-{uuid.uuid4().hex[:8]}" for _ in range(3)]
         for rid in beside[:2]:
@@ -191,6 +193,10 @@ def test_a_reply_stream_the_acl_forbids_fails_that_request_alone(server, admin, 
         assert "NOPERM" in error.message
         for rid in beside:
             assert isinstance(check_stream(Outputs(admin).of(rid)), Done)
+        assert confined.process.poll() is None
+        wait_for(lambda: all(said in confined.log() for said in ("refuses this worker its drain key",
+                                                                  "refuses this worker the fleet's timeline")),
+                 what="both refusals said")
         assert confined.process.poll() is None
     finally:
         confined.stop()

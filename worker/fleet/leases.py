@@ -27,7 +27,7 @@ from client.protocol import Task
 from worker.fleet.membership import Membership
 from worker.fleet.naming import claim_consumer_name
 from worker.queue.requests import RequestStatus, RequestTable
-from worker.queue.retrying import describe, retrying
+from worker.queue.retrying import describe, is_permission_error, retrying
 from worker.queue.totals import Totals
 from worker.settings import WorkerSettings
 
@@ -72,6 +72,7 @@ class Leases:
         self.group = group  # a worker group's mode, ranks and hosts (rank 0 is this process)
         self.placement = placement  # placement by prefix, as it stands (set once the name is claimed)
         self.on_drain_asked = on_drain_asked  # someone asked, through Redis, that this process drain
+        self.drain_refused = False
 
     async def claim_name(self) -> str:
         """Take a consumer name no live worker holds (see `naming`); raises `NameTaken`."""
@@ -107,7 +108,7 @@ class Leases:
         lost = await self.membership.keep_mine(self.consumer, self.requests.by_stream(), beat.to_json(),
                                                 ttl_s=self.ttl_s, instance=self.instance)
         await self._record(beat)
-        if self.state == "ready" and await self.membership.drain_asked(self.consumer) == self.instance:
+        if self.state == "ready" and await self._drain_asked():
             log.info("drain asked through Redis", key=self.membership.keys.drain(self.consumer))
             self.on_drain_asked()
         for entry_id in lost:
@@ -115,6 +116,21 @@ class Leases:
             if held is not None:
                 log.warning("another worker took this request over; dropping it here", request_id=held.route.id)
                 self.requests.end(held.route.id, RequestStatus.LOST)
+
+    async def _drain_asked(self) -> bool:
+        """Whether someone asked this process to drain (the dashboard). Under an ACL that keeps
+        the drain key from this worker, it is drained by signals alone (said once)."""
+        if self.drain_refused:
+            return False
+        try:
+            return await self.membership.drain_asked(self.consumer) == self.instance
+        except RedisError as e:
+            if not is_permission_error(e):
+                raise
+            log.warning("redis refuses this worker its drain key; it drains on SIGTERM alone",
+                        key=self.membership.keys.drain(self.consumer), reason=describe(e))
+            self.drain_refused = True
+            return False
 
     async def hand_back(self) -> None:
         """Remove our heartbeat and mark what we still hold as long idle, so that another

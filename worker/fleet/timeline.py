@@ -13,7 +13,7 @@ from redis.exceptions import RedisError
 from client.keys import Keys
 from client.protocol import Delta, Done, Error, Event
 from client.timeline import TIMELINE_KEEP_S, Sample, ttft_bucket
-from worker.queue.retrying import describe
+from worker.queue.retrying import describe, is_permission_error
 
 log = structlog.get_logger("mlxq.worker")
 
@@ -44,12 +44,18 @@ class Timeline:
     async def run(self, consumer: str) -> None:
         """Write a sample every `every_s` until cancelled; a failed write is retried with the next one's counts."""
         self.consumer = consumer
+        refused = False
         while True:
             await asyncio.sleep(self.every_s)
+            if refused:
+                continue
             try:
                 await self.write()
             except (RedisError, OSError) as e:
-                log.warning("could not write a timeline sample; its counts go into the next", reason=describe(e))
+                refused = is_permission_error(e)  # an ACL without the key: the charts lack this worker
+                log.warning("redis refuses this worker the fleet's timeline; it writes none" if refused else
+                            "could not write a timeline sample; its counts go into the next",
+                            key=self.keys.timeline, reason=describe(e))
 
     async def write(self) -> None:
         async with self.redis.pipeline(transaction=False) as pipe:
