@@ -188,7 +188,7 @@ class Dashboard:
         if view == "queues":
             return {"queues": views.queue_rows(snapshot)}
         if view == "running":
-            return {"running": views.running_rows(snapshot, self.keys)}
+            return {"running": views.running_rows(snapshot)}
         if view == "dead":
             queues = sorted({s.queue for s in snapshot.fleet.streams})
             return {"letters": await asyncio.to_thread(views.dead_rows, self.redis, self.keys, queues)}

@@ -5,7 +5,7 @@ fleet's timeline. Nothing here acts; every value is handed to templates that esc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis as redis_py
@@ -18,7 +18,7 @@ from client.heartbeat import RunningRequest
 from client.hosts import HostRecord
 from client.keys import Keys
 from client.replies import as_text
-from client.timeline import TIMELINE_KEEP_S, Point, Sample, points, rates
+from client.timeline import TIMELINE_KEEP_S, Sample, points, rates
 
 from .charts import Series, chart, sparkline
 
@@ -161,7 +161,7 @@ class RunningRow:
     tokens: int
 
 
-def running_rows(snapshot: Snapshot, keys: Keys) -> list[RunningRow]:
+def running_rows(snapshot: Snapshot) -> list[RunningRow]:
     found: list[tuple[RunningRequest, WorkerView]] = [
         (r, w) for w in snapshot.fleet.workers if w.alive for r in w.heartbeat.longest]
     found.sort(key=lambda pair: pair[0].read_at)
@@ -238,13 +238,12 @@ def _eta(batch: Batch, now: float) -> str:
 # ---- charts ---------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(frozen=True)
 class Charts:
     throughput: Markup
     ttft: Markup
     depth: Markup
     errors: Markup
-    rows: list[Point] = field(default_factory=list)
 
 
 def charts(snapshot: Snapshot) -> Charts:
@@ -255,7 +254,7 @@ def charts(snapshot: Snapshot) -> Charts:
         chart("time to first token", "ms", [Series("p50", [p.ttft_p50_ms if p else None for p in busy]),
                                             Series("p99", [p.ttft_p99_ms if p else None for p in busy])]),
         chart("queue depth", "requests", [Series("depth", [float(p.depth) for p in found])]),
-        chart("errors", "a minute", [Series("errors", [float(p.errors) for p in found])]), found)
+        chart("errors", "a minute", [Series("errors", [float(p.errors) for p in found])]))
 
 
 def _bytes(n: int) -> str:
