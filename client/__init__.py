@@ -5,7 +5,7 @@ wire format is `client.protocol` and the key names `client.keys`, public because
 worker (and any other implementation in Python) speaks through them too.
 """
 
-from ._async import DEFAULT_URL, AsyncClient, AsyncJob
+from ._async import AsyncClient, AsyncJob
 from ._batch_jobs import AsyncBatchHandle
 from ._errors import (
     JobFailed,
@@ -36,6 +36,7 @@ from .protocol import (
     encode_event,
     encode_request,
 )
+from .which_redis import DEFAULT_URL
 
 __all__ = [
     "DEFAULT_URL",

@@ -31,7 +31,6 @@ from .protocol import Delta, Done, Encoding, Event, Ranked, decode_event
 from .replies import stream_entries
 from .which_redis import default_url
 
-DEFAULT_URL = "redis://127.0.0.1:6390"  # the embedded Valkey's, on its default port (see `which_redis`)
 CANCEL_TTL_S = 86400
 
 

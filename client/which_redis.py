@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 
 EMBEDDED_PORT = 6390
+DEFAULT_URL = f"redis://127.0.0.1:{EMBEDDED_PORT}"  # the embedded Valkey's, on its default port
 
 
 def embedded_port(environ: Mapping[str, str] = os.environ) -> int:

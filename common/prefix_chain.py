@@ -92,7 +92,8 @@ def _message_bytes(message: Any) -> bytes | None:
         extra = json.dumps(rest, sort_keys=True, separators=(",", ":")) if rest else ""
     except (TypeError, ValueError):
         return None
-    return f"{message['role']}\x1f{content or ''}\x1f{extra}".encode("utf-8", "surrogatepass")
+    # The chain reads the first CHAIN_BYTES alone: a longer text is cut before it is encoded.
+    return f"{message['role']}\x1f{(content or '')[:CHAIN_BYTES]}\x1f{extra}".encode("utf-8", "surrogatepass")
 
 
 def matched_blocks(chain: Chain, held: frozenset[int] | set[int]) -> int:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from client.which_redis import EMBEDDED_PORT
+from client.which_redis import embedded_url as url  # noqa: F401 - the URL of the server on a port
 
 
 def default_dir(port: int = EMBEDDED_PORT) -> Path:
@@ -112,9 +113,6 @@ def start(port: int, data_dir: Path | None = None) -> tuple[Any, IO[str]]:
     return server, lock
 
 
-def url(port: int) -> str:
-    """The URL producers and workers use for the embedded server."""
-    return f"redis://127.0.0.1:{port}"
 
 
 class EmbeddedFailed(RuntimeError):

@@ -14,10 +14,13 @@ import uuid
 from functools import partial
 from typing import Any
 
+import structlog
+from redis.exceptions import RedisError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from client import AsyncClient, QueueFull, RequestRejected
+from client.diagnose import describe
 from client.protocol import Done, Error, decode_event
 
 from ..errors import ApiError
@@ -30,6 +33,7 @@ from .output import ResponseShape, Skeleton
 from .request import ResponsesRequest, dumps, read_request
 from .store import ResponseStore, StoredResponse
 
+log = structlog.get_logger("mlxq.gateway")
 LOST_AFTER_S = 60  # past its gateway's request timeout, a foreground response still running lost its gateway
 
 
@@ -167,8 +171,13 @@ class ResponsesApi:
         await self.store.put(record)
 
     async def _keep(self, record: StoredResponse, response: dict[str, Any]) -> None:
+        """Store the finished response; Redis failing here loses the stored copy, never the answer."""
         record.response = response
-        await self.store.put(record)
+        try:
+            await self.store.put(record)
+        except (RedisError, OSError) as e:
+            log.warning("could not store a finished response; it was answered, not kept", response_id=record.id,
+                        error=describe(e))
 
 
 async def _keep_nothing(_: dict[str, Any]) -> None:

@@ -71,7 +71,8 @@ class ResponseStore:
     async def put(self, record: StoredResponse, new: bool = False) -> None:
         """Write a record; a new one counts in its tenant's set, whose oldest past the
         budget are deleted."""
-        await self.redis.set(self._key(record.id), json.dumps(asdict(record), ensure_ascii=False), ex=self.ttl_s)
+        # ASCII JSON: a lone surrogate a body held (JSON's "\ud800") is kept escaped, never an encoding error
+        await self.redis.set(self._key(record.id), json.dumps(asdict(record)), ex=self.ttl_s)
         if not new:
             return
         index = self.keys.tenant(record.tenant, "responses")

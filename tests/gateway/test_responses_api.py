@@ -233,7 +233,8 @@ def test_a_hostile_body_is_a_400_and_the_gateway_serves_on(gateways):
     headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
     for body in (b"[]", b'{"model": "resp"}', b'{"model": "resp", "input": [{"type": "message"}]}',
                  json.dumps({"model": "resp", "input": [{"role": "user", "content": [{"type": "x"}]}]}).encode(),
-                 json.dumps({"model": "resp", "input": "x", "metadata": {str(i): "v" for i in range(17)}}).encode()):
+                 json.dumps({"model": "resp", "input": "x", "metadata": {str(i): "v" for i in range(17)}}).encode(),
+                 json.dumps({"model": "resp", "input": "a lone \ud800 surrogate"}).encode()):  # stored, then refused
         answer = httpx.post(url, content=body, headers=headers)
         assert answer.status_code == 400 and answer.json()["error"]["message"], answer.text
     assert gateways.sdk().responses.create(model="resp", input=ASK, max_output_tokens=2).output_text
