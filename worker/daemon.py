@@ -36,7 +36,7 @@ from worker.fleet.metrics import Metrics
 from worker.fleet.naming import NameTaken
 from worker.fleet.timeline import Timeline
 from worker.messages import EngineReady, Step
-from worker.process.engine_link import EngineFailed, EngineLink
+from worker.process.engine_link import EngineFailed, EngineLink, blame
 from worker.process.group_place import GroupPlace
 from worker.queue.affinity import Affinity
 from worker.queue.cancels import listen_for_cancels
@@ -256,16 +256,12 @@ class Worker:
 
     def _blame(self) -> tuple[list[str], set[str]]:
         """The requests a dead engine process held, and those of them that count a crash
-        (`max_crashes`). The likelier culprit is what it was doing last: preparing a
-        request (that one counts, in intake), else starting some (those with no token yet:
-        a prefill, the usual place of a crash a request causes); only a death in a decode
-        step counts against the whole batch, where no one request can be told from the
-        others. A poison request so costs its batch-mates a restart, not their lives."""
+        (`max_crashes`): the one it was preparing (intake counts it), else what it was
+        computing (`engine_link.blame`)."""
         lost = [held.route.id for held in self.requests if held.route.id in self.engine.holding]
         if self.engine.prepared_when_it_died:
             return lost, set()
-        unstarted = {request_id for request_id in lost if request_id not in self.engine.producing}
-        return lost, unstarted or set(lost)
+        return lost, blame(lost, self.engine.batched, self.engine.decoding)
 
     def _on_step(self, step: Step) -> None:
         assert self.publisher is not None  # the engine gets requests once it is made

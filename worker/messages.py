@@ -153,6 +153,7 @@ class Queueing:
     arrived_at: float  # unix seconds on this host's clock (the entry id's stamp): ages it, times it
     deadline_at: float | None = None  # unix seconds, or None
     metadata: dict[str, Any] | None = None
+    alone: bool = False  # it was in an engine's death: it runs with no other request, so its next death is its own
 
     def expired(self, now: float) -> bool:
         """Whether its deadline passed before `now` (unix seconds)."""
@@ -321,6 +322,7 @@ class StepOutput:
 
     outgoing: list[Outgoing] = field(default_factory=list)
     abandoned: list[RequestRef] = field(default_factory=list)  # left un-acked at shutdown
+    first_tokens: list[str] = field(default_factory=list)  # requests whose prefill ended in this step
 
 
 def not_started(request: EngineRequest | PoolingRequest, now: float | None = None,
@@ -374,6 +376,7 @@ class Prepare:
     resume: Resume | None = None
     priority_boost: int = 0  # added to its priority: a batch line waits behind interactive requests
     cancelled: bool = False
+    alone: bool = False  # it was in an engine's death (`Queueing.alone`)
 
 
 @dataclass(frozen=True)
@@ -431,11 +434,21 @@ class LoadFailed:
 
 
 @dataclass(frozen=True)
+class Started:
+    """Engine to I/O, sent before the step that starts them: these requests enter the
+    batch. What the engine computes when it dies is what its death is blamed on."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
 class Step:
-    """Engine to I/O: one scheduler step's events (and, at the drain deadline, what is left)."""
+    """Engine to I/O: one scheduler step's events (and, at the drain deadline, what is
+    left), and the requests whose prefill it ended."""
 
     outgoing: list[Outgoing]
     abandoned: list[RequestRef] = field(default_factory=list)
+    first_tokens: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -311,11 +311,15 @@ def _answers(http: httpx.Client) -> bool:
         return False
 
 
-def test_each_view_is_written_as_a_screenshot_where_the_readme_shows_it(browser, gateway, workers, own_valkey, r):
+def test_each_view_is_written_as_a_screenshot_where_the_readme_shows_it(browser, gateway, workers, own_valkey, r,
+                                                                      tmp_path):
     """Last in this module, so that the views have something to show: the batch and the
-    dead letters of the tests before, and a request held while the pictures are taken."""
+    dead letters of the tests before, and a request held while the pictures are taken.
+    Into docs/dashboard with `MLXQ_UPDATE_SCREENSHOTS=1`; else a test run leaves the
+    tracked pictures as they are."""
     readme = (ROOT / "README.md").read_text()
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    folder = SCREENSHOTS if os.environ.get("MLXQ_UPDATE_SCREENSHOTS") == "1" else tmp_path
+    folder.mkdir(parents=True, exist_ok=True)
     with Client(own_valkey, queue=QUEUE) as client:
         held = client.submit(**HELD)
         page, console = _signed_in(browser, gateway, ADMIN_KEY)
@@ -324,7 +328,8 @@ def test_each_view_is_written_as_a_screenshot_where_the_readme_shows_it(browser,
         for view, heading in VIEWS.items():
             page.goto(f"{gateway.url}/dashboard/{view}")
             expect(page.locator("h1")).to_have_text(heading)
-            page.screenshot(path=str(SCREENSHOTS / f"{view}.png"), full_page=True)
-            assert f"docs/dashboard/{view}.png" in readme
+            page.screenshot(path=str(folder / f"{view}.png"), full_page=True)
+            assert (folder / f"{view}.png").read_bytes().startswith(b"\x89PNG")
+            assert f"docs/dashboard/{view}.png" in readme and (SCREENSHOTS / f"{view}.png").is_file()
         held.cancel()
     assert console.errors == []

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import redis
 from support import (
+    HELD,
     KEYS,
     Outputs,
     WorkerProcess,
@@ -29,10 +30,11 @@ from support import (
     xadd_json,
 )
 
-from client import Done, Error
+from client import Client, Done, Error
+from worker.process.engine_link import blame
 
 PROMPTS = [f"Story number {i}:" for i in range(4)]
-LONG = 1000  # tokens: long enough to stop the engine in the middle of a generation
+LONG = 400  # tokens: long enough to stop the engine in the middle of a generation
 FATAL_TOKEN = 1000  # the test hooks' marker token (in no test prompt)
 
 
@@ -85,7 +87,8 @@ def test_kill_9_of_the_engine_mid_batch_resumes_its_requests_on_a_new_one(valkey
     worker stays up, starts a new engine process, and each request continues from its last
     written delta: one `done` each, the same text as an uninterrupted run. New requests are
     served after it. Each counts a crash (it died in a decode step: no one request can be
-    told from the others), one less than the `max_crashes` (2) that would poison them."""
+    told from the others), one less than the `max_crashes` (2) that would poison them, and
+    then runs alone."""
     worker = start_worker(valkey, demo_model, queue, logs_dir)
     try:
         ids = submit_all(r, queue)
@@ -132,6 +135,56 @@ def test_a_request_that_kills_the_engine_is_dead_lettered_and_the_worker_serves_
         assert settled(r, KEYS.queue(queue))
     finally:
         worker.stop()
+
+
+def test_a_request_that_kills_the_engine_decoding_is_dead_lettered_and_its_batch_mates_live(
+        valkey, demo_model, logs_dir, r, outputs, queue):
+    """A request that kills the engine process in a decode step (the test hook), with three
+    others decoding beside it: that death is the whole batch's (one crash each), and each
+    of them then runs alone. Alone, the poison request kills the next engine process by
+    itself and is dead-lettered at `max_crashes` (2); the three others, counted once,
+    each run alone in turn (slowed: until cancelled) and end `cancelled`, not `poisoned`."""
+    worker = start_worker(valkey, demo_model, queue, logs_dir, max_crashes=2,
+                          env={"MLXQ_TEST_EXIT_DECODING_ON_TOKEN": str(FATAL_TOKEN)})
+    try:
+        mates = [f"mate{i}-{uuid.uuid4().hex[:8]}" for i in range(3)]
+        for request_id in mates:
+            xadd_json(r, queue, request_id, HELD)  # slowed: nothing but a cancel ends them
+        streaming(r, mates, at_least=2)
+        poison = f"poison-{uuid.uuid4().hex[:8]}"
+        xadd_json(r, queue, poison, {"prompt_tokens": [5, FATAL_TOKEN, 7], "max_tokens": 50, "ignore_eos": True})
+        wait_for(lambda: "the engine process died" in worker.log(), what="the first engine process's death")
+        written = {request_id: r.xlen(KEYS.output(queue, request_id)) for request_id in mates}
+        left = set(mates)
+        with Client(valkey, queue=queue) as client:
+            while left:  # whichever runs (alone, so it gains 5 deltas while no other runs) is cancelled
+                def grown(left: set[str] = left) -> list[str]:
+                    return [i for i in left if r.xlen(KEYS.output(queue, i)) >= written[i] + 5]
+
+                running = wait_for(grown, timeout=90, what="a batch-mate running alone on a new engine process")
+                for request_id in running:
+                    client.cancel(request_id)
+                    end = check_stream(outputs.of(request_id, timeout=90))
+                    assert isinstance(end, Done) and end.finish_reason == "cancelled", end
+                left -= set(running)
+        (*_, error) = outputs.of(poison, timeout=90)
+        assert isinstance(error, Error) and error.code == "poisoned", error
+        assert "2 worker or engine process(es) died while they held it" in error.message
+        assert worker.log().count("the engine process died; its requests resume on a new one") == 2
+        assert [fields[b"field:id"] for _, fields in r.xrange(KEYS.dead(queue))] == [poison.encode()]
+        assert worker.process.poll() is None
+    finally:
+        worker.stop()
+
+
+def test_a_death_is_blamed_on_what_the_engine_was_computing():
+    """Those in their prefill, if any; else the whole batch (a decode step); never the
+    requests waiting in the engine, unless nothing ran."""
+    lost = ["waiting", "decoding1", "decoding2", "prefilling"]
+    batched = {"decoding1", "decoding2", "prefilling"}
+    assert blame(lost, batched, {"decoding1", "decoding2"}) == {"prefilling"}
+    assert blame(lost, batched, batched) == batched
+    assert blame(["waiting"], set(), set()) == {"waiting"}
 
 
 def test_a_hung_engine_is_killed_and_the_request_that_hung_it_alone_counts_a_crash(valkey, demo_model, logs_dir, r,

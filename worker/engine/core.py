@@ -11,6 +11,7 @@ gets one `error` event) and the batch is rebuilt.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import structlog
@@ -49,14 +50,17 @@ class AdapterProblem(ValueError):
 class EngineCore:
     """One loaded model's continuous batch."""
 
-    def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE) -> None:
+    def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE,
+                 on_start: Callable[[list[str]], None] = lambda _: None) -> None:
         self.loaded = loaded
         self.scheduler: Scheduler[EngineRequest] = Scheduler(policy)
         self.backend = loaded.make_backend()
         self.guides = Guides(loaded.info.vocab_size, policy.max_num_seqs)
         self.clock = clock  # the model's share of the thread's time is counted here
         self.faults = faults
+        self.on_start = on_start  # told, before the step that starts them, which requests enter the batch
         self.running: dict[int, RequestOutput] = {}  # by the backend's uid
+        self._alone: int | None = None  # the uid of a request that runs alone (`Queueing.alone`)
         self._flush_interval_s = policy.flush_interval_s
         self._next_flush = 0.0  # perf_counter time from which running streams' held tokens go out
         self._uids: dict[str, int] = {}  # request id -> uid
@@ -111,6 +115,13 @@ class EngineCore:
         return self.faults.slow_token is not None and any(
             self.faults.slows(o.request.prompt_tokens) for o in self.running.values())
 
+    def rows(self) -> list[tuple[list[int], int | None]]:
+        """For the test hooks: each running request's prompt, and the tokens it made here
+        (None while in its prefill)."""
+        return [(o.request.prompt_tokens, None if o.first_token_at is None else
+                 o.completion_tokens - (len(o.request.resume.tokens) if o.request.resume else 0))
+                for o in self.running.values()]
+
     def step(self, out: StepOutput) -> None:
         """Admit what the policy lets in, run one step of the batch, and turn its tokens into events."""
         self._admit(out)
@@ -119,8 +130,8 @@ class EngineCore:
         try:
             if self.guides:  # every constrained row's mask for this step, in one fill
                 self.guides.prefill(self.backend.upcoming_tokens())
-            prefilling = sum(o.first_token_at is None for o in self.running.values())
-            plan = self.scheduler.plan(len(self.running) - prefilling, prefilling)
+            prefilling = [o for o in self.running.values() if o.first_token_at is None]
+            plan = self.scheduler.plan(len(self.running) - len(prefilling), len(prefilling))
             started = time.perf_counter()
             tokens = self.backend.step(plan)
             self.clock.model_s += time.perf_counter() - started
@@ -133,6 +144,7 @@ class EngineCore:
         picked = token_logprobs(tokens, wanted, self.loaded.info.tokenizer) if wanted else {}
         outgoing, finished = process_step(self.running, tokens, time.time(), picked, self._flush_due())
         out.outgoing.extend(outgoing)
+        out.first_tokens.extend(o.request.id for o in prefilling if o.first_token_at is not None)
         coverage = {t.uid: t.coverage for t in tokens if t.coverage is not None}
         # Those that ended on a stop string are still in the batch.
         coverage.update(self.backend.remove(finished, keep_caches=self.loaded.prefix_cache is not None))
@@ -156,9 +168,15 @@ class EngineCore:
         return True
 
     def _admit(self, out: StepOutput) -> None:
+        if self._alone is not None:
+            return
+        admitted = self.scheduler.admit(len(self.running))
+        if not admitted:
+            return
+        self.on_start([request.id for request in admitted])  # before anything of theirs can fail
         now = time.time()
         waiting = []  # for a slot of their adapter
-        for request in self.scheduler.admit(len(self.running)):
+        for request in admitted:
             self.faults.fail_if_marked(request.prompt_tokens)
             try:
                 if not self._admit_one(request, now, out):
@@ -192,6 +210,8 @@ class EngineCore:
             raise
         self.running[uid] = output
         self._uids[request.id] = uid
+        if request.queueing.alone:
+            self._alone = uid
         if adapted[0]:
             self._adapted[uid] = adapted
         return True
@@ -255,6 +275,8 @@ class EngineCore:
         outputs = [self.running.pop(uid) for uid in uids]
         for uid, output in zip(uids, outputs, strict=True):
             del self._uids[output.request.id]
+            if uid == self._alone:
+                self._alone = None
             self.guides.release(uid)
             adapted = self._adapted.pop(uid, None)
             if adapted is not None:

@@ -4,6 +4,7 @@ embeddings or scores), chosen once from the model's task."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from client.engine_stats import EngineTime
@@ -43,6 +44,9 @@ class Core(Protocol):
     def slowed(self) -> bool:
         """Whether a request marked by the test hook `MLXQ_TEST_SLOW_ON_TOKEN` runs."""
 
+    def rows(self) -> list[tuple[list[int], int | None]]:
+        """For the test hooks: each running request's prompt and the tokens it made (None: in its prefill)."""
+
     def step(self, out: StepOutput) -> None:
         """Admit what fits and run one step."""
 
@@ -50,8 +54,10 @@ class Core(Protocol):
         """Release what the core holds (the backend's batch)."""
 
 
-def make_core(loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults) -> Core:
-    """The core for the loaded model's task."""
+def make_core(loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults,
+              on_start: Callable[[list[str]], None]) -> Core:
+    """The core for the loaded model's task. A generating core says which requests enter
+    its batch (`on_start`), before the step that starts them."""
     if loaded.info.task == "generate":
-        return EngineCore(loaded, policy, clock, faults)
+        return EngineCore(loaded, policy, clock, faults, on_start)
     return PoolingCore(loaded, policy, clock)

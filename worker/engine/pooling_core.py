@@ -113,6 +113,9 @@ class PoolingCore:
     def slowed(self) -> bool:
         return False
 
+    def rows(self) -> list[tuple[list[int], int | None]]:
+        return []
+
     def close(self) -> None:
         pass
 

@@ -119,8 +119,27 @@ class Scheduler(Generic[R]):
         return None if entry is None else entry[1]
 
     def admit(self, running: int) -> list[R]:
-        """The requests to start now, best first, into the slots `running` leave free."""
-        return self.take(self.policy.max_num_seqs - running)
+        """The requests to start now, best first, into the slots `running` leave free. A
+        request that was in an engine's death (`alone`) starts only into an empty batch,
+        and on its own; until the batch is empty, it holds back those behind it."""
+        taken: list[R] = []
+        while len(taken) < self.policy.max_num_seqs - running and (best := self._best()) is not None:
+            if best.queueing.alone and (running or taken):
+                break
+            taken.extend(self.take(1))
+            if best.queueing.alone:
+                break
+        return taken
+
+    def _best(self) -> R | None:
+        """The waiting request that runs next, left waiting."""
+        while self._heap:
+            _, order, request_id = self._heap[0]
+            entry = self._waiting.get(request_id)
+            if entry is not None and entry[0] == order:
+                return entry[1]
+            heapq.heappop(self._heap)  # removed earlier: a stale heap entry
+        return None
 
     def plan(self, decoding: int, prefilling: int) -> StepPlan:
         return self.budget.plan(decoding, prefilling)

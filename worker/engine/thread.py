@@ -53,13 +53,14 @@ class Engine:
     def __init__(self, load: Callable[[], Loaded], policy: SchedulingPolicy,
                  on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None],
                  on_stats: Callable[[EngineStats], None] = lambda _: None, on_pong: Callable[[], None] = lambda: None,
-                 faults: Faults = NONE) -> None:
+                 faults: Faults = NONE, on_start: Callable[[list[str]], None] = lambda _: None) -> None:
         self._load = load
         self._policy = policy
         self._on_output = on_output
         self._on_fatal = on_fatal
         self._on_stats = on_stats
         self._on_pong = on_pong
+        self._on_start = on_start
         self._faults = faults
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="mlxq-engine", daemon=True)
@@ -73,9 +74,8 @@ class Engine:
         self._time = EngineTime()
         self._digest: tuple[int, ...] = ()  # the prefix cache's, made anew when it changed
         self._digested = 0
-        # Chosen once: the tests' slow-step fault, or nothing (the loop checks no fault per step).
-        self._before_step: Callable[[StepOutput], None] = \
-            self._hold_if_slowed if faults.slow_token is not None else lambda _: None
+        # Chosen once: the tests' step faults, or nothing (the loop checks no fault per step).
+        self._before_step: Callable[[StepOutput], None] = self._inject_faults if faults.in_steps else lambda _: None
 
     # ---- called from other threads -------------------------------------------------
 
@@ -138,7 +138,7 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._load()
-            core = make_core(loaded, self._policy, self._time, self._faults)
+            core = make_core(loaded, self._policy, self._time, self._faults, self._on_start)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self._error = e
             self._ready.set()
@@ -168,7 +168,7 @@ class Engine:
             if core.busy():
                 self._before_step(out)
                 core.step(out)
-            if out.outgoing or out.abandoned:
+            if out.outgoing or out.abandoned or out.first_tokens:
                 self._hand_off(out)
             spent = time.perf_counter() - started
             self._time.other_s += spent - (self._time.model_s - model_before) - (self._time.handoff_s - handoff_before)
@@ -220,6 +220,10 @@ class Engine:
                 command = self._commands.get_nowait()
         except queue.Empty:
             pass
+
+    def _inject_faults(self, out: StepOutput) -> None:
+        self._faults.exit_if_decoding(self._core.rows())
+        self._hold_if_slowed(out)
 
     def _hold_if_slowed(self, out: StepOutput) -> None:
         """Fault injection (`MLXQ_TEST_SLOW_ON_TOKEN`): while a marked request runs, wait

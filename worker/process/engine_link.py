@@ -36,6 +36,7 @@ from worker.messages import (
     Prepare,
     SetAdapters,
     Shutdown,
+    Started,
     Step,
     Stopped,
 )
@@ -64,10 +65,12 @@ class EngineLink:
         self.process: subprocess.Popen[bytes] | None = None
         self._channel: AsyncChannel | None = None
         self._preparing: dict[str, asyncio.Future[Preparation]] = {}
-        # The requests this engine process holds (queued, `Admitted`, and not ended), and
-        # those of them with output: what it dies with, and the likelier culprits among them.
+        # The requests this engine process holds (`Admitted` and not ended); of them, those
+        # in its batch (`Started`), and of those, the ones past their prefill: what it dies
+        # with, and what its death is blamed on (`blame`).
         self.holding: set[str] = set()
-        self.producing: set[str] = set()
+        self.batched: set[str] = set()
+        self.decoding: set[str] = set()
         self.prepared_when_it_died: set[str] = set()
         self._heard_at = time.monotonic()
         self._stopped = False  # it said `Stopped`: it ended after a drain, as asked
@@ -81,8 +84,8 @@ class EngineLink:
         """Start an engine process and wait until its model is loaded; raises `EngineFailed`."""
         ours, theirs = socket.socketpair()
         self._stopped = False
-        self.holding.clear()
-        self.producing.clear()
+        for held in (self.holding, self.batched, self.decoding):
+            held.clear()
         self.process = subprocess.Popen([sys.executable, "-m", "worker.process.engine_main"],
                                         env={**os.environ, SOCKET_FD: str(theirs.fileno())},
                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
@@ -115,6 +118,8 @@ class EngineLink:
             if isinstance(message, Step):
                 self._track(message)
                 self.on_step(message)
+            elif isinstance(message, Started):
+                self.batched.update(message.request_ids)
             elif isinstance(message, EngineStats):
                 self.on_stats(message)
             elif isinstance(message, Stopped):  # the drain is over: closing our end lets it exit
@@ -134,12 +139,14 @@ class EngineLink:
         return reason
 
     def _track(self, step: Step) -> None:
+        self.decoding.update(step.first_tokens)
         for item in step.outgoing:
-            if isinstance(item.event, Delta):
-                self.producing.add(item.ref.id)
-            else:
-                self.producing.discard(item.ref.id)
-                self.holding.discard(item.ref.id)
+            if not isinstance(item.event, Delta):
+                self._forget(item.ref.id)
+
+    def _forget(self, request_id: str) -> None:
+        for held in (self.holding, self.batched, self.decoding):
+            held.discard(request_id)
 
     def _prepared(self, answer: Preparation) -> None:
         if isinstance(answer, Admitted):
@@ -163,8 +170,7 @@ class EngineLink:
         self._send(Cancel(request_id))
 
     def abandon(self, request_id: str) -> None:
-        self.holding.discard(request_id)
-        self.producing.discard(request_id)
+        self._forget(request_id)
         self._send(Abandon(request_id))
 
     def shutdown(self, drain_timeout_s: float) -> None:
@@ -227,6 +233,17 @@ class EngineLink:
         except TimeoutError:
             self.process.kill()
             return await asyncio.to_thread(self.process.wait)
+
+
+def blame(lost: list[str], batched: set[str], decoding: set[str]) -> set[str]:
+    """Of the requests a dead engine process held (`lost`), those that count a crash
+    (`max_crashes`): what it was computing. Those still in their prefill, if any (the
+    usual place of a crash a request causes: its prompt, its media, its memory); else, it
+    died in a decode step, the whole batch (no row can be told from another there). Those
+    waiting in it count nothing. Each one counted then runs alone (`Queueing.alone`), so
+    a poison request's next death is its own, and its batch-mates, counted once, finish."""
+    in_batch = {request_id for request_id in lost if request_id in batched}
+    return (in_batch - decoding) or in_batch or set(lost)
 
 
 def _why(status: int) -> str:

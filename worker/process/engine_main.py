@@ -53,6 +53,7 @@ from worker.messages import (
     Refused,
     SetAdapters,
     Shutdown,
+    Started,
     Step,
     StepOutput,
     Stopped,
@@ -83,7 +84,8 @@ class EngineProcess:
             else partial(load_model, settings, refusing=hosting.refusal is not None)
         self.engine = Engine(load,
                              SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
-                             on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults)
+                             on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults,
+                             on_start=lambda request_ids: channel.send(Started(request_ids)))
         self.hosting = hosting
         self._preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="mlxq-prepare")
         # Requests being prepared, and those of them cancelled or dropped meanwhile (under
@@ -157,8 +159,8 @@ class EngineProcess:
             self._answer(ref.id, Refused(ref, ErrorCode.INTERNAL,
                                          f"the worker could not prepare this request: {reason}"))
             return
-        if message.priority_boost:
-            request = replace(request, queueing=replace(request.queueing,
+        if message.priority_boost or message.alone:
+            request = replace(request, queueing=replace(request.queueing, alone=message.alone,
                                                         priority=request.queueing.priority + message.priority_boost))
         self._queue(request, message.cancelled)
 
@@ -182,7 +184,7 @@ class EngineProcess:
                 self.channel.send(answer)
 
     def _on_output(self, out: StepOutput) -> None:
-        self.channel.send(Step(out.outgoing, out.abandoned))
+        self.channel.send(Step(out.outgoing, out.abandoned, out.first_tokens))
 
     def _on_fatal(self, error: BaseException) -> None:
         """The engine thread failed: every request it held dies with this process."""

@@ -28,6 +28,8 @@ class CountingBackend(SimBackend):
         self.fail_on_step = fail_on_step
         self.prompts: list[list[int]] = []
         self.plans: list[tuple[int, StepPlan]] = []  # (sequences running, the step's plan)
+        self.uids: dict[int, list[int]] = {}  # each sequence's prompt
+        self.batches: list[list[list[int]]] = []  # the prompts of each step's sequences
 
     @property
     def running(self) -> dict[int, list[int]]:
@@ -37,11 +39,13 @@ class CountingBackend(SimBackend):
                speculative=True, cache_salt="", adapter=0) -> int:
         self.prompts.append(prompt)
         uid = super().insert(prompt, max_tokens, sampler, logits_processors, cached, media, logprobs)
+        self.uids[uid] = prompt
         self.most_running = max(self.most_running, len(self._running))
         return uid
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self.plans.append((len(self._running), plan))
+        self.batches.append([self.uids[uid] for uid in self._running])
         self.steps += 1
         if self.steps == self.fail_on_step:
             raise RuntimeError("boom")
@@ -49,10 +53,10 @@ class CountingBackend(SimBackend):
 
 
 def request(rid: str, max_tokens: int = 3, priority: int = 0, deadline_at: float | None = None,
-            resume: Resume | None = None) -> EngineRequest:
-    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=[1], sampling=SamplingParams(),
-                         stopping=Stopping(max_tokens), queueing=Queueing(priority, time.time(), deadline_at),
-                         resume=resume)
+            resume: Resume | None = None, alone: bool = False, prompt: tuple[int, ...] = (1,)) -> EngineRequest:
+    return EngineRequest(ref=RequestRef(rid, "1-0"), prompt_tokens=list(prompt), sampling=SamplingParams(),
+                         stopping=Stopping(max_tokens),
+                         queueing=Queueing(priority, time.time(), deadline_at, alone=alone), resume=resume)
 
 
 class Harness:
@@ -71,8 +75,10 @@ class Harness:
             return Loaded(info, make_backend, Letters)
 
         self.fatal: list[BaseException] = []
+        self.started: list[list[str]] = []
+        self.first_tokens: list[str] = []
         self.engine = Engine(load, policy or SchedulingPolicy(max_num_seqs), on_output=self.outputs.put,
-                             on_fatal=self.fatal.append)
+                             on_fatal=self.fatal.append, on_start=self.started.append)
         self.engine.start()
         self.engine.wait_ready(5)
 
@@ -90,6 +96,7 @@ class Harness:
         deadline = time.monotonic() + timeout
         while any(not evs or isinstance(evs[-1], Delta) for evs in events.values()):
             out = self.outputs.get(timeout=max(0.01, deadline - time.monotonic()))
+            self.first_tokens.extend(out.first_tokens)
             for item in out.outgoing:
                 events.setdefault(item.event.id, []).append(item.event)
         return events
@@ -249,6 +256,37 @@ def test_a_failing_load_is_reported():
     engine.start()
     with pytest.raises(EngineFailed, match="no such model"):
         engine.wait_ready(5)
+
+
+def test_a_request_that_was_in_an_engines_death_runs_alone():
+    """A request marked `alone` (it was in an engine's death) starts only into an empty
+    batch and nothing joins it: the requests behind it wait until it ends, then share
+    the batch again. The engine says which requests enter the batch before the step that
+    starts them, and which ended their prefill, once each."""
+    h = Harness(max_num_seqs=4)
+    h.engine.submit(request("before", max_tokens=20))
+    h.engine.submit(request("suspect", max_tokens=5, alone=True, prompt=(2,)))
+    for i in range(3):
+        h.engine.submit(request(f"after{i}", max_tokens=5))
+    ids = {"before", "suspect", "after0", "after1", "after2"}
+    events = h.events_until_terminal(ids)
+    assert all(isinstance(evs[-1], Done) for evs in events.values())
+    with_suspect = [batch for batch in h.backends[0].batches if [2] in batch]
+    assert with_suspect and all(batch == [[2]] for batch in with_suspect)
+    assert max(len(batch) for batch in h.backends[0].batches) >= 2, "the others still share the batch"
+    assert sorted(i for started in h.started for i in started) == sorted(ids)
+    assert ["suspect"] in h.started
+    assert sorted(h.first_tokens) == sorted(ids)
+
+
+def test_the_scheduler_starts_a_request_marked_alone_only_into_an_empty_batch():
+    s = Scheduler(SchedulingPolicy(4))
+    for rid, alone in [("a", False), ("b", True), ("c", False)]:
+        s.add(request(rid, alone=alone))
+    assert [r.id for r in s.admit(running=0)] == ["a"]
+    assert s.admit(running=1) == [], "it waits for the batch to empty, and holds back those behind it"
+    assert [r.id for r in s.admit(running=0)] == ["b"]
+    assert [r.id for r in s.admit(running=0)] == ["c"]
 
 
 def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
