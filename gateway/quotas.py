@@ -19,7 +19,7 @@ import math
 import time
 
 import redis.asyncio as aioredis
-from limits import RateLimitItemPerMinute
+from limits import RateLimitItem, RateLimitItemPerSecond
 from limits.aio.storage import RedisClusterStorage, RedisStorage, Storage
 from limits.aio.strategies import MovingWindowRateLimiter, SlidingWindowCounterRateLimiter
 
@@ -75,12 +75,14 @@ OPEN = Admission(None, None, "")
 class Quotas:
     """Admits requests under their keys' limits."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, storage: Storage, *, lease_s: float) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, storage: Storage, *, lease_s: float,
+                 window_s: int = 60) -> None:
         self.redis = redis
         self.keys = keys
         self.requests = MovingWindowRateLimiter(storage)
         self.tokens = SlidingWindowCounterRateLimiter(storage)
         self.lease_s = lease_s
+        self.window_s = window_s  # a minute (rpm, tpm); shorter only where a test waits one out
         self._acquire = redis.register_script(ACQUIRE)
 
     async def admit(self, caller: Caller, request_id: str) -> Admission:
@@ -88,12 +90,10 @@ class Quotas:
         record = caller.record
         if record is None:
             return OPEN
-        if record.tpm is not None and not await self.tokens.test(RateLimitItemPerMinute(record.tpm), record.id,
-                                                                 "tokens"):
-            raise await self._refusal(record, "tokens", f"{record.tpm} tokens per minute")
-        if record.rpm is not None and not await self.requests.hit(RateLimitItemPerMinute(record.rpm), record.id,
-                                                                  "requests"):
-            raise await self._refusal(record, "requests", f"{record.rpm} requests per minute")
+        if record.tpm is not None and not await self.tokens.test(self._window(record.tpm), record.id, "tokens"):
+            raise await self._refusal(record, "tokens", f"{record.tpm} tokens per {self._per}")
+        if record.rpm is not None and not await self.requests.hit(self._window(record.rpm), record.id, "requests"):
+            raise await self._refusal(record, "requests", f"{record.rpm} requests per {self._per}")
         if record.max_concurrency is not None:
             now_ms = int(time.time() * 1000)
             leased = await self._acquire(keys=[self.keys.in_flight(record.id)], args=[
@@ -108,18 +108,25 @@ class Quotas:
         if record.max_concurrency is not None:
             await self.redis.zrem(self.keys.in_flight(record.id), request_id)
         if record.tpm is not None and tokens > 0:
-            item = RateLimitItemPerMinute(record.tpm)
+            item = self._window(record.tpm)
             if not await self.tokens.hit(item, record.id, "tokens", cost=min(tokens, record.tpm)):
                 # more than the window has left: fill it, so that the next request waits for it to move
                 stats = await self.tokens.get_window_stats(item, record.id, "tokens")
                 if stats.remaining > 0:
                     await self.tokens.hit(item, record.id, "tokens", cost=stats.remaining)
 
+    def _window(self, amount: int) -> RateLimitItem:
+        return RateLimitItemPerSecond(amount, self.window_s)
+
+    @property
+    def _per(self) -> str:
+        return "minute" if self.window_s == 60 else f"{self.window_s} seconds"
+
     async def _refusal(self, record: KeyRecord, kind: str, limit: str) -> ApiError:
         amount = record.tpm if kind == "tokens" else record.rpm
         assert amount is not None
         limiter = self.tokens if kind == "tokens" else self.requests
-        stats = await limiter.get_window_stats(RateLimitItemPerMinute(amount), record.id, kind)
+        stats = await limiter.get_window_stats(self._window(amount), record.id, kind)
         wait_s = max(1, math.ceil(stats.reset_time - time.time()))
         headers = {"Retry-After": str(wait_s), f"x-ratelimit-limit-{kind}": str(amount),
                    f"x-ratelimit-remaining-{kind}": str(stats.remaining), f"x-ratelimit-reset-{kind}": f"{wait_s}s"}
