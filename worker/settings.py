@@ -145,9 +145,9 @@ class WorkerSettings(LayeredSettings):
     cache_max_entries: int = Field(256, ge=0, description="most prompt caches kept")
     prefix_placement: bool = Field(True, description="placement by prefix: publish what the prefix cache holds, "
                                    "and move a request read from the queue to a live worker whose cache holds more "
-                                   "of its prompt and that has room (its placement lane); false: serve what is read "
-                                   "(this worker's lane is still read, and others' still taken after "
-                                   "affinity_wait_ms)")
+                                   "of its prompt, unless it holds a whole batch more (its placement lane); false: "
+                                   "serve what is read (this worker's lane is still read, and others' still taken "
+                                   "after affinity_wait_ms)")
     affinity_wait_ms: int = Field(1000, ge=0, description="how long a request placed on a worker may wait for it "
                                   "before any worker with room takes it (at once when that worker is gone or "
                                   "draining)")

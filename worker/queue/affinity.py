@@ -10,8 +10,8 @@ moves to the peer's placement lane (`mlxq:q:<queue>:at:<peer>`), which the peer 
 before anything else. The queue's guarantees stay: a lane's entry that waits longer than
 `affinity_wait_ms` (its worker full or slow), or whose worker is gone or draining, is
 taken by any worker that has room; a dead worker's pending lane entries are taken over
-as any others are (`recovery`); and load wins over affinity: a peer without a free slot
-is passed over and the request served here.
+as any others are (`recovery`); and load wins over affinity: a peer that holds a whole
+batch more than this worker is passed over and the request served here.
 
 Placements are counted by reason in the worker's totals: `placed:affine` (served where
 its prefix is cached: here, or read from this worker's own lane), `placed:forwarded`
@@ -159,12 +159,14 @@ class Affinity:
         self._fetched[name] = (version, held)
         return version, held
 
-    async def choose(self, chain: Chain) -> Choice:
-        """Where a fresh request of prefix `chain` goes (this worker has room: it read it).
-        Load wins over affinity when the peer has no free slot: SGLang's router balances
-        past a gap of 32 requests, but a worker's slots are few and a request beyond them
-        waits for one, while this worker has room now. The peer's load is read now (its
-        heartbeat's may be seconds old): what it holds of the queue, and its lane."""
+    async def choose(self, chain: Chain, own_load: int) -> Choice:
+        """Where a fresh request of prefix `chain` goes, this worker holding `own_load`
+        requests (it has room: it read it). Affinity wins until the peer holds a whole
+        batch (its `max_num_seqs`) more than this worker: SGLang's router balances past a
+        gap of 32 requests, a worker's batch is the gap here. Below it the request waits
+        for a slot there, which a cached prefix repays (and `affinity_wait_ms` bounds);
+        past it, this worker would idle while that one queues. The peer's load is read
+        now (its heartbeat's may be seconds old): what it holds of the queue, and its lane."""
         if not self.enabled or not chain:
             return Choice(None, "")
         here = matched_blocks(chain, self.own)
@@ -172,8 +174,8 @@ class Affinity:
                          key=lambda m: (m[0], -m[1].load), default=(0, None))
         if peer is None or best < MIN_BLOCKS or best <= here:
             return Choice(None, "affine" if here >= MIN_BLOCKS else "")
-        if await self._load(peer.name) >= peer.slots:
-            return Choice(None, "balanced")  # it would wait there while this worker has room
+        if await self._load(peer.name) - own_load >= peer.slots:
+            return Choice(None, "balanced")
         return Choice(peer.name, "forwarded")
 
     async def _load(self, peer: str) -> int:

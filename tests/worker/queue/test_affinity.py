@@ -158,6 +158,29 @@ def test_a_full_or_dead_affine_worker_leaves_its_requests_to_another(pair, r, ou
     assert [tokens_of(e) for e in finished] == [tokens_of(e) for e in again]
 
 
+@pytest.mark.pair_settings(max_num_seqs=2, prefetch=0, affinity_wait_ms=600_000)
+def test_a_busy_affine_worker_still_gets_its_prefix_while_the_gap_is_under_a_batch(pair, r, outputs):
+    """The holder full (2 of 2) and the other worker busy too (1 of 2): a gap of one, under
+    a batch, so affinity wins: the request waits in the holder's lane (no steal within the
+    test: the bound is ten minutes) and the holder serves it, cached, once a slot frees."""
+    queue, a, b = pair
+    holder, other = warm(r, outputs, queue, (a, b), tenant("ledger", "Why is the balance off?"))
+    held = [place(r, queue, holder, HELD) for _ in range(2)] + [place(r, queue, other, HELD)]
+    for request_id in held:
+        wait_for_deltas(r, wait_for(lambda rid=request_id: output_stream(r, rid), what="a held output"), [request_id])
+    wait_for(lambda: sees(r, queue, other, holder, load=2), what="the other worker seeing the holder full")
+    forwarded = count(r, other, "placed:forwarded")
+    waiting = send(r, queue, tenant("ledger", "Who approved the transfer?"))
+    wait_for(lambda: count(r, other, "placed:forwarded") > forwarded, what="the request moved to the holder's lane")
+    r.set(KEYS.cancel_flag(queue, held[0]), 1, ex=60)
+    r.publish(KEYS.cancel_channel(queue), held[0])
+    assert check_stream(outputs.of(waiting)).usage.cached_tokens > 100, "served by the holder, from its cache"
+    for request_id in held[1:]:
+        r.set(KEYS.cancel_flag(queue, request_id), 1, ex=60)
+        r.publish(KEYS.cancel_channel(queue), request_id)
+    assert [check_stream(outputs.of(i)).finish_reason for i in held] == ["cancelled"] * 3
+
+
 @pytest.mark.pair_settings(cache_max_entries=1)
 def test_a_worker_that_evicted_a_prefix_stops_attracting_it(pair, r, outputs):
     queue, a, b = pair
