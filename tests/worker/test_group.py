@@ -83,12 +83,12 @@ class Group:
 
 
 def start_group(redis_url: str, model: Path, queue: str, mode: str, logs_dir: Path,
-                rank1_model: Path | None = None) -> Group:
+                rank1_model: Path | None = None, *settings: str) -> Group:
     consumer = f"group-{queue}"
     log_path = logs_dir / f"group-{queue}.log"
     worker = [sys.executable, "-m", "mlxq", "worker", "--redis-url", redis_url, "--model", str(model), "--queue",
               queue, "--consumer", consumer, "--heartbeat-s", "0.5", "--log-format", "json", "--distributed", mode,
-              "--group-port", str(free_port()), "--group-stall-s", str(STALL_S)]
+              "--group-port", str(free_port()), "--group-stall-s", str(STALL_S), *settings]
     if rank1_model is not None:  # rank 1 given another model directory than rank 0's
         swap = (f'a=(); for w in "$@"; do [ "$MLX_RANK" = 1 ] && [ "$w" = "{model}" ] && w="{rank1_model}"; '
                 'a+=("$w"); done; exec "${a[@]}"')
@@ -246,8 +246,13 @@ def _sent(r: redis.Redis, queue: str, bodies: list[dict]) -> list[str]:
 
 
 def test_a_group_and_an_ordinary_worker_share_a_queue(valkey, llama, r, outputs, logs_dir):
-    group = start_group(valkey, llama, f"grp{uuid.uuid4().hex[:6]}", "tensor", logs_dir)
-    worker = start_worker(valkey, llama, group.queue, logs_dir, consumer=f"beside-{group.queue}", max_num_seqs=2)
+    """Twelve requests at once into two workers of two slots each (no read-ahead): the
+    group can hold two until one ends, 40 steps on, so the other worker reads some of
+    them whatever the machine's speed, and each is answered once, whole."""
+    group = start_group(valkey, llama, f"grp{uuid.uuid4().hex[:6]}", "tensor", logs_dir, None,
+                        "--max-num-seqs", "2", "--prefetch", "0")
+    worker = start_worker(valkey, llama, group.queue, logs_dir, consumer=f"beside-{group.queue}", max_num_seqs=2,
+                          prefetch=0)
     try:
         ids = _sent(r, group.queue, [dict(REQUESTS[5], max_tokens=40)] * 12)
         assert all(isinstance(check_stream(outputs.of(request_id, timeout=90)), Done) for request_id in ids)
