@@ -170,40 +170,53 @@ class EngineCore:
     def _admit(self, out: StepOutput) -> None:
         if self._alone is not None:
             return
-        admitted = self.scheduler.admit(len(self.running))
-        if not admitted:
-            return
-        self.on_start([request.id for request in admitted])  # before anything of theirs can fail
         now = time.time()
-        waiting = []  # for a slot of their adapter
-        for request in admitted:
+        starting = self._with_adapter_slots(self.scheduler.admit(len(self.running)), now, out)
+        if not starting:
+            return
+        self.on_start([request.id for request, _ in starting])  # before anything of theirs can fail
+        for request, adapted in starting:
             self.faults.fail_if_marked(request.prompt_tokens)
             try:
-                if not self._admit_one(request, now, out):
-                    waiting.append(request)
+                self._admit_one(request, adapted, now, out)
+            except Exception as e:  # noqa: BLE001 - this request alone fails
+                _could_not_start(request, e, out)
+
+    def _with_adapter_slots(self, admitted: list[EngineRequest], now: float,
+                            out: StepOutput) -> list[tuple[EngineRequest, tuple[int, str]]]:
+        """The admitted requests with their adapter's slot and caches' namespace; those
+        whose adapter has no free slot wait again, those it cannot serve fail, those past
+        their deadline end."""
+        starting, waiting = [], []
+        for request in admitted:
+            if request.queueing.expired(now):
+                out.outgoing.append(deadline_exceeded(request))
+                continue
+            try:
+                adapted = self._adapter_slot(request)
             except AdapterProblem as e:
                 out.outgoing.append(failed(request.ref, ErrorCode.INVALID_REQUEST, str(e)))
+                continue
             except Exception as e:  # noqa: BLE001 - this request alone fails
-                log.error("could not start a request", request_id=request.id, error=repr(e))
-                out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {e!r}"))
+                _could_not_start(request, e, out)
+                continue
+            if adapted is None:
+                waiting.append(request)
+            else:
+                starting.append((request, adapted))
         for request in waiting:
             self.scheduler.add(request)
+        return starting
 
-    def _admit_one(self, request: EngineRequest, now: float, out: StepOutput) -> bool:
-        """Start `request` (or end it, if it has nothing left to do); False if it must
-        wait for a slot of its adapter."""
-        if request.queueing.expired(now):
-            out.outgoing.append(deadline_exceeded(request))
-            return True
-        output = RequestOutput(request, self.loaded.new_detokenizer(), now,
-                               self.loaded.new_detokenizer() if request.reporting.thinking else None)
-        if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
-            out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
-            return True
-        adapted = self._adapter_slot(request)
-        if adapted is None:
-            return False
+    def _admit_one(self, request: EngineRequest, adapted: tuple[int, str], now: float, out: StepOutput) -> None:
+        """Start `request` in its adapter's slot (or end it, if it has nothing left to do)."""
         try:
+            output = RequestOutput(request, self.loaded.new_detokenizer(), now,
+                                   self.loaded.new_detokenizer() if request.reporting.thinking else None)
+            if request.tokens_to_generate < 1:  # an earlier delivery generated all, then died
+                out.outgoing.extend(Outgoing(request.ref, e) for e in output.finish("length", now))
+                self._release(adapted[0])
+                return
             uid = self._insert(request, output, *adapted)
         except Exception:
             self._release(adapted[0])
@@ -214,7 +227,6 @@ class EngineCore:
             self._alone = uid
         if adapted[0]:
             self._adapted[uid] = adapted
-        return True
 
     def _adapter_slot(self, request: EngineRequest) -> tuple[int, str] | None:
         """The slot of the request's adapter (0: none) and its caches' namespace; None
@@ -289,6 +301,11 @@ class EngineCore:
             out.outgoing.append(failed(output.request.ref, ErrorCode.INTERNAL, f"generation failed: {error}"))
         self.backend.close()
         self.backend = self.loaded.make_backend()
+
+
+def _could_not_start(request: EngineRequest, error: Exception, out: StepOutput) -> None:
+    log.error("could not start a request", request_id=request.id, error=repr(error))
+    out.outgoing.append(failed(request.ref, ErrorCode.INTERNAL, f"could not start the request: {error!r}"))
 
 
 def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str, tuple[int, ...]]]) -> None:
