@@ -222,7 +222,8 @@ class Engine:
             pass
 
     def _inject_faults(self, out: StepOutput) -> None:
-        self._faults.exit_if_decoding(self._core.rows())
+        if self._faults.exit_decoding_token is not None:
+            self._faults.exit_if_decoding(self._core.rows())
         self._hold_if_slowed(out)
 
     def _hold_if_slowed(self, out: StepOutput) -> None:

@@ -240,7 +240,8 @@ class Intake:
             return False
         if delivery.deliveries > 1 or route.stream not in self.streams.interactive_streams or envelope.raw is None:
             return False  # taken over, stolen, or a batch line: served where it is
-        choice = await retrying(partial(self.affinity.choose, prefix_chain(envelope.raw), len(self.requests)),
+        others_held = len(self.requests) - 1  # (this one is held already)
+        choice = await retrying(partial(self.affinity.choose, prefix_chain(envelope.raw), others_held),
                                 "reading the load of the worker that caches its prefix")
         if choice.reason:
             self.totals.count(f"placed:{choice.reason}")
