@@ -113,8 +113,6 @@ def start(port: int, data_dir: Path | None = None) -> tuple[Any, IO[str]]:
     return server, lock
 
 
-
-
 class EmbeddedFailed(RuntimeError):
     """The embedded server could not be started; the message says why."""
 

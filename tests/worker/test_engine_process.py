@@ -143,7 +143,9 @@ def test_a_request_that_kills_the_engine_decoding_is_dead_lettered_and_its_batch
     others decoding beside it: that death is the whole batch's (one crash each), and each
     of them then runs alone. Alone, the poison request kills the next engine process by
     itself and is dead-lettered at `max_crashes` (2); the three others, counted once,
-    each run alone in turn (slowed: until cancelled) and end `cancelled`, not `poisoned`."""
+    each run alone in turn (slowed: until cancelled) and end `cancelled`, not `poisoned`.
+    While they do, the worker reads nothing new: a fresh request waits unread in the queue
+    (for any other worker), and is served once they are gone."""
     worker = start_worker(valkey, demo_model, queue, logs_dir, max_crashes=2,
                           env={"MLXQ_TEST_EXIT_DECODING_ON_TOKEN": str(FATAL_TOKEN)})
     try:
@@ -156,12 +158,21 @@ def test_a_request_that_kills_the_engine_decoding_is_dead_lettered_and_its_batch
         wait_for(lambda: "the engine process died" in worker.log(), what="the first engine process's death")
         written = {request_id: r.xlen(KEYS.output(queue, request_id)) for request_id in mates}
         left = set(mates)
+        fresh, fresh_entry = None, ""
         with Client(valkey, queue=queue) as client:
             while left:  # whichever runs (alone, so it gains 5 deltas while no other runs) is cancelled
                 def grown(left: set[str] = left) -> list[str]:
                     return [i for i in left if r.xlen(KEYS.output(queue, i)) >= written[i] + 5]
 
                 running = wait_for(grown, timeout=90, what="a batch-mate running alone on a new engine process")
+                if fresh is None:  # sent while one runs alone; unread after five more of its (slowed) steps
+                    fresh = f"fresh-{uuid.uuid4().hex[:8]}"
+                    fresh_entry = xadd_json(r, queue, fresh, {"prompt": "Fine", "max_tokens": 3})
+                    at = r.xlen(KEYS.output(queue, running[0]))
+                    wait_for(lambda at=at, i=running[0]: r.xlen(KEYS.output(queue, i)) >= at + 5,
+                             what="five more steps of the one running alone")
+                    assert r.xpending_range(KEYS.queue(queue), "workers", fresh_entry, fresh_entry, 1) == []
+                    assert output_stream(r, fresh) is None
                 for request_id in running:
                     client.cancel(request_id)
                     end = check_stream(outputs.of(request_id, timeout=90))
@@ -172,6 +183,7 @@ def test_a_request_that_kills_the_engine_decoding_is_dead_lettered_and_its_batch
         assert "2 worker or engine process(es) died while they held it" in error.message
         assert worker.log().count("the engine process died; its requests resume on a new one") == 2
         assert [fields[b"field:id"] for _, fields in r.xrange(KEYS.dead(queue))] == [poison.encode()]
+        assert isinstance(check_stream(outputs.of(fresh, timeout=90)), Done)
         assert worker.process.poll() is None
     finally:
         worker.stop()

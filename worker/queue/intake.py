@@ -260,8 +260,9 @@ class Intake:
         boost = BATCH_PRIORITY if route.stream == self.streams.batch_lane else 0  # behind every interactive request
         # Flagged before it was read: prepared (to count its prompt), never computed.
         cancelled = arrival.cancelled or held.cancel_requested
+        held.alone = arrival.crashes > 0
         prepare = Prepare(envelope, route.ref, arrived_at, self.clock_offset_s, resume, boost, cancelled,
-                          alone=arrival.crashes > 0)
+                          alone=held.alone)
         prepared = await self._prepared(delivery, route, prepare, arrival.crashes)
         if prepared is None:
             return

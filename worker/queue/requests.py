@@ -63,6 +63,7 @@ class HeldRequest:
     prepared_at: float | None = None  # when it was decoded, validated and tokenized
     first_published_at: float | None = None  # when its first delta was written
     tokens: int = 0  # generated and written so far
+    alone: bool = False  # it was in an engine's death: it runs alone, and this worker reads nothing new meanwhile
 
     def timed(self, event: Event) -> Event:
         """A `done` with the stages the engine does not see: read, prepared, first delta
@@ -94,7 +95,10 @@ class RequestTable:
         return iter(list(self._held.values()))
 
     def room(self) -> int:
-        """How many more requests may be taken in now."""
+        """How many more requests may be taken in now: none while one that runs alone is
+        held (what this worker read would wait behind it; the queue's other workers take it)."""
+        if any(held.alone for held in self._held.values()):
+            return 0
         return self.capacity - len(self._held)
 
     async def wait_for_room(self) -> None:
