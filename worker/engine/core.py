@@ -65,6 +65,7 @@ class EngineCore:
         self._next_flush = 0.0  # perf_counter time from which running streams' held tokens go out
         self._uids: dict[str, int] = {}  # request id -> uid
         self._adapted: dict[int, tuple[int, str]] = {}  # uid -> its adapter's slot, its caches' namespace
+        self._shared: set[int] = set()  # running sequences whose cache the prefix cache took while they run
 
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
@@ -171,7 +172,8 @@ class EngineCore:
         if self._alone is not None:
             return
         now = time.time()
-        starting = self._with_adapter_slots(self.scheduler.admit(len(self.running)), now, out)
+        starting = self._with_adapter_slots(self.scheduler.admit(len(self.running), self._waits_for_a_prefill),
+                                            now, out)
         if not starting:
             return
         self.on_start([request.id for request, _ in starting])  # before anything of theirs can fail
@@ -181,6 +183,19 @@ class EngineCore:
                 self._admit_one(request, adapted, now, out)
             except Exception as e:  # noqa: BLE001 - this request alone fails
                 _could_not_start(request, e, out)
+
+    def _waits_for_a_prefill(self, request: EngineRequest, starting: list[EngineRequest]) -> bool:
+        """Whether `request` should wait for the prefill of a request whose prompt starts
+        with the same block (running, or starting in this step), to reuse its cache once
+        that prefill ends rather than compute the same prefix beside it (SGLang's
+        in-batch prefix check). Only where the prefix cache can take a running sequence's
+        cache (`_share_running_prefix`)."""
+        head = request.prefix_chain[:1]
+        cache = self.loaded.prefix_cache
+        if not head or cache is None or not cache.takes_running:
+            return False
+        return any(o.first_token_at is None and o.request.prefix_chain[:1] == head for o in self.running.values()) \
+            or any(other.prefix_chain[:1] == head for other in starting)
 
     def _with_adapter_slots(self, admitted: list[EngineRequest], now: float,
                             out: StepOutput) -> list[tuple[EngineRequest, tuple[int, str]]]:
@@ -258,6 +273,8 @@ class EngineCore:
         of its prompt (kept under `salt`) if there is one."""
         prompt = request.prompt_tokens + (request.resume.tokens if request.resume else [])
         cache = self.loaded.prefix_cache
+        if cache is not None and cache.takes_running:
+            self._share_running_prefix(request.prefix_chain, cache)
         cached = cache.fetch(prompt, salt) if cache is not None else None
         processors = build_logits_processors(request.sampling, len(request.resume.tokens) if request.resume else 0,
                                              request.stopping.stop_tokens, request.stopping.min_tokens)
@@ -283,10 +300,25 @@ class EngineCore:
         output.cached_tokens = 0 if cached is None else len(cached.tokens)
         return uid
 
+    def _share_running_prefix(self, chain: tuple[int, ...], cache: PrefixCache) -> None:
+        """Have the prefix cache take, now, the cache of the running sequence (past its
+        prefill) whose prompt shares the most leading blocks with `chain`, so that a
+        request on the same system prompt reuses it without waiting for it to end (at
+        its end the cache keeps the whole sequence, sharing these blocks)."""
+        shared, uid = max(((_common_blocks(chain, o.request.prefix_chain), uid) for uid, o in self.running.items()
+                           if o.first_token_at is not None), default=(0, -1))
+        if not shared or uid in self._shared:
+            return
+        self._shared.add(uid)
+        coverage = self.backend.running_cache(uid)
+        if coverage is not None:
+            _keep_caches(cache, [(coverage, self._salt(uid), self.running[uid].request.prefix_chain)])
+
     def _retire(self, uids: list[int]) -> list[RequestOutput]:
         outputs = [self.running.pop(uid) for uid in uids]
         for uid, output in zip(uids, outputs, strict=True):
             del self._uids[output.request.id]
+            self._shared.discard(uid)
             if uid == self._alone:
                 self._alone = None
             self.guides.release(uid)
@@ -318,6 +350,11 @@ def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str, 
             cache.store(coverage, salt, chain)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
             log.warning("could not keep a prompt cache", error=repr(e))
+
+
+def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """How many leading prefix-chain blocks two prompts share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _thinking_left(request: EngineRequest) -> Thinking | None:

@@ -104,6 +104,12 @@ class PrefixCache:
         return CacheStats(entries=len(self), hits=self.hits, misses=self.misses, bytes=self.nbytes,
                           capacity=self.max_entries, refused=self.refused)
 
+    @property
+    def takes_running(self) -> bool:
+        """Whether it keeps caches of sequences still running (not in a worker group: its
+        other ranks keep their shards of an entry only from a row that just finished)."""
+        return self._mirror is None and self.max_bytes > 0 and self.max_entries > 0
+
     def fetch(self, tokens: list[int], salt: str = "") -> Coverage | None:
         """A copy of the longest reusable cached prefix of `tokens` (at most all but the
         last token) that requests of the same `salt` stored."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
@@ -118,17 +119,25 @@ class Scheduler(Generic[R]):
         entry = self._waiting.pop(request_id, None)
         return None if entry is None else entry[1]
 
-    def admit(self, running: int) -> list[R]:
+    def admit(self, running: int, defer: Callable[[R, list[R]], bool] = lambda *_: False) -> list[R]:
         """The requests to start now, best first, into the slots `running` leave free. A
         request that was in an engine's death (`alone`) starts only into an empty batch,
-        and on its own; until the batch is empty, it holds back those behind it."""
+        and on its own; until the batch is empty, it holds back those behind it. One that
+        `defer` names (given those taken before it) keeps its place for a later step,
+        and those behind it go first."""
         taken: list[R] = []
+        deferred: list[tuple[float, int, str]] = []
         while len(taken) < self.policy.max_num_seqs - running and (best := self._best()) is not None:
             if best.queueing.alone and (running or taken):
                 break
+            if not best.queueing.alone and defer(best, taken):
+                deferred.append(heapq.heappop(self._heap))  # still waiting; back in its place below
+                continue
             taken.extend(self.take(1))
             if best.queueing.alone:
                 break
+        for entry in deferred:
+            heapq.heappush(self._heap, entry)
         return taken
 
     def _best(self) -> R | None:

@@ -289,6 +289,24 @@ def test_the_scheduler_starts_a_request_marked_alone_only_into_an_empty_batch():
     assert [r.id for r in s.admit(running=0)] == ["c"]
 
 
+def test_a_deferred_request_keeps_its_place_while_those_behind_it_start():
+    """A request the engine defers (it waits for a prefill it can reuse) stays waiting, first
+    in line, and the requests behind it take the free slots meanwhile."""
+    s = Scheduler(SchedulingPolicy(4))
+    for rid in "abcd":
+        s.add(request(rid))
+    seen: list[tuple[str, list[str]]] = []
+
+    def defer_b(r: EngineRequest, starting: list[EngineRequest]) -> bool:
+        seen.append((r.id, [o.id for o in starting]))
+        return r.id == "b"
+
+    assert [r.id for r in s.admit(running=1, defer=defer_b)] == ["a", "c", "d"]
+    assert seen == [("a", []), ("b", ["a"]), ("c", ["a"]), ("d", ["a", "c"])], "each sees what starts before it"
+    s.add(request("e"))
+    assert [r.id for r in s.admit(running=2)] == ["b", "e"], "the deferred one is still first in line"
+
+
 def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
     """The scheduler orders by priority, then arrival; removed requests are never taken."""
     s = Scheduler(SchedulingPolicy(4))

@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 import time
 
 import numpy as np
 import pytest
-from support import KEYS, ON_BOTH, check_stream, worker_fixture, xadd_json
+from support import (
+    KEYS,
+    ON_BOTH,
+    SLOW_TOKEN,
+    check_stream,
+    output_stream,
+    wait_for,
+    wait_for_deltas,
+    worker_fixture,
+    xadd_json,
+)
 
 from client import Done
 from worker.engine.backends import Coverage
@@ -179,6 +190,33 @@ def test_a_shared_prefix_is_stored_once_and_every_hit_decodes_as_cold(model):
     assert (len(small), small.nbytes) == (0, 0), "the last user of a block frees it"
 
 
+def test_a_running_sequences_cache_is_kept_apart_and_its_hits_decode_as_cold(model):
+    """The cache of a sequence still decoding in a batch, kept past its prefill: a later
+    prompt on the same prefix decodes as a cold run, and the batch's row goes on unchanged
+    by what was kept or by the hit."""
+    net, _ = model
+    system = list(range(200, 400))
+    alone, _, _ = generate(model, system + [7, 8], max_tokens=8)
+    backend = MlxBatchBackend(net, completion_batch_size=8, prefill_batch_size=8, prefill_step_size=2048)
+    uid = backend.insert(system + [7, 8], 8, build_sampler(GREEDY), build_logits_processors(GREEDY))
+    made: list[int] = []
+    while len(made) < 3:
+        made += [out.token for out in backend.step(StepPlan(2048, 8)) if out.uid == uid]
+    running = backend.running_cache(uid)
+    assert running is not None and running.tokens[:len(system) + 2] == system + [7, 8]
+    cache = PrefixCache(max_bytes=10**9, max_entries=10)
+    cache.store(running)
+    kept = snapshot(cache)
+    cold, _, _ = generate(model, system + [5, 6])
+    warm, _, reused = generate(model, system + [5, 6], cache=cache)
+    assert (reused, warm) == (len(system), cold)
+    while len(made) < 8:
+        made += [out.token for out in backend.step(StepPlan(2048, 8)) if out.uid == uid]
+    assert made == alone, "the running sequence decodes on as if nothing were kept"
+    assert all(np.array_equal(a, b) for a, b in zip(kept, snapshot(cache), strict=True)), "kept apart from the batch"
+    backend.close()
+
+
 class Recorded:
     """A worker group's other ranks, as rank 0's cache tells them what to keep and drop."""
 
@@ -257,3 +295,41 @@ def test_different_users_share_a_system_prompt(worker, r, outputs, new_id):
         done = check_stream(outputs.of(rid))
         cached.append(done.usage.cached_tokens)
     assert cached[0] == 0 and cached[1] >= 40
+
+
+def system_prompt(seed: int) -> list[int]:
+    """A long shared prompt of its own (1,201 tokens) that slows the worker's steps while it
+    runs (`SLOW_TOKEN`): its prefill takes several steps of a quarter second each."""
+    rng = random.Random(seed)
+    return [SLOW_TOKEN] + [rng.randrange(10, 1000) for _ in range(1200)]
+
+
+def test_a_request_reuses_the_prompt_of_a_request_still_running(worker, r, outputs, new_id):
+    """The second request on a system prompt hits the first's cache while the first still
+    runs (it cannot end by itself), not only once it has ended."""
+    shared = system_prompt(1)
+    first, second = new_id(), new_id()
+    xadd_json(r, worker.queue, first, {"prompt_tokens": shared + [40, 41], "max_tokens": 2000, "ignore_eos": True})
+    wait_for_deltas(r, wait_for(lambda: output_stream(r, first)), [first])  # past its prefill
+    xadd_json(r, worker.queue, second, {"prompt_tokens": shared + [50], "max_tokens": 2})
+    done = check_stream(outputs.of(second))
+    assert isinstance(done, Done) and done.usage.cached_tokens == len(shared)
+    r.set(KEYS.cancel_flag(worker.queue, first), 1, ex=60)
+    r.publish(KEYS.cancel_channel(worker.queue), first)
+    end = check_stream(outputs.of(first))
+    assert isinstance(end, Done) and end.finish_reason == "cancelled" and end.usage.cached_tokens == 0
+
+
+def test_requests_sent_together_on_a_new_system_prompt_prefill_it_once(worker, r, outputs, new_id):
+    """Two requests that arrive together on a prompt nothing holds yet: one waits for the
+    other's prefill and reuses it, instead of computing the same prefix beside it."""
+    shared = system_prompt(2)
+    ids = [new_id(), new_id()]
+    with r.pipeline(transaction=False) as pipe:
+        for i, rid in enumerate(ids):
+            pipe.xadd(KEYS.queue(worker.queue), {"id": rid, "json": json.dumps(
+                {"prompt_tokens": shared + [60 + i], "max_tokens": 2})})
+        pipe.execute()
+    dones = [check_stream(outputs.of(rid)) for rid in ids]
+    assert all(isinstance(d, Done) for d in dones), dones
+    assert sorted(d.usage.cached_tokens for d in dones) == [0, len(shared)]

@@ -62,6 +62,11 @@ class BatchBackend(Protocol):
         """Decode one token of every running sequence and prefill what `plan` allows."""
         ...
 
+    def running_cache(self, uid: int) -> Coverage | None:
+        """The cache of a sequence past its prefill, as it stands (its prompt and what it
+        made so far), for the prefix cache to copy; None where the backend cannot give it."""
+        ...
+
     def upcoming_tokens(self) -> dict[int, int]:
         """Each sequence's next input token, which the next `step` appends to what its
         logits processors see (for filling their masks together); {} where unknown."""

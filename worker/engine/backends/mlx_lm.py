@@ -88,6 +88,10 @@ class MlxBatchBackend:
                          logprobs=r.logprobs)
                 for r in generated]
 
+    def running_cache(self, uid: int) -> Coverage | None:
+        found = self._generator.extract_cache([uid]).get(uid)
+        return None if found is None else self._coverage(uid, *found)
+
     def _coverage(self, uid: int, cache: list[Any], tokens: list[int]) -> Coverage:
         """A finished sequence's KV caches, without its adapter slot (a cached prefix is
         reused under a slot of its own)."""

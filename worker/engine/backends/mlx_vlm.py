@@ -302,6 +302,9 @@ class VisionBatchBackend:
     def upcoming_tokens(self) -> dict[int, int]:
         return upcoming_tokens(self._generator)
 
+    def running_cache(self, uid: int) -> Coverage | None:
+        return None  # mlx-vlm's batch keeps prefixes in its own block cache
+
     def close(self) -> None:
         self._generator.close()
         if self._disk is not None:  # what was queued for the SSD tier lands before a stop, for the restart

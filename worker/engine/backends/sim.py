@@ -56,6 +56,9 @@ class SimBackend:
     def upcoming_tokens(self) -> dict[int, int]:
         return {}
 
+    def running_cache(self, uid: int) -> Coverage | None:
+        return None
+
     def close(self) -> None:
         self._running.clear()
 
