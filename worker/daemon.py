@@ -134,7 +134,8 @@ class Worker:
         self._affinity = Affinity(self.redis, self.keys, streams, self.totals,
                                   enabled=self.settings.prefix_placement and ready.task == "generate",
                                   wait_ms=self.settings.affinity_wait_ms, ttl_s=leases.ttl_s,
-                                  refresh_s=self.settings.heartbeat_s, clock_offset_s=clock_offset_s)
+                                  refresh_s=self.settings.heartbeat_s, clock_offset_s=clock_offset_s,
+                                  in_flight=self.requests.chains)
         await retrying(streams.register_lane, "creating this worker's placement lane")
         fencing = Fencing(self.redis, self.keys, self.settings.queue, consumer, self.settings.result_ttl_s)
         publisher = self.publisher = Publisher(streams, fencing, self.requests, on_published=self._on_published)

@@ -1,8 +1,9 @@
 """Placement by prefix: a request goes to the worker whose prefix cache holds its prompt's
 start, without giving up what the shared queue gives.
 
-Each worker publishes its prefix cache's digest (`common.prefix_chain`: the hashes of the
-prompt prefixes its entries hold) under `mlxq:digest:<queue>:<consumer>`, its version in
+Each worker publishes its digest (`common.prefix_chain`: the hashes of the prompt prefixes
+its prefix cache holds, and of those of the requests it serves now, whose prefill the
+engine shares as soon as it ends) under `mlxq:digest:<queue>:<consumer>`, its version in
 its heartbeat, and keeps a copy of every live peer's. A worker that reads a fresh request
 from the shared queue looks up the request's chain: if a live peer holds a longer part
 of it than this worker does (at least `MIN_BLOCKS`), and that peer has room, the entry
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,7 +72,8 @@ class Affinity:
     choice for each fresh request, the moves between lanes."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, streams: RequestStreams, totals: Totals, *,
-                 enabled: bool, wait_ms: int, ttl_s: float, refresh_s: float, clock_offset_s: float) -> None:
+                 enabled: bool, wait_ms: int, ttl_s: float, refresh_s: float, clock_offset_s: float,
+                 in_flight: Callable[[], Iterable[Chain]] = tuple) -> None:
         self.redis = redis
         self.keys = keys
         self.streams = streams
@@ -82,7 +85,8 @@ class Affinity:
         self.clock_offset_s = clock_offset_s  # the server's clock minus ours: lane entry ids are its time
         self.queue = streams.queue
         self.consumer = streams.consumer
-        self.own: frozenset[int] = frozenset()
+        self.own: frozenset[int] = frozenset()  # the prefix cache's digest
+        self.in_flight = in_flight  # the chains of the requests this worker serves now
         self._own_wire = b""  # the digest as published
         self.version = ""  # of the digest as published: peers fetch it again when it changes
         self._published = 0.0
@@ -92,9 +96,14 @@ class Affinity:
 
     def describe(self) -> dict[str, Any]:
         """What the heartbeat says of placement here."""
-        return {"enabled": self.enabled, "digest": len(self.own), "version": self.version,
+        return {"enabled": self.enabled, "digest": len(self.held()), "version": self.version,
                 "peers": {p.name: {"digest": len(p.held), "version": p.version, "load": p.load}
                           for p in self.peers.values()}}
+
+    def held(self) -> frozenset[int]:
+        """What this worker can serve from a cache: its prefix cache's digest, and the
+        prompts it is computing."""
+        return self.own.union(*self.in_flight())
 
     def set_own(self, digest: tuple[int, ...]) -> None:
         """The engine's latest digest of its prefix cache (published at the next refresh)."""
@@ -133,7 +142,7 @@ class Affinity:
                 if raw and (beat := Heartbeat.from_json(raw)) is not None}
 
     async def _publish(self) -> None:
-        wire = msgpack.packb(sorted(self.own))
+        wire = msgpack.packb(sorted(self.held()))
         if wire == self._own_wire and time.monotonic() - self._published < self.ttl_s / 3:
             return
         await self.redis.set(self.keys.digest(self.queue, self.consumer), wire, ex=max(1, int(self.ttl_s)))
@@ -169,7 +178,7 @@ class Affinity:
         now (its heartbeat's may be seconds old): what it holds of the queue, and its lane."""
         if not self.enabled or not chain:
             return Choice(None, "")
-        here = matched_blocks(chain, self.own)
+        here = matched_blocks(chain, self.held())
         best, peer = max(((matched_blocks(chain, p.held), p) for p in self.peers.values()),
                          key=lambda m: (m[0], -m[1].load), default=(0, None))
         if peer is None or best < MIN_BLOCKS or best <= here:

@@ -17,7 +17,7 @@ from functools import partial
 import structlog
 
 from client.protocol import Envelope, ErrorCode, Undeliverable, read_envelope, read_id
-from common.prefix_chain import prefix_chain
+from common.prefix_chain import Chain, prefix_chain
 from worker.messages import (
     Admitted,
     Answered,
@@ -202,9 +202,11 @@ class Intake:
         # Decoding and walking megabytes of body would stall every stream's publishing: off the loop.
         large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
         envelope = await asyncio.to_thread(read) if large else read()
-        if await self._placed_elsewhere(delivery, envelope, route):
+        chain = prefix_chain(envelope.raw) if self.affinity is not None and self.affinity.enabled else ()
+        if await self._placed_elsewhere(delivery, envelope, route, chain):
             self.requests.end(route.id, RequestStatus.SETTLED)
             return
+        held.chain = chain  # served here: peers send the next requests on its prompt here too
         reply_to = envelope.reply_to
         if reply_to is not None and self.streams.keys.reply_to_problem(self.streams.queue, reply_to):
             reply_to = None  # its error goes to the request's own stream
@@ -230,7 +232,7 @@ class Intake:
             return
         await self._submit(delivery, envelope, held, arrival, resume)
 
-    async def _placed_elsewhere(self, delivery: Delivery, envelope: Envelope, route: Route) -> bool:
+    async def _placed_elsewhere(self, delivery: Delivery, envelope: Envelope, route: Route, chain: Chain) -> bool:
         """Move a fresh entry of the queue to the worker whose prefix cache holds more of
         its prompt, if one has room (`affinity`); count where it is served and why."""
         if self.affinity is None:
@@ -241,7 +243,7 @@ class Intake:
         if delivery.deliveries > 1 or route.stream not in self.streams.interactive_streams or envelope.raw is None:
             return False  # taken over, stolen, or a batch line: served where it is
         others_held = len(self.requests) - 1  # (this one is held already)
-        choice = await retrying(partial(self.affinity.choose, prefix_chain(envelope.raw), others_held),
+        choice = await retrying(partial(self.affinity.choose, chain, others_held),
                                 "reading the load of the worker that caches its prefix")
         if choice.reason:
             self.totals.count(f"placed:{choice.reason}")

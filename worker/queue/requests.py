@@ -64,6 +64,7 @@ class HeldRequest:
     first_published_at: float | None = None  # when its first delta was written
     tokens: int = 0  # generated and written so far
     alone: bool = False  # it was in an engine's death: it runs alone, and this worker reads nothing new meanwhile
+    chain: tuple[int, ...] = ()  # its prompt prefix as the fleet names it, once it is served here (`affinity`)
 
     def timed(self, event: Event) -> Event:
         """A `done` with the stages the engine does not see: read, prepared, first delta
@@ -113,6 +114,10 @@ class RequestTable:
         self._room.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._room.wait(), timeout_s)
+
+    def chains(self) -> Iterator[tuple[int, ...]]:
+        """The prompt prefixes of the requests served here, as the fleet names them."""
+        return (held.chain for held in self._held.values() if held.chain)
 
     def get(self, request_id: str) -> HeldRequest | None:
         return self._held.get(request_id)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import signal
 import uuid
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from support import (
     HELD,
     KEYS,
     ON_BOTH,
+    SLOW_TOKEN,
     WorkerProcess,
     check_stream,
     mlxq,
@@ -179,6 +181,26 @@ def test_a_busy_affine_worker_still_gets_its_prefix_while_the_gap_is_under_a_bat
         r.set(KEYS.cancel_flag(queue, request_id), 1, ex=60)
         r.publish(KEYS.cancel_channel(queue), request_id)
     assert [check_stream(outputs.of(i)).finish_reason for i in held] == ["cancelled"] * 3
+
+
+def test_a_prefix_still_running_draws_its_next_requests_to_its_worker(pair, r, outputs):
+    """A worker publishes the prompts it is computing, not only those it has cached: while
+    the first request on a new system prompt runs on one worker (held: only a cancel ends
+    it), the next ones go there, whichever worker reads them, and reuse its prefill."""
+    queue, a, b = pair
+    rng = random.Random(7)
+    system = [SLOW_TOKEN] + [rng.randrange(10, 1000) for _ in range(300)]
+    first = {"prompt_tokens": system + [40], "max_tokens": 2000, "ignore_eos": True}
+    held = place(r, queue, a, first)
+    wait_for_deltas(r, wait_for(lambda: output_stream(r, held), what="the held output"), [held])
+    wait_for(lambda: holds(r, queue, a, first), what="its worker publishing the prompt it runs")
+    wait_for(lambda: sees(r, queue, b, a), what="the other worker reading that digest")
+    ends = [check_stream(outputs.of(send(r, queue, {"prompt_tokens": system + [50 + i], "max_tokens": 2})))
+            for i in range(4)]
+    assert [e.usage.cached_tokens for e in ends] == [len(system)] * 4, "each served where the prompt runs"
+    r.set(KEYS.cancel_flag(queue, held), 1, ex=60)
+    r.publish(KEYS.cancel_channel(queue), held)
+    assert check_stream(outputs.of(held)).finish_reason == "cancelled"
 
 
 @pytest.mark.pair_settings(cache_max_entries=1)
