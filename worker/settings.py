@@ -149,7 +149,7 @@ class WorkerSettings(LayeredSettings):
                                    "serve what is read (this worker's lane is still read, and others' still taken "
                                    "after affinity_wait_ms)")
     affinity_wait_ms: int = Field(1000, ge=0, description="how long a request placed on a worker may wait for it "
-                                  "before any worker with room takes it (at once when that worker is gone or "
+                                  "before any worker with a free slot takes it (at once when that worker is gone or "
                                   "draining)")
     ssd_cache_dir: Path | None = Field(None, description="the prefix cache's SSD tier: every block it stores is "
                                        "also written here (off the engine thread) and read back on a hit, across "

@@ -10,7 +10,7 @@ of it than this worker does (at least `MIN_BLOCKS`), and that peer has room, the
 moves to the peer's placement lane (`mlxq:q:<queue>:at:<peer>`), which the peer reads
 before anything else. The queue's guarantees stay: a lane's entry that waits longer than
 `affinity_wait_ms` (its worker full or slow), or whose worker is gone or draining, is
-taken by any worker that has room; a dead worker's pending lane entries are taken over
+taken by any worker with a free slot; a dead worker's pending lane entries are taken over
 as any others are (`recovery`); and load wins over affinity: a peer that holds a whole
 batch more than this worker is passed over and the request served here.
 

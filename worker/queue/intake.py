@@ -85,12 +85,12 @@ class Intake:
             if not free and self.streams.batch_lines_waiting:
                 # Every slot is held and batch lines wait: the next slot to free goes to what
                 # waits then (interactive first), so wait for it rather than block on Redis.
-                deliveries = await self._reclaimed(room) or await self._stolen(room) or await self._read(room, 0, 0)
+                deliveries = await self._reclaimed(room) or await self._read(room, 0, 0)
                 if not deliveries:
                     await self.requests.wait_for_leave(self.settings.block_ms / 1000)
                     continue
             else:
-                deliveries = await self._reclaimed(room) or await self._stolen(room) or \
+                deliveries = await self._reclaimed(room) or await self._stolen(free) or \
                     await self._read(room, self._block_ms(), free)
             for delivery in deliveries:
                 await self._accept(delivery)
@@ -107,12 +107,13 @@ class Intake:
             return self.settings.block_ms
         return max(1, min(self.settings.block_ms, self.settings.affinity_wait_ms))
 
-    async def _stolen(self, room: int) -> list[Delivery]:
-        """Entries placed on other workers that waited for them too long (`affinity`)."""
-        if self.affinity is None:
+    async def _stolen(self, free: int) -> list[Delivery]:
+        """Entries placed on other workers that waited for them too long (`affinity`), into
+        free slots only: one that would wait here too is better off where its prefix is."""
+        if self.affinity is None or free <= 0:
             return []
         try:
-            stolen = await retrying(partial(self.affinity.steal, room), "looking at other workers' placement lanes")
+            stolen = await retrying(partial(self.affinity.steal, free), "looking at other workers' placement lanes")
         except Exception as e:  # noqa: BLE001 - upkeep, as the reclaim scan
             if is_permission_error(e):
                 raise
@@ -203,7 +204,7 @@ class Intake:
         large = sum(len(v) for v in fields.values() if isinstance(v, (bytes, str))) > INLINE_BODY_BYTES
         envelope = await asyncio.to_thread(read) if large else read()
         chain = prefix_chain(envelope.raw) if self.affinity is not None and self.affinity.enabled else ()
-        if await self._placed_elsewhere(delivery, envelope, route, chain):
+        if await self._placed_elsewhere(delivery, envelope, route, chain, arrival.attempt):
             self.requests.end(route.id, RequestStatus.SETTLED)
             return
         held.chain = chain  # served here: peers send the next requests on its prompt here too
@@ -232,7 +233,8 @@ class Intake:
             return
         await self._submit(delivery, envelope, held, arrival, resume)
 
-    async def _placed_elsewhere(self, delivery: Delivery, envelope: Envelope, route: Route, chain: Chain) -> bool:
+    async def _placed_elsewhere(self, delivery: Delivery, envelope: Envelope, route: Route, chain: Chain,
+                                attempt: str) -> bool:
         """Move a fresh entry of the queue to the worker whose prefix cache holds more of
         its prompt, if one has room (`affinity`); count where it is served and why."""
         if self.affinity is None:
@@ -250,6 +252,9 @@ class Intake:
         if choice.peer is None:
             return False
         assert delivery.fields is not None
+        # Closed before the peer can read it: an attempt still open when it arrives there
+        # would count as a worker that died preparing it, and make it run alone.
+        await retrying(partial(self.marks.close_attempt, route.id, attempt), "closing an attempt")
         await retrying(partial(self.affinity.forward, route.stream, route.entry_id, delivery.fields, choice.peer),
                        "placing a request on the worker that caches its prefix")
         log.debug("placed on the worker that caches its prefix", request_id=route.id, worker=choice.peer)
