@@ -7,6 +7,7 @@
 #
 #   docs/placement_bench.sh [RUNS] [RATE]     # default 2 runs of each, 2 requests/s; JSON under docs/bench/placement-*
 #   WORKERS=3 docs/placement_bench.sh
+#   FIRST=3 docs/placement_bench.sh 2 2      # runs 3 and 4 (their own seeds)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:-2}; rate=${2:-2}
@@ -42,7 +43,8 @@ start_workers() {  # queue, prefix_placement
   done
 }
 
-for run in $(seq "$runs"); do
+first=${FIRST:-1}  # the first run's seed (FIRST=3: runs 3, 4, ...)
+for run in $(seq "$first" "$((first + runs - 1))"); do
   for placement in true false; do
     queue="place-$placement-$run"
     start_workers "$queue" "$placement"
