@@ -23,6 +23,7 @@ from typing import Any
 BLOCK_BYTES = 256  # about 64 tokens of English; a prefix shorter than this is not worth placing
 MAX_BLOCKS = 64  # the first 16 KB of a prompt name it: longer shared prefixes rarely part later
 CHAIN_BYTES = BLOCK_BYTES * MAX_BLOCKS
+MIN_BLOCKS = 2  # a shared prefix shorter than this (512 bytes) is not worth moving or waiting for
 DIGEST_HASHES = 4096  # most hashes a worker's digest lists (32 KB): its most recently used entries' chains
 MESSAGE_END = b"\x1e"
 
@@ -94,6 +95,19 @@ def _message_bytes(message: Any) -> bytes | None:
         return None
     # The chain reads the first CHAIN_BYTES alone: a longer text is cut before it is encoded.
     return f"{message['role']}\x1f{(content or '')[:CHAIN_BYTES]}\x1f{extra}".encode("utf-8", "surrogatepass")
+
+
+def shared_blocks(a: Chain, b: Chain) -> int:
+    """How many leading blocks two chains share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def worth_sharing(chain: Chain, other: Chain) -> bool:
+    """Whether a prompt shares enough with another's to wait for its KV or copy it: at
+    least `MIN_BLOCKS`, and at least half of its own chain (a common short header, such
+    as a chat template's default system line, is cheaper to compute again)."""
+    shared = shared_blocks(chain, other)
+    return shared >= MIN_BLOCKS and 2 * shared >= len(chain)
 
 
 def matched_blocks(chain: Chain, held: frozenset[int] | set[int]) -> int:

@@ -18,6 +18,7 @@ import structlog
 
 from client.engine_stats import EngineTime
 from client.protocol import ErrorCode
+from common.prefix_chain import shared_blocks, worth_sharing
 from worker.engine.adapters import AdapterRefused, UnknownAdapter
 from worker.engine.backends import Coverage, Loaded
 from worker.engine.constraints import Guides
@@ -186,16 +187,15 @@ class EngineCore:
 
     def _waits_for_a_prefill(self, request: EngineRequest, starting: list[EngineRequest]) -> bool:
         """Whether `request` should wait for the prefill of a request whose prompt starts
-        with the same block (running, or starting in this step), to reuse its cache once
-        that prefill ends rather than compute the same prefix beside it (SGLang's
-        in-batch prefix check). Only where the prefix cache can take a running sequence's
-        cache (`_share_running_prefix`)."""
-        head = request.prefix_chain[:1]
-        cache = self.loaded.prefix_cache
-        if not head or cache is None or not cache.takes_running:
+        as its own does (`worth_sharing`; running, or starting in this step), to reuse its
+        cache once that prefill ends rather than compute the same prefix beside it
+        (SGLang's in-batch prefix check). Only where the prefix cache can take a running
+        sequence's cache (`_share_running_prefix`)."""
+        chain, cache = request.prefix_chain, self.loaded.prefix_cache
+        if not chain or cache is None or not cache.takes_running:
             return False
-        return any(o.first_token_at is None and o.request.prefix_chain[:1] == head for o in self.running.values()) \
-            or any(other.prefix_chain[:1] == head for other in starting)
+        prefilling = [o.request for o in self.running.values() if o.first_token_at is None]
+        return any(worth_sharing(chain, other.prefix_chain) for other in prefilling + starting)
 
     def _with_adapter_slots(self, admitted: list[EngineRequest], now: float,
                             out: StepOutput) -> list[tuple[EngineRequest, tuple[int, str]]]:
@@ -302,12 +302,13 @@ class EngineCore:
 
     def _share_running_prefix(self, chain: tuple[int, ...], cache: PrefixCache) -> None:
         """Have the prefix cache take, now, the cache of the running sequence (past its
-        prefill) whose prompt shares the most leading blocks with `chain`, so that a
-        request on the same system prompt reuses it without waiting for it to end (at
-        its end the cache keeps the whole sequence, sharing these blocks)."""
-        shared, uid = max(((_common_blocks(chain, o.request.prefix_chain), uid) for uid, o in self.running.items()
+        prefill) whose prompt shares the most leading blocks with `chain`, if worth it
+        (`worth_sharing`), so that a request on the same system prompt reuses it without
+        waiting for it to end (at its end the cache keeps the whole sequence, sharing
+        these blocks)."""
+        shared, uid = max(((shared_blocks(chain, o.request.prefix_chain), uid) for uid, o in self.running.items()
                            if o.first_token_at is not None), default=(0, -1))
-        if not shared or uid in self._shared:
+        if not shared or uid in self._shared or not worth_sharing(chain, self.running[uid].request.prefix_chain):
             return
         self._shared.add(uid)
         coverage = self.backend.running_cache(uid)
@@ -350,11 +351,6 @@ def _keep_caches(cache: PrefixCache | None, finished: list[tuple[Coverage, str, 
             cache.store(coverage, salt, chain)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be kept only costs a later prefill
             log.warning("could not keep a prompt cache", error=repr(e))
-
-
-def _common_blocks(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """How many leading prefix-chain blocks two prompts share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 def _thinking_left(request: EngineRequest) -> Thinking | None:

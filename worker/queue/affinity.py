@@ -37,14 +37,13 @@ from redis.exceptions import ResponseError
 from client.heartbeat import Heartbeat
 from client.keys import GROUP, Keys
 from client.replies import as_text, keyed_stream_entries
-from common.prefix_chain import Chain, matched_blocks
+from common.prefix_chain import MIN_BLOCKS, Chain, matched_blocks
 from worker.queue.retrying import retrying
 from worker.queue.streams import RequestStreams
 from worker.queue.totals import Totals
 
 log = structlog.get_logger("mlxq.placement")
 
-MIN_BLOCKS = 2  # a shared prefix shorter than this (512 bytes) does not move a request
 REFRESH_S = 1.0  # at most this long between looks at the peers' heartbeats and digests
 
 
