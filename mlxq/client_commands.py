@@ -202,14 +202,14 @@ def run_redis(args: argparse.Namespace) -> int:
     if embedded.port_in_use(args.port):
         raise CommandError(f"port {args.port} is in use by something that is not Redis: free it or give --port",
                            status=2)
+    stop = [False]  # set by SIGTERM; caught from before the start, so that one sent at once still stops Valkey
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
     try:
         server, lock = embedded.start(args.port, args.dir)
     except embedded.DirectoryInUse as e:
         raise CommandError(str(e), status=2) from None
     print(f"mlxq redis: Valkey serving {embedded.url(args.port)} (data in {server.data_dir}); Ctrl-C or "
           f"`{on_path('mlxq')} redis stop --port {args.port}` stops it", flush=True)
-    stop = [False]
-    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__(0, True))
     try:
         while not stop[0] and server.is_running():
             time.sleep(0.5)
