@@ -33,6 +33,7 @@ from worker.engine.thread import Engine
 from worker.messages import EngineRequest, Queueing, RequestRef, SamplingParams, Stopping
 from worker.settings import WorkerSettings
 
+BACKLOG = False  # --backlog: every request handed over at once, the batch as wide as --concurrency
 Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs
 
 
@@ -46,7 +47,7 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens, SamplingParams(),
                                         Stopping(request.max_tokens), Queueing(0, time.time())))
 
-        for _ in range(min(width, len(waiting))):
+        for _ in range(len(waiting) if BACKLOG else min(width, len(waiting))):
             submit()
         while started:
             out = outputs.get()
@@ -75,7 +76,7 @@ def raw(model: object) -> Run:
                                    prefill_batch_size=min(width, 8))
         waiting, started, last, ttft, itl, tokens = list(planned), {}, {}, [], [], 0
         while waiting or started:
-            while waiting and len(started) < width:
+            while waiting and (BACKLOG or len(started) < width):
                 request = waiting.pop(0)
                 (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
                 started[uid] = time.perf_counter()
@@ -135,7 +136,10 @@ def main() -> None:
     parser.add_argument("--flush-ms", type=float, default=10.0, help="the engine's flush interval (flush_interval_ms)")
     parser.add_argument("--output-len", type=int, default=96)
     parser.add_argument("--threads", action="store_true", help="per-thread CPU and context switches (Linux)")
+    parser.add_argument("--backlog", action="store_true", help="every request at once (a queue's backlog)")
     args = parser.parse_args()
+    global BACKLOG
+    BACKLOG = args.backlog
     loaded = load_text_model(WorkerSettings(model=args.model))
     outputs: queue.Queue = queue.Queue()
     engine = Engine(lambda: loaded, SchedulingPolicy(args.concurrency, flush_interval_s=args.flush_ms / 1000),

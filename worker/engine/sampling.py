@@ -99,9 +99,13 @@ class _RandomSampler:
         self.top_k = params.top_k
         self.key = None if params.seed is None else mx.random.key(params.seed)
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
+    def __call__(self, logits: mx.array) -> mx.array:
+        """A token from `logits`: logprobs, or logits as the model made them (every filter
+        is unmoved by a shift; top_p's input is normalized, as exp of a logit can overflow)."""
+        logprobs = logits
         if self.top_p is not None:
-            logprobs = apply_top_p(logprobs, self.top_p)  # type: ignore[arg-type]  # an array: see above
+            logprobs = apply_top_p(logits - mx.logsumexp(logits, axis=-1, keepdims=True),
+                                   self.top_p)  # type: ignore[arg-type]  # an array: see above
         if self.log_min_p is not None:  # mlx-lm's apply_min_p takes a float: inlined
             floor = logprobs.max(axis=-1, keepdims=True) + self.log_min_p
             logprobs = mx.where(logprobs < floor, -mx.inf, logprobs)

@@ -47,3 +47,21 @@ def test_greedy_requests_share_one_sampler():
     """Greedy samplers are one object, so BatchGenerator samples them in one batched call."""
     assert build_sampler(SamplingParams()) is build_sampler(SamplingParams(seed=3))
     assert build_sampler(SamplingParams(temperature=0.5)) is not build_sampler(SamplingParams(temperature=0.5))
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0, top_p=0.5, seed=5),
+    SamplingParams(temperature=0.7, min_p=0.05, top_k=20, seed=5),
+    SamplingParams(temperature=1.3, top_p=0.9, min_p=0.02, top_k=50, seed=5),
+], ids=["top_p", "min_p top_k", "all"])
+def test_logits_draw_as_their_logprobs_do(params):
+    """The batch hands samplers logits where no row asked for logprobs: every draw from
+    them is the draw from the logprobs, even from logits far above zero (top_p
+    normalizes what it is given, so its exp cannot overflow)."""
+    assert _draws_from(params, LOGITS) == draws(params)
+    assert _draws_from(params, LOGITS + 100) == draws(params)
+
+
+def _draws_from(params: SamplingParams, scores: mx.array, n: int = 50) -> list[int]:
+    sampler = build_sampler(params)
+    return [sampler(scores).item() for _ in range(n)]

@@ -18,6 +18,7 @@ from worker.engine.adapters import AdapterBank
 from worker.engine.adapters.layers import AdapterRows
 from worker.engine.backends.base import BatchBackend, Coverage, Loaded, ModelInfo, TokenOut
 from worker.engine.backends.draft_model import DraftModel
+from worker.engine.backends.lean_batch import LeanGenerationBatch
 from worker.engine.backends.prompt_lookup import PromptLookup
 from worker.engine.backends.speculative import Gate, Proposer, SpeculationStats, SpeculativeGenerationBatch
 from worker.engine.prefix_cache import Mirror, PrefixCache
@@ -48,8 +49,9 @@ class MlxBatchBackend:
         self._generator = BatchGenerator(batched, completion_batch_size=completion_batch_size,
                                          prefill_batch_size=prefill_batch_size,
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
-        if speculative is not None:  # the one generation batch, which each prefilled group joins
-            self._generator._generation_batch = speculative
+        # The one generation batch, which each prefilled group joins.
+        self._lean = LeanGenerationBatch.lean(batched, self._generator.sampler) if speculative is None else None
+        self._generator._generation_batch = speculative or self._lean
         self._speculative = speculative
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
@@ -69,20 +71,27 @@ class MlxBatchBackend:
                                         all_tokens=None if cached is None else [cached.tokens])
         if self._speculative is not None and speculative and sampler is greedy_sampler and not logprobs:
             self._speculative.eligible.add(uid)
+        if self._lean is not None and logprobs:
+            self._lean.wants_logprobs.add(uid)
         return uid
 
     def remove(self, uids: Iterable[int], keep_caches: bool = False) -> dict[int, Coverage]:
         uids = list(uids)
         if self._speculative is not None:
             self._speculative.eligible.difference_update(uids)
+        if self._lean is not None:
+            self._lean.wants_logprobs.difference_update(uids)
         caches = self._generator.remove(uids, return_prompt_caches=keep_caches)
         return {uid: self._coverage(uid, cache, tokens) for uid, (cache, tokens) in (caches or {}).items()}
 
     def step(self, plan: StepPlan) -> list[TokenOut]:
         self._generator.prefill_step_size, self._generator.prefill_batch_size = plan.prefill_chunk, plan.prefill_prompts
         _, generated = self._generator.next()
-        if self._speculative is not None:  # finished sequences leave the batch by themselves
-            self._speculative.eligible.difference_update(r.uid for r in generated if r.finish_reason)
+        ended = [r.uid for r in generated if r.finish_reason]  # they leave the batch by themselves
+        if self._speculative is not None:
+            self._speculative.eligible.difference_update(ended)
+        if self._lean is not None:
+            self._lean.wants_logprobs.difference_update(ended)
         return [TokenOut(r.uid, r.token, r.finish_reason,
                          None if r.prompt_cache is None else self._coverage(r.uid, r.prompt_cache, r.all_tokens),
                          logprobs=r.logprobs)
