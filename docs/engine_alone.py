@@ -10,7 +10,7 @@ wall time): a share below 100 % is time the model waited for Python. With `--thr
 MLX's compute thread went to sleep (voluntary) and the driving thread was preempted.
 
     .venv/bin/python -m mlxq.blas .venv/bin/python docs/engine_alone.py MODEL_DIR [--concurrency 16] [--pairs 3]
-        [--flush-ms 10] [--threads]
+        [--flush-ms 10] [--threads] [--backlog: every request handed over at once]
 """
 
 from __future__ import annotations
