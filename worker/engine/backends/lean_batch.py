@@ -46,7 +46,10 @@ class LeanGenerationBatch(GenerationBatch):
         logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
         self._next_tokens = self._sample(logits)
         self._next_logprobs = [None] * len(self.uids)
-        mx.async_eval(self._next_tokens)  # computed while this step's tokens go out
+        # Computed while this step's tokens go out; the logits too, as mlx-lm's step has its
+        # logprobs computed: a worker group's follower samples nothing from them (its
+        # tokens come from rank 0), and its forward pass, collectives and all, must run.
+        mx.async_eval(self._next_tokens, logits)
         mx.eval(inputs, [lp for lp in self._current_logprobs if lp is not None])
         tokens: list[int] = inputs.tolist()
         for row, token in zip(self.tokens, tokens, strict=True):

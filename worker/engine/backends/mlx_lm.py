@@ -51,7 +51,7 @@ class MlxBatchBackend:
                                          prefill_step_size=prefill_step_size, max_kv_size=max_kv_size)
         # The one generation batch, which each prefilled group joins.
         self._lean = LeanGenerationBatch.lean(batched, self._generator.sampler) if speculative is None else None
-        self._generator._generation_batch = speculative or self._lean
+        self._generator._generation_batch = self._lean if speculative is None else speculative
         self._speculative = speculative
         # No stop sequences, not even eos: each request's stop tokens (eos unless it says
         # ignore_eos, its stop_token_ids) are the engine's to act on, like its stop strings.
