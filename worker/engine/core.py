@@ -170,7 +170,7 @@ class EngineCore:
         return True
 
     def _admit(self, out: StepOutput) -> None:
-        if self._alone is not None:
+        if self._alone is not None or self.scheduler.holding(len(self.running), time.perf_counter()):
             return
         now = time.time()
         starting = self._with_adapter_slots(self.scheduler.admit(len(self.running), self._waits_for_a_prefill),

@@ -15,6 +15,9 @@ from worker.messages import Queueing
 from worker.settings import WorkerSettings
 
 MIN_PREFILL_CHUNK = 16  # prompt tokens: smaller chunks would cost more in per-step overhead than they save
+# How long free slots may wait for a group of prompts while a batch runs and requests
+# wait (`Scheduler.holding`): ten of a small model's steps, less than one of a large one's.
+GROUP_WAIT_S = 0.015
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class Scheduler(Generic[R]):
         self._heap: list[tuple[float, int, str]] = []
         self._waiting: dict[str, tuple[int, R]] = {}
         self._order = itertools.count()
+        self._free_since: float | None = None  # when free slots began waiting for a group (`holding`)
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -118,6 +122,31 @@ class Scheduler(Generic[R]):
         """Take a waiting request out (cancelled); None if it is not waiting."""
         entry = self._waiting.pop(request_id, None)
         return None if entry is None else entry[1]
+
+    def holding(self, running: int, now: float) -> bool:
+        """Whether to keep free slots empty a little longer, for a group of prompts to
+        start together: while a batch runs and more requests wait than slots are free,
+        until half a prefill group (`prefill_batch_size` // 2, or every waiting request)
+        is free, at most GROUP_WAIT_S after the first of them freed.
+
+        Every start costs model calls of its own (a prompt call, the call that starts its
+        rows, the batch's caches joined), whatever its size: a backlog's prompts started
+        one or two at a time cost more than together (docs/benchmarks.md, "Logprobs only
+        when asked, and prefill groups"), and rows that start together end together, so
+        the backlog's slots keep freeing in groups. With nothing running, or no more
+        waiting than slots are free (interactive traffic, a closed loop), nothing waits.
+        """
+        free = self.policy.max_num_seqs - running
+        group = min(max(1, self.policy.prefill_batch_size // 2), len(self._waiting))
+        if not running or free <= 0 or free >= group:
+            self._free_since = None
+            return False
+        if self._free_since is None:
+            self._free_since = now
+        if now - self._free_since < GROUP_WAIT_S:
+            return True
+        self._free_since = None
+        return False
 
     def admit(self, running: int, defer: Callable[[R, list[R]], bool] = lambda *_: False) -> list[R]:
         """The requests to start now, best first, into the slots `running` leave free. A

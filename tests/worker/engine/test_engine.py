@@ -13,7 +13,7 @@ import pytest
 from client import Delta, Done, Error
 from worker.engine.backends import Loaded, ModelInfo, TokenOut
 from worker.engine.backends.sim import Letters, SimBackend
-from worker.engine.scheduler import Scheduler, SchedulingPolicy, StepPlan
+from worker.engine.scheduler import GROUP_WAIT_S, Scheduler, SchedulingPolicy, StepPlan
 from worker.engine.thread import Engine
 from worker.messages import EngineRequest, Queueing, RequestRef, Resume, SamplingParams, StepOutput, Stopping
 
@@ -305,6 +305,31 @@ def test_a_deferred_request_keeps_its_place_while_those_behind_it_start():
     assert seen == [("a", []), ("b", ["a"]), ("c", ["a"]), ("d", ["a", "c"])], "each sees what starts before it"
     s.add(request("e"))
     assert [r.id for r in s.admit(running=2)] == ["b", "e"], "the deferred one is still first in line"
+
+
+def test_free_slots_wait_a_little_for_a_prefill_group_while_a_backlog_waits():
+    """With a batch running and more waiting than slots are free, free slots are held for
+    half a prefill group (four of eight here) for at most GROUP_WAIT_S; four free start at once."""
+    s = Scheduler(SchedulingPolicy(16, prefill_batch_size=8))
+    for i in range(12):
+        s.add(request(f"r{i}"))
+    assert s.holding(running=14, now=100.0), "two free of four: held"
+    assert s.holding(running=13, now=100.0 + GROUP_WAIT_S / 2), "still within the wait, counted from the first"
+    assert not s.holding(running=13, now=100.0 + GROUP_WAIT_S), "the wait is over: the three free slots fill"
+    assert len(s.admit(running=13)) == 3
+    assert s.holding(running=15, now=200.0), "a new wait begins with the next free slot"
+    assert not s.holding(running=12, now=200.001), "four free: they start at once"
+    assert len(s.admit(running=12)) == 4
+
+
+def test_nothing_is_held_from_an_empty_batch_or_when_the_free_slots_take_every_waiting_request():
+    s = Scheduler(SchedulingPolicy(16, prefill_batch_size=8))
+    for i in range(12):
+        s.add(request(f"r{i}"))
+    assert not s.holding(running=0, now=1.0), "an idle engine starts what it has"
+    assert not s.holding(running=16, now=1.0), "no free slot: nothing to hold"
+    s.take(10)
+    assert not s.holding(running=14, now=1.0), "two waiting, two free: both start (a closed loop)"
 
 
 def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
