@@ -10,7 +10,9 @@ probabilities (`sampling._RandomSampler`). On the small demo model that work is 
 
 A step takes mlx-lm's own path whenever a row asked for logprobs or has logits
 processors (penalties, a constraint's mask, min_tokens): those see exactly what they
-see in mlx-lm.
+see in mlx-lm. (On a half-precision model a greedy row's argmax is over the logits as
+they are, not over logprobs rounded to that precision: where two tokens tie only after
+that rounding, it may choose another token than mlx-lm's step would.)
 """
 
 from __future__ import annotations
