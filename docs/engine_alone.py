@@ -33,11 +33,11 @@ from worker.engine.thread import Engine
 from worker.messages import EngineRequest, Queueing, RequestRef, SamplingParams, Stopping
 from worker.settings import WorkerSettings
 
-BACKLOG = False  # --backlog: every request handed over at once, the batch as wide as --concurrency
 Run = Callable[[list[Planned], int], tuple[int, list[float], list[float]]]  # tokens, TTFTs, ITLs
 
 
-def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
+def through_engine(engine: Engine, outputs: queue.Queue, backlog: bool = False) -> Run:
+    """`backlog`: every request handed over at once, the batch as wide as --concurrency."""
     def run(planned: list[Planned], width: int) -> tuple[int, list[float], list[float]]:
         waiting, started, last, ttft, itl, tokens = list(planned), {}, {}, [], [], 0
 
@@ -47,7 +47,7 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
             engine.submit(EngineRequest(RequestRef(rid, "1-0"), request.prompt_tokens, SamplingParams(),
                                         Stopping(request.max_tokens), Queueing(0, time.time())))
 
-        for _ in range(len(waiting) if BACKLOG else min(width, len(waiting))):
+        for _ in range(len(waiting) if backlog else min(width, len(waiting))):
             submit()
         while started:
             out = outputs.get()
@@ -70,13 +70,13 @@ def through_engine(engine: Engine, outputs: queue.Queue) -> Run:
     return run
 
 
-def raw(model: object) -> Run:
+def raw(model: object, backlog: bool = False) -> Run:
     def run(planned: list[Planned], width: int) -> tuple[int, list[float], list[float]]:
         generator = BatchGenerator(model, stop_tokens=[], completion_batch_size=width,
                                    prefill_batch_size=min(width, 8))
         waiting, started, last, ttft, itl, tokens = list(planned), {}, {}, [], [], 0
         while waiting or started:
-            while waiting and (BACKLOG or len(started) < width):
+            while waiting and (backlog or len(started) < width):
                 request = waiting.pop(0)
                 (uid,) = generator.insert([request.prompt_tokens], max_tokens=[request.max_tokens])
                 started[uid] = time.perf_counter()
@@ -138,8 +138,6 @@ def main() -> None:
     parser.add_argument("--threads", action="store_true", help="per-thread CPU and context switches (Linux)")
     parser.add_argument("--backlog", action="store_true", help="every request at once (a queue's backlog)")
     args = parser.parse_args()
-    global BACKLOG
-    BACKLOG = args.backlog
     loaded = load_text_model(WorkerSettings(model=args.model))
     outputs: queue.Queue = queue.Queue()
     engine = Engine(lambda: loaded, SchedulingPolicy(args.concurrency, flush_interval_s=args.flush_ms / 1000),
@@ -155,8 +153,8 @@ def main() -> None:
         run(warm_up, 2)
     for pair in range(args.pairs):
         planned = Workload(requests=requests, input_len=100, output_len=args.output_len, seed=100 + pair).plan()
-        measured("raw", raw(model), planned, args.concurrency, args.threads)
-        measured("engine", through_engine(engine, outputs), planned, args.concurrency, args.threads)
+        measured("raw", raw(model, args.backlog), planned, args.concurrency, args.threads)
+        measured("engine", through_engine(engine, outputs, args.backlog), planned, args.concurrency, args.threads)
 
 
 if __name__ == "__main__":
