@@ -78,7 +78,7 @@ class Worker:
         self.membership = Membership(self.redis, self.keys, self.request_streams)
         self.marks = RequestMarks(self.redis, self.keys, settings.queue, settings.dedupe_ttl_s)
         self.engine = EngineLink(settings, on_step=self._on_step, on_stats=self._update_stats)
-        self.requests = RequestTable(settings.max_num_seqs + settings.prefetch, abandon=self.engine.abandon)
+        self.requests = RequestTable(settings.max_num_seqs, abandon=self.engine.abandon)
         self.totals = Totals()
         self.timeline = Timeline(self.redis, self.keys, settings.queue, self.request_streams, settings.timeline_s)
         self.metrics = Metrics(self.totals, self.requests, lambda: self._stats) \

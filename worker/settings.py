@@ -195,7 +195,8 @@ class WorkerSettings(LayeredSettings):
     vision_cache_mb: int = Field(256, ge=0, description="vision-embedding cache budget in MB (0: off)")
     result_ttl_s: int = Field(3600, ge=1, description="output streams expire this long after their last write")
     dedupe_ttl_s: int = Field(86400, ge=1, description="how long a finished id is remembered and not recomputed")
-    prefetch: int = Field(2, ge=0, description="entries read beyond free room, to hide Redis latency")
+    prefetch: int = Field(2, ge=0, description="entries read beyond free room, to hide Redis latency "
+                          "(a prefill group while the queue has a backlog; 0: never)")
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long running requests may finish")
     block_ms: int = Field(1000, ge=1, le=4000, description="XREADGROUP block; below the 10 s socket timeout")
     heartbeat_s: float = Field(5.0, gt=0, description="how often the heartbeat and the leases on running "

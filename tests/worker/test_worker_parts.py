@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +20,11 @@ from support import KEYS
 from client import Error, decode_event
 from client.heartbeat import Heartbeat
 from client.keys import GROUP
+from client.protocol import ErrorCode
 from worker.fleet.leases import HAND_BACK_IDLE_MS, Leases
 from worker.fleet.membership import Membership
 from worker.fleet.naming import NameTaken
-from worker.messages import Outgoing, Route
+from worker.messages import Admitted, Outgoing, Prepare, Refused, Route
 from worker.queue.cancels import listen_for_cancels
 from worker.queue.fencing import Fencing
 from worker.queue.intake import Intake
@@ -154,13 +157,13 @@ async def test_a_published_cancel_reaches_the_engine_once_and_its_flag_gets_a_tt
 # ---- intake ---------------------------------------------------------------------------------
 
 def intake(r: aioredis.Redis, queue: str, requests: RequestTable, emitted: list[Outgoing],
-           submitted: list[object]) -> Intake:
+           submitted: list[object], engine: object = None, **settings: object) -> Intake:
     """Intake with everything real but the engine process (which records what it is asked
-    to prepare: nothing, for the entries below)."""
-    settings = load_settings(queue=queue, consumer="c1")
+    to prepare: nothing, for the entries below; or `engine`, a stand-in of its own)."""
+    settings = load_settings(queue=queue, consumer="c1", **settings)
     streams = RequestStreams(r, KEYS, queue, "c1", dedupe_ttl_s=60)
     reclaimer = Reclaimer(streams, 60.0, min_idle_ms=60_000, totals=Totals())
-    engine = SimpleNamespace(prepare=submitted.append, abandon=lambda _: None)
+    engine = engine or SimpleNamespace(prepare=submitted.append, abandon=lambda _: None)
     marks, fencing = RequestMarks(r, KEYS, queue, 60), Fencing(r, KEYS, queue, "c1", 60)
     return Intake(settings, streams, marks, fencing, requests, reclaimer, engine, emitted.append, 0.0,
                   Totals())  # type: ignore[arg-type]
@@ -193,3 +196,104 @@ async def test_intake_answers_a_request_whose_preparations_killed_workers_with_p
     ((_, letter),) = await r.xrange(KEYS.dead(queue))
     assert letter[b"entry_id"] == entry_id.encode() and b"died while they held it" in letter[b"reason"]
     assert not [decode_event(f) for _, f in await r.xrange(KEYS.output(queue, "poison"))], "the publisher writes it"
+
+
+class HeldPreparations:
+    """The engine process's stand-in: keeps each request it is asked to prepare until
+    `release` is set (after a round trip to Redis, as a preparation takes time), then
+    refuses it, so that it ends without a model; or, with `admit`, queues it (never to
+    run: the request stays held)."""
+
+    def __init__(self, r: aioredis.Redis, admit: bool = False) -> None:
+        self.r = r
+        self.admit = admit
+        self.preparing: list[str] = []
+        self.most_at_once = 0
+        self.release = asyncio.Event()
+
+    async def prepare(self, message: Prepare) -> Refused | Admitted:
+        self.preparing.append(message.ref.id)
+        self.most_at_once = max(self.most_at_once, len(self.preparing))
+        await self.r.ping()
+        await self.release.wait()
+        self.preparing.remove(message.ref.id)
+        if self.admit:
+            return Admitted(message.ref, time.time())
+        return Refused(message.ref, ErrorCode.INVALID, "refused by the test")
+
+    def abandon(self, request_id: str) -> None:
+        pass
+
+
+async def read_new(r: aioredis.Redis, queue: str, count: int) -> list[Delivery]:
+    """`count` new requests, read by consumer c1."""
+    await ensure_groups(r, [KEYS.queue(queue)])
+    for i in range(count):
+        await r.xadd(KEYS.queue(queue), {"id": f"r{i}", "json": json.dumps({"prompt": "hi"})})
+    reply = await r.xreadgroup(GROUP, "c1", {KEYS.queue(queue): ">"}, count=count)
+    return [Delivery(KEYS.queue(queue), entry_id.decode(), fields) for entry_id, fields in reply[0][1]]
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    async def poll() -> None:
+        while not condition():
+            await asyncio.sleep(0.005)
+    try:
+        await asyncio.wait_for(poll(), 30)
+    except TimeoutError:
+        raise AssertionError(f"timed out waiting for {what}") from None
+
+
+async def test_intake_prepares_the_new_requests_of_one_read_side_by_side(r, queue):
+    """Each request waits on Redis and on its preparation: a read's requests wait
+    together, so that a backlog's first wave reaches the batch at once."""
+    requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r)
+    taking = intake(r, queue, requests, emitted, [], engine)
+    accepting = asyncio.create_task(taking._accept_all(await read_new(r, queue, 3)))
+    await until(lambda: len(engine.preparing) == 3, "all three in preparation at once")
+    engine.release.set()
+    await accepting
+    assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"]
+
+
+async def test_intake_prepares_requests_taken_over_one_at_a_time(r, queue):
+    """A request delivered before may be the one that killed an engine process, and a
+    death is blamed on every request in preparation: it is prepared alone."""
+    requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r)
+    engine.release.set()
+    taking = intake(r, queue, requests, emitted, [], engine)
+    delivered_before = [replace(d, deliveries=2) for d in await read_new(r, queue, 3)]
+    await taking._accept_all(delivered_before)
+    assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"] and engine.most_at_once == 1
+
+
+async def test_intake_reads_a_prefill_group_ahead_while_a_backlog_waits_and_no_more_after(r, queue):
+    """Beside its 4 slots a worker holds `prefetch` (1); while at least a prefill group
+    (4) waits unread in the queue it holds a group ahead, so that slots that free
+    together start together; the backlog's last entries it leaves to the fleet."""
+    requests, engine = RequestTable(4, abandon=lambda _: None), HeldPreparations(r, admit=True)
+    engine.release.set()
+    taking = intake(r, queue, requests, [], [], engine, max_num_seqs=4, prefill_batch_size=4, prefetch=1)
+    await ensure_groups(r, [KEYS.queue(queue)])
+    for i in range(12):
+        await r.xadd(KEYS.queue(queue), {"id": f"r{i}", "json": json.dumps({"prompt": "hi"})})
+    stop = asyncio.Event()
+    running = asyncio.create_task(taking.run(stop))
+    try:
+        await until(lambda: len(requests) == 8, "4 slots and a group ahead held")
+        assert taking._read_ahead() == 4 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 4
+        for held in list(requests)[:4]:  # four rows end: the worker reads again
+            requests.end(held.route.id, RequestStatus.SETTLED)
+        await until(lambda: len(requests) == 8, "the next group read")
+        assert taking._read_ahead() == 1 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 0
+        for held in list(requests)[:4]:  # none left unread: `prefetch` ahead again
+            requests.end(held.route.id, RequestStatus.SETTLED)
+        async with r.pipeline(transaction=True) as pipe:  # fewer than a group come: all at once
+            for i in range(3):
+                pipe.xadd(KEYS.queue(queue), {"id": f"late{i}", "json": json.dumps({"prompt": "hi"})})
+            await pipe.execute()
+        await until(lambda: len(requests) == 5, "one late request read")
+        assert taking._read_ahead() == 1 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 2
+    finally:
+        stop.set()
+        running.cancel()

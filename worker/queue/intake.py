@@ -15,6 +15,7 @@ from collections.abc import Callable
 from functools import partial
 
 import structlog
+from redis.exceptions import RedisError
 
 from client.protocol import Envelope, ErrorCode, Undeliverable, read_envelope, read_id
 from common.prefix_chain import Chain, prefix_chain
@@ -71,17 +72,19 @@ class Intake:
         self.affinity = affinity  # placement by prefix
         self._outages_seen = outage.ended
         self._retake = False  # requests were let go when the engine died: list our pending entries again
+        self._backlogged = False  # the last read got all it asked for, and left a group unread
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled)."""
         while not stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
-            room = self.requests.room()
+            read_ahead = self._read_ahead()
+            room = self.requests.room(read_ahead)
             if room <= 0:
-                await self.requests.wait_for_room()
+                await self.requests.wait_for_room(read_ahead)
                 continue
             # The batch lane only into free slots: read ahead, its lines would make an
             # interactive request that comes next wait behind them.
-            free = max(0, room - self.settings.prefetch)
+            free = max(0, room - read_ahead)
             if not free and self.streams.batch_lines_waiting:
                 # Every slot is held and batch lines wait: the next slot to free goes to what
                 # waits then (interactive first), so wait for it rather than block on Redis.
@@ -92,13 +95,36 @@ class Intake:
             else:
                 deliveries = await self._reclaimed(room) or await self._stolen(free) or \
                     await self._read(room, self._block_ms(), free)
-            for delivery in deliveries:
-                await self._accept(delivery)
+            await self._accept_all(deliveries)
+
+    def _read_ahead(self) -> int:
+        """How many entries to hold beyond the free slots: `prefetch`, or while the queue
+        has a backlog a prefill group's worth, so that slots that free together are
+        refilled together, in one prefill, rather than one by one as each refill comes
+        back from Redis."""
+        prefetch = self.settings.prefetch
+        return max(prefetch, self._prefill_group()) if prefetch and self._backlogged else prefetch
+
+    def _prefill_group(self) -> int:
+        return min(self.settings.prefill_batch_size, self.settings.max_num_seqs)
 
     async def _read(self, room: int, block_ms: int, free: int) -> list[Delivery]:
         read = partial(self.streams.read, room, block_ms, free)
-        return [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
-                await retrying(read, "reading requests")]
+        deliveries = [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
+                      await retrying(read, "reading requests")]
+        self._backlogged = len(deliveries) >= room and await self._backlog_left()
+        return deliveries
+
+    async def _backlog_left(self) -> bool:
+        """Whether the queue still holds a prefill group's worth that nobody has read: only
+        then may this worker read ahead that much, or it would take entries an idle
+        worker of the queue could start at once (a burst the size of the fleet's slots
+        must spread over the fleet)."""
+        try:
+            return await self.streams.undelivered() >= self._prefill_group()
+        except RedisError as e:
+            log.debug("could not look at the queue's backlog", error=describe(e))
+            return False
 
     def _block_ms(self) -> int:
         """How long a read may wait for new entries: with other workers' placement lanes
@@ -144,6 +170,22 @@ class Intake:
     def _holds(self, stream: str, entry_id: str) -> bool:
         held = self.requests.by_entry(entry_id)
         return held is not None and held.route.stream == stream
+
+    async def _accept_all(self, deliveries: list[Delivery]) -> None:
+        """Take new entries in side by side: each waits on Redis and on the engine
+        process's preparation, and one after another a backlog's first wave would reach
+        the batch a step or two apart, to be started in as many prefills. Entries
+        delivered before go one at a time: one may be what killed an engine process, and
+        a death is blamed on every request in preparation (`_prepared`), so it must be
+        prepared with nothing beside it for the next death to be blamed on it alone."""
+        if len(deliveries) == 1 or any(delivery.deliveries > 1 for delivery in deliveries):
+            for delivery in deliveries:
+                await self._accept(delivery)
+            return
+        outcomes = await asyncio.gather(*(self._accept(delivery) for delivery in deliveries), return_exceptions=True)
+        for outcome in outcomes:  # only what stops the worker gets here (`_accept`)
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _accept(self, delivery: Delivery) -> None:
         """Take one entry in; whatever goes wrong with it stays with it."""

@@ -81,10 +81,10 @@ class HeldRequest:
 
 
 class RequestTable:
-    """Every request held, by id; at most `capacity` at once."""
+    """Every request held, by id; at most `slots` and a read-ahead at once."""
 
-    def __init__(self, capacity: int, abandon: Callable[[str], None]) -> None:
-        self.capacity = capacity
+    def __init__(self, slots: int, abandon: Callable[[str], None]) -> None:
+        self.slots = slots
         self._abandon = abandon  # tells the engine to drop a request without a word
         self._held: dict[str, HeldRequest] = {}
         self._room = asyncio.Event()
@@ -95,16 +95,17 @@ class RequestTable:
     def __iter__(self) -> Iterator[HeldRequest]:
         return iter(list(self._held.values()))
 
-    def room(self) -> int:
-        """How many more requests may be taken in now: none while one that runs alone is
-        held (what this worker read would wait behind it; the queue's other workers take it)."""
+    def room(self, read_ahead: int) -> int:
+        """How many more requests may be taken in now, `read_ahead` of them beyond the
+        slots: none while one that runs alone is held (what this worker read would wait
+        behind it; the queue's other workers take it)."""
         if any(held.alone for held in self._held.values()):
             return 0
-        return self.capacity - len(self._held)
+        return self.slots + read_ahead - len(self._held)
 
-    async def wait_for_room(self) -> None:
+    async def wait_for_room(self, read_ahead: int) -> None:
         """Return once a request has left the table (or at once if there is room)."""
-        if self.room() > 0:
+        if self.room(read_ahead) > 0:
             return
         self._room.clear()
         await self._room.wait()

@@ -118,6 +118,14 @@ class RequestStreams:
             return []
         return sorted(keyed_stream_entries(reply), key=lambda e: self.request_streams.index(e[0]))
 
+    async def undelivered(self) -> int:
+        """How many entries of the queue's own stream no worker has read yet (its group's
+        lag; 0 where the server cannot say: before Redis 7, or after entries were deleted)."""
+        groups: Any = await self.redis.xinfo_groups(self.queue_stream)
+        group = next((g for g in groups if as_text(g["name"]) == GROUP), None)
+        lag = group.get("lag") if group is not None else None
+        return lag if isinstance(lag, int) else 0
+
     async def _read_each(self, streams: list[str], count: int,
                          low_count: int) -> list[tuple[str, str, dict[Any, Any] | None]]:
         """What `streams` hold now, in order, without blocking."""

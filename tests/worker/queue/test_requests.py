@@ -24,11 +24,12 @@ def test_a_request_goes_read_streaming_acked_and_its_room_comes_back():
     requests, dropped = table()
     requests.read(route())
     requests.fenced("r1", "token", 0)
-    assert requests.room() == 1 and requests.get("r1").route.fence == "token"
+    assert requests.room(read_ahead=0) == 1 and requests.room(read_ahead=2) == 3
+    assert requests.get("r1").route.fence == "token"
     requests.wrote(RequestRef("r1", "1-0"), 1, terminal=False)
     assert requests.get("r1").status is RequestStatus.STREAMING and requests.get("r1").written == 1
     requests.wrote(RequestRef("r1", "1-0"), 3, terminal=True)
-    assert requests.get("r1") is None and requests.room() == 2 and dropped == []
+    assert requests.get("r1") is None and requests.room(read_ahead=0) == 2 and dropped == []
 
 
 def test_a_request_that_ends_here_early_is_dropped_by_the_engine():
