@@ -78,19 +78,43 @@ class AsyncClient:
             await self._send(submission)
         return AsyncJob(self, submission.id, submission.output, submission.queue)
 
-    async def _send(self, submission: Submission) -> None:
-        """XADD the request, through the bounded enqueue where the queue's workers published a bound."""
-        bound = self._bounds.cached(submission.queue)
+    async def submit_many(self, requests: Iterable[Mapping[str, Any]], *, queue: str | None = None,
+                          lane: str | None = None, encoding: Encoding = "json") -> list[AsyncJob]:
+        """Queue many requests in one call, all or none, and return their jobs in order.
+        Each mapping holds what `submit` takes: `prompt`, `messages` or `prompt_tokens`,
+        optionally `id`, and the body fields. Workers waiting on the queue read them
+        together (a backlog pushed at once, as Sidekiq's `push_bulk`).
+
+        Raises `RequestRejected` (naming the request's index) before sending anything if
+        one is invalid, and `QueueFull` if they would pass the queue's bound.
+        """
+        queue = queue or self.queue
+        submissions = []
+        for index, request in enumerate(requests):
+            body = {key: value for key, value in request.items() if key != "id"}
+            try:
+                submissions.append(build_submission(self.keys, queue, request.get("id"), encoding, body, lane))
+            except RequestRejected as e:
+                raise RequestRejected(f"request {index}: {e}", e.code) from e
+        if submissions:
+            with redis_errors():
+                await self._send(*submissions)
+        return [AsyncJob(self, s.id, s.output, s.queue) for s in submissions]
+
+    async def _send(self, *submissions: Submission) -> None:
+        """XADD the requests (to one stream), through the bounded enqueue where the queue's
+        workers published a bound, or where there are several (then added together)."""
+        first = submissions[0]
+        bound = self._bounds.cached(first.queue)
         if bound is None:
-            bound = self._bounds.remember(submission.queue,
-                                          await self.redis.hget(self.keys.limits(submission.queue), "max_len"))
-        if not bound:
-            await self.redis.xadd(submission.stream, submission.fields)  # type: ignore[arg-type]
+            bound = self._bounds.remember(first.queue, await self.redis.hget(self.keys.limits(first.queue), "max_len"))
+        if not bound and len(submissions) == 1:
+            await self.redis.xadd(first.stream, first.fields)  # type: ignore[arg-type]
             return
         try:
-            await self._enqueue(keys=[submission.stream], args=enqueue_args(submission, bound))
+            await self._enqueue(keys=[first.stream], args=enqueue_args(list(submissions), bound))
         except ResponseError as e:
-            raise queue_full(e, submission, bound) from e
+            raise queue_full(e, first, bound) from e
 
     async def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""

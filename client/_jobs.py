@@ -27,15 +27,27 @@ OUTAGE_S = 60.0  # a job's reads ride out a Redis restart or failover this long 
 RETRY_S = 0.25
 BOUND_TTL_S = 5.0  # a queue's published bound is read again after this long
 
-# Add the entry unless the stream already holds `max_len` requests nobody has read yet
-# (its length minus those pending in the group), atomically. One key: fine on a cluster.
-# KEYS: the request stream. ARGV: group, max_len, then the entry's fields and values.
+# Add the entries, all or none: none if they would make the stream hold more than
+# `max_len` requests nobody has read yet (its length minus those pending in the group).
+# One key: fine on a cluster; one call: a worker blocked on the stream reads them together.
+# KEYS: the request stream. ARGV: group, max_len (0: none), then per entry its field
+# count and its fields and values.
 ENQUEUE = """
-local waiting = redis.call('XLEN', KEYS[1])
-local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
-if type(pending) == 'table' and not pending.err then waiting = waiting - pending[1] end
-if waiting >= tonumber(ARGV[2]) then return redis.error_reply('QUEUEFULL ' .. waiting) end
-return redis.call('XADD', KEYS[1], '*', unpack(ARGV, 3))
+local bound, added = tonumber(ARGV[2]), {}
+if bound > 0 then
+  local waiting, count, i = redis.call('XLEN', KEYS[1]), 0, 3
+  local pending = redis.pcall('XPENDING', KEYS[1], ARGV[1])
+  if type(pending) == 'table' and not pending.err then waiting = waiting - pending[1] end
+  while i <= #ARGV do count, i = count + 1, i + tonumber(ARGV[i]) + 1 end
+  if waiting + count > bound then return redis.error_reply('QUEUEFULL ' .. waiting) end
+end
+local i = 3
+while i <= #ARGV do
+  local width = tonumber(ARGV[i])
+  added[#added + 1] = redis.call('XADD', KEYS[1], '*', unpack(ARGV, i + 1, i + width))
+  i = i + width + 1
+end
+return added
 """
 
 
@@ -80,9 +92,13 @@ class Bounds:
         return bound
 
 
-def enqueue_args(submission: Submission, bound: int) -> list[Any]:
-    """ARGV of `ENQUEUE` for a submission."""
-    return [GROUP, bound, *(item for pair in submission.fields.items() for item in pair)]
+def enqueue_args(submissions: list[Submission], bound: int) -> list[Any]:
+    """ARGV of `ENQUEUE` for submissions to one stream, added together or not at all
+    (`bound` 0: no bound): per entry, its field count and its fields."""
+    args: list[Any] = [GROUP, bound]
+    for submission in submissions:
+        args += [2 * len(submission.fields), *(item for pair in submission.fields.items() for item in pair)]
+    return args
 
 
 def queue_full(error: Exception, submission: Submission, bound: int) -> Exception:

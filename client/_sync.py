@@ -58,6 +58,13 @@ class Client:
                                                             **params))
         return Job(self, job.id, job.output, job.queue)
 
+    def submit_many(self, requests: Iterable[Mapping[str, Any]], *, queue: str | None = None,
+                    lane: str | None = None, encoding: Encoding = "json") -> list[Job]:
+        """Queue many requests in one call, all or none (see `AsyncClient.submit_many`)."""
+        jobs = self._portal.call(lambda: self._client.submit_many(requests, queue=queue, lane=lane,
+                                                                  encoding=encoding))
+        return [Job(self, job.id, job.output, job.queue) for job in jobs]
+
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs: Any) -> Done:
         """Submit and wait for the final output in one call."""
         return self._portal.call(lambda: self._client.generate(prompt, timeout=timeout, **kwargs))

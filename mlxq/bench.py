@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from client import AsyncClient
+from client import AsyncClient, AsyncJob
 from client.connect import connect_async, is_cluster
 
 from .bench_metrics import STAGES, RequestTiming, command_stats
@@ -115,25 +115,37 @@ async def through_redis(url: str, queue: str, planned: list[Planned], concurrenc
         limit = asyncio.Semaphore(concurrency or len(planned))
         start = time.monotonic()
 
+        def body(request: Planned) -> dict[str, Any]:
+            return {"prompt_tokens": request.prompt_tokens, "max_tokens": request.max_tokens,
+                    "stream_interval": stream_interval, "response_format": request.response_format,
+                    "adapter": request.adapter}
+
+        async def follow(job: AsyncJob, timing: RequestTiming) -> RequestTiming:
+            async for delta in job.stream(timeout=timeout):
+                timing.token_times.append((time.monotonic(), len(delta.tokens)))
+            done = await job.result(timeout=timeout)
+            timing.done = time.monotonic()
+            timing.tokens = done.usage.completion_tokens
+            timing.queued_ms = done.timing.queued_ms
+            timing.cached_tokens = done.usage.cached_tokens
+            timing.stages_ms = {s: v for s in STAGES if (v := getattr(done.timing, s)) is not None}
+            progress(1)
+            return timing
+
         async def one(request: Planned) -> RequestTiming:
             await asyncio.sleep(max(0.0, start + request.send_at - time.monotonic()))
             async with limit:
                 timing = RequestTiming(submitted=time.monotonic())
-                job = await client.submit(prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
-                                          stream_interval=stream_interval, response_format=request.response_format,
-                                          adapter=request.adapter)
-                async for delta in job.stream(timeout=timeout):
-                    timing.token_times.append((time.monotonic(), len(delta.tokens)))
-                done = await job.result(timeout=timeout)
-                timing.done = time.monotonic()
-                timing.tokens = done.usage.completion_tokens
-                timing.queued_ms = done.timing.queued_ms
-                timing.cached_tokens = done.usage.cached_tokens
-                timing.stages_ms = {s: v for s in STAGES if (v := getattr(done.timing, s)) is not None}
-                progress(1)
-                return timing
+                return await follow(await client.submit(**body(request)), timing)
 
-        timings = await asyncio.gather(*(one(r) for r in planned))
+        if concurrency is None and not any(request.send_at for request in planned):
+            # A backlog: pushed in one call, so that the worker finds it whole, as a queue's
+            # backlog is, rather than as fast as one client can send it.
+            submitted = time.monotonic()
+            jobs = await client.submit_many([body(request) for request in planned])
+            timings = await asyncio.gather(*(follow(job, RequestTiming(submitted=submitted)) for job in jobs))
+        else:
+            timings = await asyncio.gather(*(one(r) for r in planned))
         after = await _commandstats(info)
         await info.aclose()
     return list(timings), command_stats(before, after, sum(t.tokens for t in timings))

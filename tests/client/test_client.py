@@ -127,6 +127,21 @@ def test_invalid_request_is_rejected_before_sending(sync_client):
     assert sync_client.redis.xlen(KEYS.queue(sync_client.queue)) == before
 
 
+def test_submit_many_queues_every_request_in_one_call_or_none(sync_client):
+    """Many requests in one call come back as jobs in order, each with its own result;
+    one invalid request sends none of them, and says which it was."""
+    stream = KEYS.queue(sync_client.queue)
+    jobs = sync_client.submit_many([{"prompt": f"Bulk {i}", "max_tokens": 3 + i} for i in range(3)]
+                                   + [{"id": "bulk-named", "messages": [{"role": "user", "content": "Hi"}],
+                                       "max_tokens": 2}])
+    assert jobs[-1].id == "bulk-named"
+    assert [job.result(timeout=60).usage.completion_tokens for job in jobs] == [3, 4, 5, 2]
+    before = sync_client.redis.xlen(stream)
+    with pytest.raises(RequestRejected, match="request 1: .*max_tokens"):
+        sync_client.submit_many([{"prompt": "fine"}, {"prompt": "not fine", "max_tokens": 0}])
+    assert sync_client.redis.xlen(stream) == before and sync_client.submit_many([]) == []
+
+
 def test_worker_errors_raise_job_failed(sync_client):
     """An `error` event becomes `JobFailed` with its code."""
     with pytest.raises(JobFailed) as failure:

@@ -214,7 +214,10 @@ def test_producers_are_refused_above_the_published_bound(valkey, demo_model, log
     assert r.hget(KEYS.limits(queue), "max_len") == b"2"
     with Client(valkey, queue=queue) as client:
         client.submit("one", max_tokens=1)
-        client.submit("two", max_tokens=1)
+        with pytest.raises(QueueFull) as whole:  # all or none: two would pass the bound
+            client.submit_many([{"prompt": "two", "max_tokens": 1}, {"prompt": "three", "max_tokens": 1}])
+        assert whole.value.waiting == 1 and r.xlen(KEYS.queue(queue)) == 1
+        client.submit_many([{"prompt": "two", "max_tokens": 1}])
         with pytest.raises(QueueFull) as full:
             client.submit("three", max_tokens=1)
     assert full.value.waiting == 2 and full.value.max_len == 2

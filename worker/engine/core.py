@@ -52,7 +52,8 @@ class EngineCore:
     """One loaded model's continuous batch."""
 
     def __init__(self, loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults = NONE,
-                 on_start: Callable[[list[str]], None] = lambda _: None) -> None:
+                 on_start: Callable[[list[str]], None] = lambda _: None,
+                 preparing: Callable[[], int] = lambda: 0) -> None:
         self.loaded = loaded
         self.scheduler: Scheduler[EngineRequest] = Scheduler(policy)
         self.backend = loaded.make_backend()
@@ -60,6 +61,7 @@ class EngineCore:
         self.clock = clock  # the model's share of the thread's time is counted here
         self.faults = faults
         self.on_start = on_start  # told, before the step that starts them, which requests enter the batch
+        self.preparing = preparing  # how many requests are being prepared for it: they come next
         self.running: dict[int, RequestOutput] = {}  # by the backend's uid
         self._alone: int | None = None  # the uid of a request that runs alone (`Queueing.alone`)
         self._flush_interval_s = policy.flush_interval_s
@@ -70,6 +72,12 @@ class EngineCore:
 
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
+
+    def idle_s(self) -> float:
+        """How long the engine thread may wait for commands before the next step: while
+        nothing runs and the waiting requests are held for those being prepared, the
+        rest of that wait; else none."""
+        return 0.0 if self.running else self.scheduler.hold_left(time.perf_counter())
 
     def stats(self) -> CoreStats:
         return CoreStats(len(self.running), len(self.scheduler), self.guides.fills, self.guides.fill_s * 1000)
@@ -170,7 +178,8 @@ class EngineCore:
         return True
 
     def _admit(self, out: StepOutput) -> None:
-        if self._alone is not None or self.scheduler.holding(len(self.running), time.perf_counter()):
+        if self._alone is not None or \
+                self.scheduler.holding(len(self.running), time.perf_counter(), self.preparing()):
             return
         now = time.time()
         starting = self._with_adapter_slots(self.scheduler.admit(len(self.running), self._waits_for_a_prefill),

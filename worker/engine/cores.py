@@ -23,6 +23,9 @@ class Core(Protocol):
     def busy(self) -> bool:
         """Whether any request runs or waits."""
 
+    def idle_s(self) -> float:
+        """While busy: how long the engine thread may wait for commands before the next step."""
+
     def stats(self) -> CoreStats:
         """Its part of the engine's stats."""
 
@@ -55,9 +58,10 @@ class Core(Protocol):
 
 
 def make_core(loaded: Loaded, policy: SchedulingPolicy, clock: EngineTime, faults: Faults,
-              on_start: Callable[[list[str]], None]) -> Core:
+              on_start: Callable[[list[str]], None], preparing: Callable[[], int]) -> Core:
     """The core for the loaded model's task. A generating core says which requests enter
-    its batch (`on_start`), before the step that starts them."""
+    its batch (`on_start`), before the step that starts them, and asks how many are
+    being prepared for it (`preparing`)."""
     if loaded.info.task == "generate":
-        return EngineCore(loaded, policy, clock, faults, on_start)
+        return EngineCore(loaded, policy, clock, faults, on_start, preparing)
     return PoolingCore(loaded, policy, clock)

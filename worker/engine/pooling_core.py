@@ -84,6 +84,9 @@ class PoolingCore:
     def busy(self) -> bool:
         return bool(self.running or len(self.scheduler))
 
+    def idle_s(self) -> float:
+        return 0.0
+
     def stats(self) -> CoreStats:
         return CoreStats(len(self.running), len(self.scheduler))
 

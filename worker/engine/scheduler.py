@@ -123,22 +123,27 @@ class Scheduler(Generic[R]):
         entry = self._waiting.pop(request_id, None)
         return None if entry is None else entry[1]
 
-    def holding(self, running: int, now: float) -> bool:
+    def holding(self, running: int, now: float, preparing: int = 0) -> bool:
         """Whether to keep free slots empty a little longer, for a group of prompts to
-        start together: while a batch runs and more requests wait than slots are free,
-        until half a prefill group (`prefill_batch_size` // 2, or every waiting request)
-        is free, at most GROUP_WAIT_S after the first of them freed.
+        start together, at most GROUP_WAIT_S from when the wait began: while a batch runs
+        and more requests wait than slots are free, until half a prefill group
+        (`prefill_batch_size` // 2, or every waiting request) is free; and while requests
+        are being prepared (`preparing`, on their way here) that would start beside
+        those waiting.
 
         Every start costs model calls of its own (a prompt call, the call that starts its
         rows, the batch's caches joined), whatever its size: a backlog's prompts started
         one or two at a time cost more than together (docs/benchmarks.md, "Logprobs only
         when asked, and prefill groups"), and rows that start together end together, so
-        the backlog's slots keep freeing in groups. With nothing running, or no more
-        waiting than slots are free (interactive traffic, a closed loop), nothing waits.
+        the backlog's slots keep freeing in groups. With nothing on its way, nothing
+        running, or no more waiting than slots are free (interactive traffic, a closed
+        loop), nothing waits.
         """
-        free = self.policy.max_num_seqs - running
-        group = min(max(1, self.policy.prefill_batch_size // 2), len(self._waiting))
-        if not running or free <= 0 or free >= group:
+        free, waiting = self.policy.max_num_seqs - running, len(self._waiting)
+        group = min(max(1, self.policy.prefill_batch_size // 2), waiting)
+        short_of_slots = running > 0 and 0 < free < group
+        coming = preparing > 0 and 0 < waiting < min(free, self.policy.prefill_batch_size)
+        if not (short_of_slots or coming):
             self._free_since = None
             return False
         if self._free_since is None:
@@ -147,6 +152,10 @@ class Scheduler(Generic[R]):
             return True
         self._free_since = None
         return False
+
+    def hold_left(self, now: float) -> float:
+        """How much longer the wait that `holding` began may last (0: none began)."""
+        return 0.0 if self._free_since is None else max(0.0, self._free_since + GROUP_WAIT_S - now)
 
     def admit(self, running: int, defer: Callable[[R, list[R]], bool] = lambda *_: False) -> list[R]:
         """The requests to start now, best first, into the slots `running` leave free. A

@@ -53,7 +53,8 @@ class Engine:
     def __init__(self, load: Callable[[], Loaded], policy: SchedulingPolicy,
                  on_output: Callable[[StepOutput], None], on_fatal: Callable[[BaseException], None],
                  on_stats: Callable[[EngineStats], None] = lambda _: None, on_pong: Callable[[], None] = lambda: None,
-                 faults: Faults = NONE, on_start: Callable[[list[str]], None] = lambda _: None) -> None:
+                 faults: Faults = NONE, on_start: Callable[[list[str]], None] = lambda _: None,
+                 preparing: Callable[[], int] = lambda: 0) -> None:
         self._load = load
         self._policy = policy
         self._on_output = on_output
@@ -61,6 +62,7 @@ class Engine:
         self._on_stats = on_stats
         self._on_pong = on_pong
         self._on_start = on_start
+        self._preparing = preparing
         self._faults = faults
         self._commands: queue.Queue[Command] = queue.Queue()
         self._thread = threading.Thread(target=self._main, name="mlxq-engine", daemon=True)
@@ -138,7 +140,7 @@ class Engine:
     def _run(self) -> None:
         try:
             loaded = self._load()
-            core = make_core(loaded, self._policy, self._time, self._faults, self._on_start)
+            core = make_core(loaded, self._policy, self._time, self._faults, self._on_start, self._preparing)
         except BaseException as e:  # noqa: BLE001 - reported to the waiting thread
             self._error = e
             self._ready.set()
@@ -159,7 +161,7 @@ class Engine:
         while True:
             out = StepOutput()
             waited = time.perf_counter()
-            self._apply_commands(out, block=not core.busy())
+            self._apply_commands(out, timeout=core.idle_s() if core.busy() else None)
             started = time.perf_counter()
             self._time.idle_s += started - waited
             model_before, handoff_before = self._time.model_s, self._time.handoff_s
@@ -212,9 +214,11 @@ class Engine:
         bank.serve(dict(command.adapters))
         self._housekeeping()
 
-    def _apply_commands(self, out: StepOutput, block: bool) -> None:
+    def _apply_commands(self, out: StepOutput, timeout: float | None) -> None:
+        """Apply the commands queued, first waiting up to `timeout` (None: until one comes)."""
         try:
-            command = self._commands.get() if block else self._commands.get_nowait()
+            command = self._commands.get(timeout=timeout) if timeout is None or timeout > 0 \
+                else self._commands.get_nowait()
             while True:
                 self._apply(command, out)
                 command = self._commands.get_nowait()

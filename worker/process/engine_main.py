@@ -85,7 +85,8 @@ class EngineProcess:
         self.engine = Engine(load,
                              SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults,
-                             on_start=lambda request_ids: channel.send(Started(request_ids)))
+                             on_start=lambda request_ids: channel.send(Started(request_ids)),
+                             preparing=lambda: len(self._in_preparation))
         self.hosting = hosting
         self._preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="mlxq-prepare")
         # Requests being prepared, and those of them cancelled or dropped meanwhile (under

@@ -77,8 +77,10 @@ class Harness:
         self.fatal: list[BaseException] = []
         self.started: list[list[str]] = []
         self.first_tokens: list[str] = []
+        self.preparing = 0  # requests the engine is told are on their way
         self.engine = Engine(load, policy or SchedulingPolicy(max_num_seqs), on_output=self.outputs.put,
-                             on_fatal=self.fatal.append, on_start=self.started.append)
+                             on_fatal=self.fatal.append, on_start=self.started.append,
+                             preparing=lambda: self.preparing)
         self.engine.start()
         self.engine.wait_ready(5)
 
@@ -330,6 +332,35 @@ def test_nothing_is_held_from_an_empty_batch_or_when_the_free_slots_take_every_w
     assert not s.holding(running=16, now=1.0), "no free slot: nothing to hold"
     s.take(10)
     assert not s.holding(running=14, now=1.0), "two waiting, two free: both start (a closed loop)"
+
+
+def test_waiting_requests_wait_a_little_for_those_being_prepared_to_start_beside_them():
+    """Requests on their way (being prepared) that would start beside those waiting are
+    waited for, at most GROUP_WAIT_S, an idle engine's included: a backlog's first wave,
+    read together, starts together."""
+    s = Scheduler(SchedulingPolicy(16, prefill_batch_size=8))
+    s.add(request("first"))
+    assert not s.holding(running=0, now=1.0, preparing=0), "nothing on its way: it starts at once"
+    assert s.holding(running=0, now=1.0, preparing=5), "five on their way, all free: held"
+    assert s.hold_left(now=1.0 + GROUP_WAIT_S / 3) == pytest.approx(GROUP_WAIT_S * 2 / 3)
+    assert not s.holding(running=0, now=1.0 + 2 * GROUP_WAIT_S, preparing=5), "the wait is over"
+    assert s.hold_left(now=1.0 + 2 * GROUP_WAIT_S) == 0.0
+    for i in range(7):
+        s.add(request(f"r{i}"))
+    assert not s.holding(running=0, now=2.0, preparing=5), "a prefill group waits: it starts"
+    s.take(6)
+    assert not s.holding(running=14, now=3.0, preparing=5), "no more slots free than wait: they start"
+    assert s.holding(running=10, now=3.0, preparing=5), "six free, two waiting, more on their way: held"
+
+
+def test_a_request_held_for_one_on_its_way_that_never_comes_still_starts():
+    """A preparation that never ends (refused, or its worker gone) holds an idle engine's
+    waiting request for GROUP_WAIT_S, not for ever."""
+    h = Harness(max_num_seqs=4)
+    h.preparing = 1
+    h.engine.submit(request("a", max_tokens=2))
+    assert isinstance(h.events_until_terminal({"a"})["a"][-1], Done)
+    h.shut_down(1)
 
 
 def test_scheduler_is_fcfs_within_a_priority_and_skips_removed():
