@@ -5,8 +5,8 @@
 #   core 0: the worker's engine process (named by `engine_pid` in its heartbeat), alone,
 #           MKL single-threaded
 #   core 1: everything else: the worker's I/O process, Valkey, the bench client; the
-#           in-process baselines run there too, one thread of MKL, while the worker
-#           waits, so the model has one core to itself either way
+#           in-process baselines run on core 0 (`--baseline-cpus 0`), one thread of MKL,
+#           while the worker waits, so the model has the same core to itself either way
 #   (A worker from before the engine had a process of its own has no `engine_pid`: the
 #   whole worker goes on core 0, as this script did then.)
 #
@@ -64,5 +64,8 @@ elif [ "${MODE:-closed}" = c16 ]; then  # the batch alone (a long model's sequen
 else
   mode=(--concurrency 1,16 --baseline inprocess --baseline detokenizing --baseline sequential)
 fi
+# Pinned, the baselines run on core 0 too (the worker idles meanwhile): the same core as
+# the engine process, whose speed here is not core 1's.
+if [ "${PINNED:-1}" = 1 ]; then mode+=(--baseline-cpus 0); fi
 $on_rest $bin/mlxq bench --redis-url "redis://127.0.0.1:$port" --queue "$queue" --model "$model" \
   --requests 64 --input-len 100 --output-len 128 "${mode[@]}" "$@"

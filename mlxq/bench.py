@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import functools
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -165,7 +167,7 @@ async def _commandstats(redis: Any) -> dict[str, Any]:
 
 def in_process(model_path: str, planned: list[Planned], concurrency: int | None, progress: Progress,
                sequential: bool = False, detokenize: bool = False,
-               backlog_width: int | None = None) -> list[RequestTiming]:
+               backlog_width: int | None = None, cpus: set[int] | None = None) -> list[RequestTiming]:
     """The same workload through mlx-lm's BatchGenerator in this process (no Redis, no
     queue): the ceiling the worker is measured against. `sequential` runs one at a time;
     `detokenize` turns every token into text with mlx-lm's streaming detokenizer, one per
@@ -173,9 +175,31 @@ def in_process(model_path: str, planned: list[Planned], concurrency: int | None,
     `backlog_width`: every request is inserted at once into a batch that wide, which
     works through them as rows free (a queue's backlog).
     It runs as the worker runs its engine: on a thread of its own, batch-scheduled on
-    Linux (`worker.cpu_scheduling`), so that the ratio is the worker's own cost."""
-    return _on_engine_like_thread(functools.partial(_in_process, model_path, planned, concurrency, progress,
-                                                    sequential, detokenize, backlog_width))
+    Linux (`worker.cpu_scheduling`), so that the ratio is the worker's own cost; with
+    `cpus` (Linux), every thread of this process on those CPUs meanwhile."""
+    run = functools.partial(_in_process, model_path, planned, concurrency, progress, sequential, detokenize,
+                            backlog_width)
+    with _threads_on(cpus):
+        return _on_engine_like_thread(run)
+
+
+@contextlib.contextmanager
+def _threads_on(cpus: set[int] | None) -> Iterator[None]:
+    """Every thread of this process on `cpus` (MLX's own threads too, made before), then
+    back where each was; nothing without `cpus`."""
+    if not cpus:
+        yield
+        return
+    threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    before = {tid: os.sched_getaffinity(tid) for tid in threads}
+    for tid in threads:
+        os.sched_setaffinity(tid, cpus)
+    try:
+        yield
+    finally:
+        for tid, affinity in before.items():
+            with contextlib.suppress(OSError):  # (a thread that ended meanwhile)
+                os.sched_setaffinity(tid, affinity)
 
 
 def _on_engine_like_thread(run: Callable[[], list[RequestTiming]]) -> list[RequestTiming]:

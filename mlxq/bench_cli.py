@@ -83,7 +83,8 @@ def _paired_level(baseline: str, levels: list[int | None]) -> int | None:
 def _baseline_run(args: argparse.Namespace, baseline: str, planned: list[Any], level: int | None) -> dict[str, Any]:
     with _progress(baseline, len(planned)) as tick:
         timings = in_process(args.model, planned, level, tick, sequential=baseline == "sequential",
-                             detokenize=baseline == "detokenizing", backlog_width=args.width)
+                             detokenize=baseline == "detokenizing", backlog_width=args.width,
+                             cpus=args.baseline_cpus)
     return {"name": baseline, "concurrency": 1 if baseline == "sequential" else level, **summarize(timings),
             **({"width": args.width} if args.width else {})}
 
@@ -192,6 +193,7 @@ def _report(args: argparse.Namespace, workload: Workload, rows: list[dict[str, A
         "throughput_tok_s": main["throughput_tok_s"], "ttft_ms": main["ttft_ms"], "itl_ms": main["itl_ms"],
         "redis_commands_per_token": main["redis"]["per_token"],
         **({"backlog_width": args.width} if args.width else {}),
+        **({"baseline_cpus": sorted(args.baseline_cpus)} if args.baseline_cpus else {}),
     }
     for name, paired in pairs.items():
         report[f"baseline_{name}_tok_s"] = by_name[name]["throughput_tok_s"]

@@ -337,6 +337,16 @@ def _add_redis(commands: Any) -> None:
     server.set_defaults(run=client_commands.run_redis)
 
 
+def _cpu_list(text: str) -> set[int]:
+    try:
+        cpus = {int(part) for part in text.split(",")}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of CPU numbers: {text!r}") from None
+    if any(cpu < 0 for cpu in cpus):
+        raise argparse.ArgumentTypeError(f"not a list of CPU numbers: {text!r}")
+    return cpus
+
+
 def _add_bench(commands: Any) -> None:
     """`mlxq bench`: a workload through Redis, and its report."""
     bench = _command(commands, "bench", "measure a running worker fleet through Redis",
@@ -378,6 +388,9 @@ def _add_bench(commands: Any) -> None:
                        "raw BatchGenerator, the same with every token detokenized as mlx-lm's server does, or "
                        "one request at a time")
     bench.add_argument("--model", help="model path for the baselines (the workers' model)")
+    bench.add_argument("--baseline-cpus", metavar="LIST", type=_cpu_list,
+                       help="Linux: run the baselines with every thread of this process on these CPUs "
+                       "(e.g. 0: the core a worker's engine process is pinned to, so that both run on one core)")
     bench.add_argument("--gateway", metavar="URL", help="also send the workload through an mlxq gateway at URL "
                        "(e.g. http://127.0.0.1:8000), the queue's name as the model, and compare")
     bench.add_argument("--api-key", help="bearer key for --gateway")

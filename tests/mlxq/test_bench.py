@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
 
 import pytest
 from support import ROOT, start_gateway, worker_fixture
 
-from mlxq.bench import Workload
+from mlxq.bench import Workload, _threads_on
 from mlxq.bench_cli import _median_run, _warn_if_unsteady
 from mlxq.bench_metrics import RequestTiming, command_stats, percentiles, summarize
 
@@ -131,10 +133,12 @@ def test_bench_backlog_pushes_everything_at_once_against_a_batch_as_wide_as_the_
     run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--redis-url", worker.redis_url, "--queue",
                           worker.queue, "--backlog", "--requests", "12", "--input-len", "20", "--output-len", "6",
                           "--vocab", "900", "--baseline", "inprocess", "--model", str(demo_model), "--json", str(out),
-                          "--seed", "7"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                          "--seed", "7", "--baseline-cpus", str(min(os.sched_getaffinity(0)))],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     report = json.loads(out.read_text())
     assert report["backlog_width"] == 16  # the worker's max_num_seqs
+    assert report["baseline_cpus"] == [min(os.sched_getaffinity(0))]
     assert [(r["name"], r["concurrency"]) for r in report["runs"]] == [("redis backlog", None), ("inprocess", None)]
     assert all(r["finished"] == 12 and r["tokens"] == 72 for r in report["runs"])
     assert report["runs"][1]["width"] == 16
@@ -164,3 +168,22 @@ def test_bench_compares_the_gateway_with_redis(worker, valkey, logs_dir, tmp_pat
     # The gateway's CPU is counted in clock ticks (10 ms): a run this small may count none.
     assert all(c["throughput_over_redis"] > 0 and c["cpu_ms_per_1k_tokens"] >= 0 for c in report["gateway"])
     assert "gateway c=1 vs Redis: TTFT p50" in run.stdout
+
+
+def test_baselines_run_with_every_thread_on_the_cpus_given_then_back():
+    """`--baseline-cpus`: every thread of the bench process, those made before included
+    (MLX's), runs the baselines on those CPUs, and goes back where it was after."""
+    cpus = os.sched_getaffinity(0)
+    one = {min(cpus)}
+    ready, done = threading.Event(), threading.Event()
+    earlier = threading.Thread(target=lambda: (ready.set(), done.wait(30)))
+    earlier.start()
+    ready.wait(30)
+    try:
+        with _threads_on(one):
+            assert {tid: os.sched_getaffinity(tid) for tid in map(int, os.listdir("/proc/self/task"))} == \
+                {tid: one for tid in map(int, os.listdir("/proc/self/task"))}
+        assert os.sched_getaffinity(earlier.native_id) == cpus and os.sched_getaffinity(0) == cpus
+    finally:
+        done.set()
+        earlier.join(30)
