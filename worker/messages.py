@@ -294,9 +294,10 @@ Command = Submit | Cancel | Abandon | Shutdown | Ping | SetAdapters
 class EngineInbox(Protocol):
     """What the queue side may ask of the engine process, from the event loop."""
 
-    async def prepare(self, message: Prepare) -> Preparation:
+    async def prepare(self, message: Prepare, sent: Callable[[], None] = lambda: None) -> Preparation:
         """Prepare a request and queue it in the engine, unless it is answered at once;
-        raises `EngineStopped` if the engine process ends first."""
+        raises `EngineStopped` if the engine process ends first. `sent` is called once
+        the message is on its way (the engine process takes requests in that order)."""
         ...
 
     def cancel(self, request_id: str) -> None: ...

@@ -32,6 +32,7 @@ from support import (
 
 from client import Client, Done, Error
 from worker.process.engine_link import blame
+from worker.process.engine_main import InOrder
 
 PROMPTS = [f"Story number {i}:" for i in range(4)]
 LONG = 400  # tokens: long enough to stop the engine in the middle of a generation
@@ -255,13 +256,28 @@ def test_a_preparer_that_fails_unforeseen_refuses_its_request_and_nothing_waits_
     sent: list[object] = []
     engine = EngineProcess.__new__(EngineProcess)  # its dispatch alone: no model, no engine thread
     engine.channel, engine._lock, engine._in_preparation = SimpleNamespace(send=sent.append), threading.Lock(), {}
+    engine._outcomes = InOrder()
     ref = RequestRef("r1", "1-0")
     engine._in_preparation[ref.id] = ""
 
     def broken(*_: object) -> object:
         raise KeyError("a bug")
 
-    engine._prepare(SimpleNamespace(prepare=broken), Prepare(Envelope("r1", {}, "json", None), ref, 0.0, 0.0))
+    engine._prepare(SimpleNamespace(prepare=broken), Prepare(Envelope("r1", {}, "json", None), ref, 0.0, 0.0), 0)
     (answer,) = sent
     assert isinstance(answer, Refused) and answer.code == "internal" and "KeyError" in answer.message
     assert engine._in_preparation == {}
+
+
+def test_preparations_that_end_out_of_order_reach_the_engine_in_the_order_they_came():
+    """Two preparing threads end in any order; what each leads to (queued, answered) is
+    carried out in the order the requests came: first come first served."""
+    carried: list[int] = []
+    order = InOrder()
+    order.done(2, lambda: carried.append(2))
+    order.done(1, lambda: carried.append(1))
+    assert carried == []
+    order.done(0, lambda: carried.append(0))
+    assert carried == [0, 1, 2]
+    order.done(3, lambda: carried.append(3))
+    assert carried == [0, 1, 2, 3]

@@ -207,11 +207,14 @@ class HeldPreparations:
     def __init__(self, r: aioredis.Redis, admit: bool = False) -> None:
         self.r = r
         self.admit = admit
+        self.sent: list[str] = []  # in the order they were sent
         self.preparing: list[str] = []
         self.most_at_once = 0
         self.release = asyncio.Event()
 
-    async def prepare(self, message: Prepare) -> Refused | Admitted:
+    async def prepare(self, message: Prepare, sent: Callable[[], None]) -> Refused | Admitted:
+        self.sent.append(message.ref.id)
+        sent()
         self.preparing.append(message.ref.id)
         self.most_at_once = max(self.most_at_once, len(self.preparing))
         await self.r.ping()
@@ -225,11 +228,12 @@ class HeldPreparations:
         pass
 
 
-async def read_new(r: aioredis.Redis, queue: str, count: int) -> list[Delivery]:
+async def read_new(r: aioredis.Redis, queue: str, count: int, first_prompt: str = "hi") -> list[Delivery]:
     """`count` new requests, read by consumer c1."""
     await ensure_groups(r, [KEYS.queue(queue)])
     for i in range(count):
-        await r.xadd(KEYS.queue(queue), {"id": f"r{i}", "json": json.dumps({"prompt": "hi"})})
+        prompt = first_prompt if i == 0 else "hi"
+        await r.xadd(KEYS.queue(queue), {"id": f"r{i}", "json": json.dumps({"prompt": prompt})})
     reply = await r.xreadgroup(GROUP, "c1", {KEYS.queue(queue): ">"}, count=count)
     return [Delivery(KEYS.queue(queue), entry_id.decode(), fields) for entry_id, fields in reply[0][1]]
 
@@ -246,14 +250,17 @@ async def until(condition: Callable[[], bool], what: str) -> None:
 
 async def test_intake_prepares_the_new_requests_of_one_read_side_by_side(r, queue):
     """Each request waits on Redis and on its preparation: a read's requests wait
-    together, so that a backlog's first wave reaches the batch at once."""
+    together, so that a backlog's first wave reaches the batch at once; they are sent to
+    be prepared in the order they were read, the first one slower to read (a body
+    decoded off the event loop) included."""
     requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r)
     taking = intake(r, queue, requests, emitted, [], engine)
-    accepting = asyncio.create_task(taking._accept_all(await read_new(r, queue, 3)))
+    accepting = asyncio.create_task(taking._accept_all(await read_new(r, queue, 3, first_prompt="x" * 100_000)))
     await until(lambda: len(engine.preparing) == 3, "all three in preparation at once")
     engine.release.set()
     await accepting
     assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"]
+    assert engine.sent == ["r0", "r1", "r2"], "sent in the order they were read"
 
 
 async def test_intake_prepares_requests_taken_over_one_at_a_time(r, queue):

@@ -155,15 +155,16 @@ class EngineLink:
         if future is not None and not future.done():
             future.set_result(answer)
 
-    async def prepare(self, message: Prepare) -> Preparation:
+    async def prepare(self, message: Prepare, sent: Callable[[], None] = lambda: None) -> Preparation:
         """Have the engine process prepare a request (and queue it there, if it is to be
-        computed); raises `EngineStopped` if the process ends first. While a new engine
-        process loads, it waits for it."""
+        computed, after those sent before it); raises `EngineStopped` if the process ends
+        first. While a new engine process loads, it waits for it."""
         await self.ready.wait()
         assert self._channel is not None
         future = asyncio.get_running_loop().create_future()
         self._channel.send(message)  # first: a message that cannot be sent leaves nothing waiting
         self._preparing[message.ref.id] = future
+        sent()
         return await future
 
     def cancel(self, request_id: str) -> None:

@@ -17,12 +17,14 @@ reaches the whole process group, and the drain it asks for is the I/O process's 
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import os
 import signal
 import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from functools import partial
@@ -93,6 +95,11 @@ class EngineProcess:
         # the lock: the main thread marks them, a preparing thread reads the marks).
         self._lock = threading.Lock()
         self._in_preparation: dict[str, str] = {}  # id -> "" | "cancelled" | "abandoned"
+        # Preparations end in any order; what they lead to (queued, answered) goes out in
+        # the order the requests came, so that the engine serves them first come first
+        # served: each Prepare's number, and the outcomes waiting for an earlier one.
+        self._received = itertools.count()
+        self._outcomes = InOrder()
         self._drain = threading.Thread(target=self._await_drain, name="mlxq-drain", daemon=True)
         self._drained = threading.Event()
 
@@ -112,7 +119,7 @@ class EngineProcess:
             if isinstance(message, Prepare):
                 with self._lock:
                     self._in_preparation[message.ref.id] = ""
-                self._preparing.submit(self._prepare, preparer, message)
+                self._preparing.submit(self._prepare, preparer, message, next(self._received))
             elif isinstance(message, Ping):
                 self.engine.ping()
             else:
@@ -142,47 +149,53 @@ class EngineProcess:
         self._drained.set()
         self.channel.send(Stopped())
 
-    def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare) -> None:
-        """On a preparing thread: prepare one request, queue it, and say how it went."""
+    def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare, number: int) -> None:
+        """On a preparing thread: prepare one request; queue it, or say how it went, once
+        every request received before it has been (`_in_order`)."""
+        self._in_order(number, self._prepared(preparer, message))
+
+    def _prepared(self, preparer: Preparer | PoolingPreparer, message: Prepare) -> Callable[[], None]:
+        """Prepare one request; what to do with the outcome (under the lock)."""
         ref = message.ref
         try:
             request = preparer.prepare(message.envelope, ref, message.arrived_at, message.clock_offset_s,
                                        message.resume)
         except RequestRejected as e:
-            self._answer(ref.id, Refused(ref, e.code, str(e)))
-            return
+            return partial(self._answer, ref.id, Refused(ref, e.code, str(e)))
         except DecoderDied as e:
-            self._answer(ref.id, DecoderCrashed(ref, str(e)))
-            return
+            return partial(self._answer, ref.id, DecoderCrashed(ref, str(e)))
         except Exception as e:  # noqa: BLE001 - a preparer's bug costs its request alone, never a silent hang
             reason = ascii(f"{type(e).__name__}: {e}"[:300])
             log.error("could not prepare a request", request_id=ref.id, error=reason, exc_info=e)
-            self._answer(ref.id, Refused(ref, ErrorCode.INTERNAL,
-                                         f"the worker could not prepare this request: {reason}"))
-            return
+            return partial(self._answer, ref.id, Refused(ref, ErrorCode.INTERNAL,
+                                                         f"the worker could not prepare this request: {reason}"))
         if message.priority_boost or message.alone:
             request = replace(request, queueing=replace(request.queueing, alone=message.alone,
                                                         priority=request.queueing.priority + message.priority_boost))
-        self._queue(request, message.cancelled)
+        return partial(self._queue, request, message.cancelled)
+
+    def _in_order(self, number: int, outcome: Callable[[], None]) -> None:
+        with self._lock:
+            self._outcomes.done(number, outcome)
 
     def _queue(self, request: EngineRequest | PoolingRequest, cancelled: bool) -> None:
+        """(Under the lock.)"""
         now = time.time()
-        with self._lock:
-            mark = self._in_preparation.pop(request.id, "")
-            if mark == "abandoned":
-                return
-            if cancelled or mark == "cancelled":  # flagged before it was read, or while prepared: never computed
-                self.channel.send(Answered(request.ref, not_started(request, now), now))
-            elif isinstance(request, EngineRequest) and request.counted_only:  # its prompt counted: the answer
-                self.channel.send(Answered(request.ref, not_started(request, now, "length"), now))
-            else:  # sent before the engine has it, so that its first events come after
-                self.channel.send(Admitted(request.ref, now))
-                self.engine.submit(request)
+        mark = self._in_preparation.pop(request.id, "")
+        if mark == "abandoned":
+            return
+        if cancelled or mark == "cancelled":  # flagged before it was read, or while prepared: never computed
+            self.channel.send(Answered(request.ref, not_started(request, now), now))
+        elif isinstance(request, EngineRequest) and request.counted_only:  # its prompt counted: the answer
+            self.channel.send(Answered(request.ref, not_started(request, now, "length"), now))
+        else:  # sent before the engine has it, so that its first events come after
+            self.channel.send(Admitted(request.ref, now))
+            self.engine.submit(request)
 
     def _answer(self, request_id: str, answer: Preparation) -> None:
-        with self._lock:
-            if self._in_preparation.pop(request_id, "") != "abandoned":
-                self.channel.send(answer)
+        """(Under the lock.)"""
+        if self._in_preparation.pop(request_id, "") != "abandoned":
+            self.channel.send(answer)
 
     def _on_output(self, out: StepOutput) -> None:
         self.channel.send(Step(out.outgoing, out.abandoned, out.first_tokens))
@@ -191,6 +204,21 @@ class EngineProcess:
         """The engine thread failed: every request it held dies with this process."""
         sys.stderr.flush()
         os._exit(FATAL_STATUS)
+
+
+class InOrder:
+    """Carries out numbered outcomes (0, 1, 2, ...) in number order, each as soon as every
+    earlier one has been."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._waiting: dict[int, Callable[[], None]] = {}
+
+    def done(self, number: int, outcome: Callable[[], None]) -> None:
+        self._waiting[number] = outcome
+        while (ready := self._waiting.pop(self._next, None)) is not None:
+            ready()
+            self._next += 1
 
 
 def main() -> int:
