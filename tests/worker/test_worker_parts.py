@@ -222,7 +222,7 @@ class HeldPreparations:
         self.preparing.remove(message.ref.id)
         if self.admit:
             return Admitted(message.ref, time.time())
-        return Refused(message.ref, ErrorCode.INVALID, "refused by the test")
+        return Refused(message.ref, ErrorCode.INVALID_REQUEST, "refused by the test")
 
     def abandon(self, request_id: str) -> None:
         pass
@@ -260,7 +260,24 @@ async def test_intake_prepares_the_new_requests_of_one_read_side_by_side(r, queu
     engine.release.set()
     await accepting
     assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"]
+    assert all(o.event.message == "refused by the test" for o in emitted)
     assert engine.sent == ["r0", "r1", "r2"], "sent in the order they were read"
+
+
+async def test_intake_takes_in_entries_of_two_streams_that_share_an_id(r, queue):
+    """Entry ids are per stream: a lane's entry and the queue's may have the same one,
+    and read together, each still takes its own turn."""
+    requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r)
+    engine.release.set()
+    taking = intake(r, queue, requests, emitted, [], engine)
+    deliveries = []
+    for i, stream in enumerate((KEYS.lane(queue, "urgent"), KEYS.queue(queue))):
+        await ensure_groups(r, [stream])
+        await r.xadd(stream, {"id": f"r{i}", "json": json.dumps({"prompt": "hi"})}, id="5-0")
+        reply = await r.xreadgroup(GROUP, "c1", {stream: ">"}, count=1)
+        deliveries += [Delivery(stream, entry_id.decode(), fields) for entry_id, fields in reply[0][1]]
+    await asyncio.wait_for(taking._accept_all(deliveries), 30)
+    assert sorted(o.ref.id for o in emitted) == ["r0", "r1"] and engine.sent == ["r0", "r1"]
 
 
 async def test_intake_prepares_requests_taken_over_one_at_a_time(r, queue):

@@ -73,8 +73,9 @@ class Intake:
         self._outages_seen = outage.ended
         self._retake = False  # requests were let go when the engine died: list our pending entries again
         self._backlogged = False  # the last read got all it asked for, and left a group unread
-        # Entry id -> the turn of the entry read before it and its own (`_accept_all`).
-        self._turns: dict[str, tuple[asyncio.Event | None, asyncio.Event]] = {}
+        # (stream, entry id) -> the turn of the entry read before it and its own
+        # (`_accept_all`); by stream too: two streams' entries may share an id.
+        self._turns: dict[tuple[str, str], tuple[asyncio.Event | None, asyncio.Event]] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled)."""
@@ -187,12 +188,13 @@ class Intake:
         # Each sends its request to be prepared after the one read before it has (or has
         # ended without): the engine process takes them in that order, first come first served.
         turns = [asyncio.Event() for _ in deliveries]
-        self._turns.update((d.entry_id, (turns[i - 1] if i else None, turns[i])) for i, d in enumerate(deliveries))
+        self._turns.update(((d.stream, d.entry_id), (turns[i - 1] if i else None, turns[i]))
+                           for i, d in enumerate(deliveries))
         try:
             outcomes = await asyncio.gather(*(self._accept(d) for d in deliveries), return_exceptions=True)
         finally:
             for delivery in deliveries:
-                self._turns.pop(delivery.entry_id, None)
+                self._turns.pop((delivery.stream, delivery.entry_id), None)
         for outcome in outcomes:  # only what stops the worker gets here (`_accept`)
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -206,7 +208,7 @@ class Intake:
                 raise  # Redis refuses the worker's own keys: that is the worker's failure, not the entry's
             await self._fail_entry(delivery, e)
         finally:
-            _, mine = self._turns.get(delivery.entry_id, (None, None))
+            _, mine = self._turns.get((delivery.stream, delivery.entry_id), (None, None))
             if mine is not None:  # (ended without being prepared: the next one's turn)
                 mine.set()
 
@@ -347,7 +349,7 @@ class Intake:
         it as often as `max_crashes` allows (a decoder's death counts as a crash, beside the
         workers that died on it); let go when the engine process died with it (a crash
         recorded in Redis: the request is taken in afresh once a new engine runs)."""
-        previous, mine = self._turns.get(delivery.entry_id, (None, None))
+        previous, mine = self._turns.get((delivery.stream, delivery.entry_id), (None, None))
         if previous is not None:
             await previous.wait()
         while True:
