@@ -338,12 +338,14 @@ def _add_redis(commands: Any) -> None:
 
 
 def _cpu_list(text: str) -> set[int]:
+    if not hasattr(os, "sched_setaffinity"):
+        raise argparse.ArgumentTypeError("pinning threads to CPUs needs Linux")
     try:
         cpus = {int(part) for part in text.split(",")}
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a list of CPU numbers: {text!r}") from None
-    if any(cpu < 0 for cpu in cpus):
-        raise argparse.ArgumentTypeError(f"not a list of CPU numbers: {text!r}")
+    if any(not 0 <= cpu < (os.cpu_count() or 1) for cpu in cpus):
+        raise argparse.ArgumentTypeError(f"this machine's CPUs are 0 to {(os.cpu_count() or 1) - 1}: {text!r}")
     return cpus
 
 

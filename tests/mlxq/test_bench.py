@@ -187,3 +187,11 @@ def test_baselines_run_with_every_thread_on_the_cpus_given_then_back():
     finally:
         done.set()
         earlier.join(30)
+
+
+@pytest.mark.parametrize("cpus", ["99999", "0,x", "-1"])
+def test_baseline_cpus_that_are_not_this_machines_are_refused_before_anything_runs(cpus):
+    run = subprocess.run([sys.executable, "-m", "mlxq", "bench", "--baseline-cpus", cpus], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--baseline-cpus" in run.stderr
+    assert "not a list of CPU numbers" in run.stderr or "this machine's CPUs are 0 to" in run.stderr
