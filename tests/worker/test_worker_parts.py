@@ -309,7 +309,8 @@ async def test_intake_reads_a_prefill_group_ahead_while_a_backlog_waits_and_no_m
         for held in list(requests)[:4]:  # four rows end: the worker reads again
             requests.end(held.route.id, RequestStatus.SETTLED)
         await until(lambda: len(requests) == 8, "the next group read")
-        assert taking._read_ahead() == 1 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 0
+        await until(lambda: taking._read_ahead() == 1, "none left unread seen (after the group was taken in)")
+        assert (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 0
         for held in list(requests)[:4]:  # none left unread: `prefetch` ahead again
             requests.end(held.route.id, RequestStatus.SETTLED)
         async with r.pipeline(transaction=True) as pipe:  # fewer than a group come: all at once
@@ -317,7 +318,8 @@ async def test_intake_reads_a_prefill_group_ahead_while_a_backlog_waits_and_no_m
                 pipe.xadd(KEYS.queue(queue), {"id": f"late{i}", "json": json.dumps({"prompt": "hi"})})
             await pipe.execute()
         await until(lambda: len(requests) == 5, "one late request read")
-        assert taking._read_ahead() == 1 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 2
+        await until(lambda: taking._read_ahead() == 1, "fewer than a group left unread seen")
+        assert len(requests) == 5 and (await r.xinfo_groups(KEYS.queue(queue)))[0]["lag"] == 2
     finally:
         stop.set()
         running.cancel()

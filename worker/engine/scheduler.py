@@ -135,9 +135,9 @@ class Scheduler(Generic[R]):
         rows, the batch's caches joined), whatever its size: a backlog's prompts started
         one or two at a time cost more than together (docs/benchmarks.md, "Logprobs only
         when asked, and prefill groups"), and rows that start together end together, so
-        the backlog's slots keep freeing in groups. With nothing on its way, nothing
-        running, or no more waiting than slots are free (interactive traffic, a closed
-        loop), nothing waits.
+        the backlog's slots keep freeing in groups. A lone request never waits; with
+        nothing on its way, neither do interactive traffic nor a closed loop (no more
+        waiting than slots are free), nor an idle engine.
         """
         free, waiting = self.policy.max_num_seqs - running, len(self._waiting)
         group = min(max(1, self.policy.prefill_batch_size // 2), waiting)

@@ -99,6 +99,8 @@ class Intake:
                 deliveries = await self._reclaimed(room) or await self._stolen(free) or \
                     await self._read(room, self._block_ms(), free)
             await self._accept_all(deliveries)
+            if self._backlogged:  # only now: the round trip is not on the way of what was read
+                self._backlogged = await self._backlog_left()
 
     def _read_ahead(self) -> int:
         """How many entries to hold beyond the free slots: `prefetch`, or while the queue
@@ -115,7 +117,7 @@ class Intake:
         read = partial(self.streams.read, room, block_ms, free)
         deliveries = [Delivery(stream, entry_id, fields) for stream, entry_id, fields in
                       await retrying(read, "reading requests")]
-        self._backlogged = len(deliveries) >= room and await self._backlog_left()
+        self._backlogged = len(deliveries) >= room  # looked at further once they are taken in (`run`)
         return deliveries
 
     async def _backlog_left(self) -> bool:
