@@ -340,6 +340,11 @@ class Envelope:
     error: RequestRejected | None = None
     size: int = 0  # bytes of the encoded body
 
+    @property
+    def names_media(self) -> bool:
+        """Whether the body fills a media field (images, videos, audio), before it is validated."""
+        return isinstance(self.raw, dict) and any(self.raw.get(field) for field in MEDIA_FIELDS.values())
+
 
 def read_envelope(fields: dict[Any, Any], max_body_bytes: int | None = None,
                   max_depth: int = MAX_NESTING_DEPTH) -> Envelope:

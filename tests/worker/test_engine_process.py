@@ -281,3 +281,41 @@ def test_preparations_that_end_out_of_order_reach_the_engine_in_the_order_they_c
     assert carried == [0, 1, 2]
     order.done(3, lambda: carried.append(3))
     assert carried == [0, 1, 2, 3]
+
+
+def test_a_request_with_media_holds_back_nobody_while_it_is_prepared():
+    """Decoding media may take seconds: a request with media takes no place in the order
+    in which outcomes are carried out, nor among the requests the engine holds a start
+    for (`preparing`), so the text request that came after it is answered without
+    waiting for it, and it is answered as soon as it is ready, behind nobody."""
+    import threading
+    from types import SimpleNamespace
+
+    from client.protocol import Envelope, RequestRejected
+    from worker.messages import Prepare, Refused, RequestRef
+    from worker.process.engine_main import EngineProcess
+
+    sent: list[object] = []
+    engine = EngineProcess.__new__(EngineProcess)  # its dispatch alone: no model, no engine thread
+    engine.channel, engine._lock, engine._in_preparation = SimpleNamespace(send=sent.append), threading.Lock(), {}
+    engine._outcomes, engine._numbered = InOrder(), 0
+    bodies = {"t0": {"prompt": "hi"}, "video": {"prompt": "what is it?", "videos": ["AAAA"]}, "t1": {"prompt": "hi"}}
+    messages = {rid: Prepare(Envelope(rid, body, "json", None), RequestRef(rid, "1-0"), 0.0, 0.0)
+                for rid, body in bodies.items()}
+    numbers = {rid: engine._number(message) for rid, message in messages.items()}
+    engine._in_preparation.update(dict.fromkeys(bodies, ""))
+    assert numbers == {"t0": 0, "video": None, "t1": 1}
+    assert engine._numbered - engine._outcomes.carried_out == 2, "the video is not waited for"
+
+    def refusing(envelope: Envelope, *_: object) -> object:
+        raise RequestRejected(f"{envelope.id} refused")
+
+    def prepared(rid: str) -> None:
+        engine._prepare(SimpleNamespace(prepare=refusing), messages[rid], numbers[rid])
+
+    prepared("t1")  # before t0: it waits for t0
+    assert sent == []
+    prepared("video")  # behind nobody
+    prepared("t0")
+    assert [answer.ref.id for answer in sent if isinstance(answer, Refused)] == ["video", "t0", "t1"]
+    assert engine._numbered - engine._outcomes.carried_out == 0 and engine._in_preparation == {}

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import redis.asyncio as aioredis
+from redis.exceptions import NoPermissionError
 from support import KEYS
 
 from client import Error, decode_event
@@ -202,11 +203,14 @@ class HeldPreparations:
     """The engine process's stand-in: keeps each request it is asked to prepare until
     `release` is set (after a round trip to Redis, as a preparation takes time), then
     refuses it, so that it ends without a model; or, with `admit`, queues it (never to
-    run: the request stays held)."""
+    run: the request stays held). The request named `hold` is never released; for the
+    one named `deny`, Redis refuses the worker a command."""
 
-    def __init__(self, r: aioredis.Redis, admit: bool = False) -> None:
+    def __init__(self, r: aioredis.Redis, admit: bool = False, hold: str = "", deny: str = "") -> None:
         self.r = r
         self.admit = admit
+        self.hold = hold
+        self.deny = deny
         self.sent: list[str] = []  # in the order they were sent
         self.preparing: list[str] = []
         self.most_at_once = 0
@@ -219,6 +223,10 @@ class HeldPreparations:
         self.most_at_once = max(self.most_at_once, len(self.preparing))
         await self.r.ping()
         await self.release.wait()
+        if message.ref.id == self.hold:
+            await asyncio.Event().wait()  # never set
+        if message.ref.id == self.deny:
+            raise NoPermissionError("NOPERM User worker has no permissions to run the 'evalsha' command")
         self.preparing.remove(message.ref.id)
         if self.admit:
             return Admitted(message.ref, time.time())
@@ -252,16 +260,53 @@ async def test_intake_prepares_the_new_requests_of_one_read_side_by_side(r, queu
     """Each request waits on Redis and on its preparation: a read's requests wait
     together, so that a backlog's first wave reaches the batch at once; they are sent to
     be prepared in the order they were read, the first one slower to read (a body
-    decoded off the event loop) included."""
+    decoded off the event loop) included; and the intake reads on once they are sent,
+    without waiting for their preparations (a video's decoding holds back nobody)."""
     requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r)
     taking = intake(r, queue, requests, emitted, [], engine)
-    accepting = asyncio.create_task(taking._accept_all(await read_new(r, queue, 3, first_prompt="x" * 100_000)))
-    await until(lambda: len(engine.preparing) == 3, "all three in preparation at once")
-    engine.release.set()
-    await accepting
-    assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"]
-    assert all(o.event.message == "refused by the test" for o in emitted)
+    await asyncio.wait_for(taking._accept_all(await read_new(r, queue, 3, first_prompt="x" * 100_000)), 30)
+    assert sorted(engine.preparing) == ["r0", "r1", "r2"] and not emitted, "all three in preparation, none ended"
     assert engine.sent == ["r0", "r1", "r2"], "sent in the order they were read"
+    engine.release.set()
+    await until(lambda: len(emitted) == 3, "all three answered")
+    assert all(o.event.message == "refused by the test" for o in emitted)
+
+
+async def test_intake_reads_on_while_a_request_is_prepared(r, queue):
+    """A request whose preparation does not end (a decode that hangs) holds a slot, and
+    nothing else: the requests read after it are prepared and answered meanwhile."""
+    requests, emitted, engine = RequestTable(4, abandon=lambda _: None), [], HeldPreparations(r, hold="slow")
+    engine.release.set()
+    taking = intake(r, queue, requests, emitted, [], engine)
+    await ensure_groups(r, [KEYS.queue(queue)])
+    await r.xadd(KEYS.queue(queue), {"id": "slow", "json": json.dumps({"prompt": "hi"})})
+    stop = asyncio.Event()
+    running = asyncio.create_task(taking.run(stop))
+    try:
+        await until(lambda: engine.preparing == ["slow"], "the slow one in preparation")
+        for i in range(3):
+            await r.xadd(KEYS.queue(queue), {"id": f"r{i}", "json": json.dumps({"prompt": "hi"})})
+        await until(lambda: len(emitted) == 3, "the three read after it answered")
+        assert sorted(o.ref.id for o in emitted) == ["r0", "r1", "r2"] and engine.preparing == ["slow"]
+    finally:
+        stop.set()
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+
+
+async def test_redis_refusing_the_worker_while_a_request_is_taken_in_stops_the_intake(r, queue):
+    """An entry's intake runs beside the reads; Redis refusing the worker its own keys
+    there is the worker's failure, not the entry's: `run` raises it (the worker stops)."""
+    requests, engine = RequestTable(4, abandon=lambda _: None), HeldPreparations(r, deny="denied")
+    engine.release.set()
+    taking = intake(r, queue, requests, [], [], engine)
+    await ensure_groups(r, [KEYS.queue(queue)])
+    await r.xadd(KEYS.queue(queue), {"id": "denied", "json": json.dumps({"prompt": "hi"})})
+    running = asyncio.create_task(taking.run(asyncio.Event()))
+    await asyncio.wait([running], timeout=60)
+    assert running.done(), "the intake went on reading"
+    with pytest.raises(NoPermissionError, match="NOPERM"):
+        running.result()
 
 
 async def test_intake_takes_in_entries_of_two_streams_that_share_an_id(r, queue):
@@ -277,6 +322,7 @@ async def test_intake_takes_in_entries_of_two_streams_that_share_an_id(r, queue)
         reply = await r.xreadgroup(GROUP, "c1", {stream: ">"}, count=1)
         deliveries += [Delivery(stream, entry_id.decode(), fields) for entry_id, fields in reply[0][1]]
     await asyncio.wait_for(taking._accept_all(deliveries), 30)
+    await until(lambda: len(emitted) == 2, "both answered")
     assert sorted(o.ref.id for o in emitted) == ["r0", "r1"] and engine.sent == ["r0", "r1"]
 
 

@@ -17,7 +17,6 @@ reaches the whole process group, and the drain it asks for is the I/O process's 
 from __future__ import annotations
 
 import faulthandler
-import itertools
 import os
 import signal
 import socket
@@ -88,7 +87,7 @@ class EngineProcess:
                              SchedulingPolicy.of(settings), on_output=self._on_output, on_fatal=self._on_fatal,
                              on_stats=channel.send, on_pong=lambda: channel.send(Pong()), faults=self.faults,
                              on_start=lambda request_ids: channel.send(Started(request_ids)),
-                             preparing=lambda: len(self._in_preparation))
+                             preparing=lambda: self._numbered - self._outcomes.carried_out)
         self.hosting = hosting
         self._preparing = ThreadPoolExecutor(PREPARING_THREADS, thread_name_prefix="mlxq-prepare")
         # Requests being prepared, and those of them cancelled or dropped meanwhile (under
@@ -97,8 +96,11 @@ class EngineProcess:
         self._in_preparation: dict[str, str] = {}  # id -> "" | "cancelled" | "abandoned"
         # Preparations end in any order; what they lead to (queued, answered) goes out in
         # the order the requests came, so that the engine serves them first come first
-        # served: each Prepare's number, and the outcomes waiting for an earlier one.
-        self._received = itertools.count()
+        # served: each Prepare's number, and the outcomes waiting for an earlier one. A
+        # request with media is not numbered: its decoding may take seconds, and the
+        # requests read after it must not wait for that. It is queued when it is ready,
+        # in its place by arrival (`Scheduler.rank`).
+        self._numbered = 0
         self._outcomes = InOrder()
         self._drain = threading.Thread(target=self._await_drain, name="mlxq-drain", daemon=True)
         self._drained = threading.Event()
@@ -119,7 +121,7 @@ class EngineProcess:
             if isinstance(message, Prepare):
                 with self._lock:
                     self._in_preparation[message.ref.id] = ""
-                self._preparing.submit(self._prepare, preparer, message, next(self._received))
+                self._preparing.submit(self._prepare, preparer, message, self._number(message))
             elif isinstance(message, Ping):
                 self.engine.ping()
             else:
@@ -149,9 +151,17 @@ class EngineProcess:
         self._drained.set()
         self.channel.send(Stopped())
 
-    def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare, number: int) -> None:
+    def _number(self, message: Prepare) -> int | None:
+        """The request's place among those whose outcomes go out in order; None for one
+        with media (see `__init__`)."""
+        if message.envelope.names_media:
+            return None
+        self._numbered += 1
+        return self._numbered - 1
+
+    def _prepare(self, preparer: Preparer | PoolingPreparer, message: Prepare, number: int | None) -> None:
         """On a preparing thread: prepare one request; queue it, or say how it went, once
-        every request received before it has been (`_in_order`)."""
+        every numbered request received before it has been (`_in_order`)."""
         self._in_order(number, self._prepared(preparer, message))
 
     def _prepared(self, preparer: Preparer | PoolingPreparer, message: Prepare) -> Callable[[], None]:
@@ -174,9 +184,12 @@ class EngineProcess:
                                                         priority=request.queueing.priority + message.priority_boost))
         return partial(self._queue, request, message.cancelled)
 
-    def _in_order(self, number: int, outcome: Callable[[], None]) -> None:
+    def _in_order(self, number: int | None, outcome: Callable[[], None]) -> None:
         with self._lock:
-            self._outcomes.done(number, outcome)
+            if number is None:
+                outcome()
+            else:
+                self._outcomes.done(number, outcome)
 
     def _queue(self, request: EngineRequest | PoolingRequest, cancelled: bool) -> None:
         """(Under the lock.)"""
@@ -211,14 +224,14 @@ class InOrder:
     earlier one has been."""
 
     def __init__(self) -> None:
-        self._next = 0
+        self.carried_out = 0  # and so the next number to carry out
         self._waiting: dict[int, Callable[[], None]] = {}
 
     def done(self, number: int, outcome: Callable[[], None]) -> None:
         self._waiting[number] = outcome
-        while (ready := self._waiting.pop(self._next, None)) is not None:
+        while (ready := self._waiting.pop(self.carried_out, None)) is not None:
             ready()
-            self._next += 1
+            self.carried_out += 1
 
 
 def main() -> int:

@@ -73,12 +73,30 @@ class Intake:
         self._outages_seen = outage.ended
         self._retake = False  # requests were let go when the engine died: list our pending entries again
         self._backlogged = False  # the last read got all it asked for, and left a group unread
-        # (stream, entry id) -> the turn of the entry read before it and its own
+        # (stream, entry id) -> the turns of the entries read before it and its own
         # (`_accept_all`); by stream too: two streams' entries may share an id.
-        self._turns: dict[tuple[str, str], tuple[asyncio.Event | None, asyncio.Event]] = {}
+        self._turns: dict[tuple[str, str], tuple[list[asyncio.Event], asyncio.Event]] = {}
+        self._accepting: set[asyncio.Task[None]] = set()  # entries still being taken in
+        self._runner: asyncio.Task[None] | None = None  # the task in `run`
+        self._fatal: BaseException | None = None  # what an entry's intake raised that stops the worker
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Take requests in until `stop` is set (or the task is cancelled)."""
+        """Take requests in until `stop` is set (or the task is cancelled); raises what
+        stops the worker (Redis refusing its own keys), in the loop or in an entry's intake."""
+        self._runner = asyncio.current_task()
+        try:
+            await self._read_while(stop)
+        except asyncio.CancelledError:
+            if self._fatal is None:
+                raise
+        finally:
+            for task in self._accepting:
+                task.cancel()
+            await asyncio.gather(*self._accepting, return_exceptions=True)
+        if self._fatal is not None:
+            raise self._fatal
+
+    async def _read_while(self, stop: asyncio.Event) -> None:
         while not stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
             read_ahead = self._read_ahead()
             room = self.requests.room(read_ahead)
@@ -177,29 +195,36 @@ class Intake:
         return held is not None and held.route.stream == stream
 
     async def _accept_all(self, deliveries: list[Delivery]) -> None:
-        """Take new entries in side by side: each waits on Redis and on the engine
-        process's preparation, and one after another a backlog's first wave would reach
-        the batch a step or two apart, to be started in as many prefills. Entries
-        delivered before go one at a time: one may be what killed an engine process, and
+        """Take new entries in side by side, and return once each has been sent to be
+        prepared (or has ended without): the next read does not wait for preparations,
+        so a request slow to prepare (a long video to decode) holds back nobody read
+        after it, and one after another a backlog's first wave would reach the batch a
+        step or two apart, to be started in as many prefills. Entries delivered before
+        go one at a time, each to its end: one may be what killed an engine process, and
         a death is blamed on every request in preparation (`_prepared`), so it must be
         prepared with nothing beside it for the next death to be blamed on it alone."""
-        if len(deliveries) == 1 or any(delivery.deliveries > 1 for delivery in deliveries):
+        if any(delivery.deliveries > 1 for delivery in deliveries):
             for delivery in deliveries:
                 await self._accept(delivery)
             return
-        # Each sends its request to be prepared after the one read before it has (or has
-        # ended without): the engine process takes them in that order, first come first served.
+        # Each sends its request to be prepared once every entry read before it has been
+        # sent (or has ended without): the engine process takes them in that order.
         turns = [asyncio.Event() for _ in deliveries]
-        self._turns.update(((d.stream, d.entry_id), (turns[i - 1] if i else None, turns[i]))
-                           for i, d in enumerate(deliveries))
-        try:
-            outcomes = await asyncio.gather(*(self._accept(d) for d in deliveries), return_exceptions=True)
-        finally:
-            for delivery in deliveries:
-                self._turns.pop((delivery.stream, delivery.entry_id), None)
-        for outcome in outcomes:  # only what stops the worker gets here (`_accept`)
-            if isinstance(outcome, BaseException):
-                raise outcome
+        self._turns.update(((d.stream, d.entry_id), (turns[:i], turns[i])) for i, d in enumerate(deliveries))
+        for delivery in deliveries:
+            task = asyncio.create_task(self._accept(delivery))
+            self._accepting.add(task)
+            task.add_done_callback(self._accepted)
+        await asyncio.gather(*(turn.wait() for turn in turns))
+
+    def _accepted(self, task: asyncio.Task[None]) -> None:
+        """An entry's intake ended; one that raised stops the worker (`_accept`)."""
+        self._accepting.discard(task)
+        if task.cancelled() or task.exception() is None or self._fatal is not None:
+            return
+        self._fatal = task.exception()
+        if self._runner is not None:
+            self._runner.cancel()  # `run` raises it
 
     async def _accept(self, delivery: Delivery) -> None:
         """Take one entry in; whatever goes wrong with it stays with it."""
@@ -210,8 +235,8 @@ class Intake:
                 raise  # Redis refuses the worker's own keys: that is the worker's failure, not the entry's
             await self._fail_entry(delivery, e)
         finally:
-            _, mine = self._turns.get((delivery.stream, delivery.entry_id), (None, None))
-            if mine is not None:  # (ended without being prepared: the next one's turn)
+            _, mine = self._turns.pop((delivery.stream, delivery.entry_id), ([], None))
+            if mine is not None:  # (ended without being sent: the next ones need not wait for it)
                 mine.set()
 
     async def _take_in(self, delivery: Delivery) -> None:
@@ -351,9 +376,9 @@ class Intake:
         it as often as `max_crashes` allows (a decoder's death counts as a crash, beside the
         workers that died on it); let go when the engine process died with it (a crash
         recorded in Redis: the request is taken in afresh once a new engine runs)."""
-        previous, mine = self._turns.get((delivery.stream, delivery.entry_id), (None, None))
-        if previous is not None:
-            await previous.wait()
+        earlier, mine = self._turns.get((delivery.stream, delivery.entry_id), ([], None))
+        for turn in earlier:
+            await turn.wait()
         while True:
             try:
                 prepared = await self.engine.prepare(prepare, mine.set if mine is not None else lambda: None)

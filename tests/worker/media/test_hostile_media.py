@@ -15,7 +15,16 @@ import numpy as np
 import psutil
 import pytest
 from media import png, video, wav
-from support import KEYS, WorkerProcess, check_stream, start_worker, worker_fixture, worker_url
+from support import (
+    KEYS,
+    WorkerProcess,
+    check_stream,
+    output_stream,
+    start_worker,
+    wait_for,
+    worker_fixture,
+    worker_url,
+)
 
 from client import Done, Error
 
@@ -26,6 +35,12 @@ MAX_PIXELS = 200_000  # the test worker's max_image_pixels: frames above it are 
 worker = worker_fixture("vision_model", env={"MLXQ_TEST_DECODER_CRASH_ON": CRASH.decode(),
                                              "MLXQ_TEST_DECODER_HANG_ON": HANG.decode()},
                         max_image_pixels=MAX_PIXELS, max_video_seconds=60, media_decode_timeout_s=10, max_crashes=2)
+
+
+# A decode that hangs here ends only when the test kills its decoder (a time limit
+# nothing in a test reaches), and its request is dead-lettered at its first decoder death.
+hung_worker = worker_fixture("vision_model", env={"MLXQ_TEST_DECODER_HANG_ON": HANG.decode()},
+                             media_decode_timeout_s=3600, max_crashes=1)
 
 
 def cases(tmp: Path) -> dict[str, tuple[bytes, str, str]]:
@@ -112,3 +127,28 @@ def test_each_hostile_audio_clip_costs_its_own_request_only(audio_worker, r, out
         assert worker.process.poll() is None, f"{name}: the worker died"
     grown = psutil.Process(worker.process.pid).memory_info().rss - rss_before
     assert grown < 200 << 20, f"the worker's RSS grew by {grown >> 20} MB"
+
+
+def test_a_video_slow_to_decode_holds_back_no_request_read_after_it(hung_worker, r, outputs, new_id, tmp_path):
+    """Preparation runs beside the batch, and a request whose media take long to decode
+    holds its own slot only: a text request read after it is served meanwhile; the video
+    is answered when its decoding ends (here: its decoder killed)."""
+    video_id, text_id = new_id("video"), new_id("text")
+    payload = base64.b64encode(video(tmp_path / "hangs.mp4") + HANG).decode()
+    r.xadd(KEYS.queue(hung_worker.queue),
+           {"id": video_id, "json": json.dumps({"prompt": "What is it?", "videos": [payload], "max_tokens": 4})})
+    wait_for(lambda: r.exists(KEYS.crashes(hung_worker.queue, video_id)), what="the video's attempt opened")
+    r.xadd(KEYS.queue(hung_worker.queue), {"id": text_id, "json": json.dumps({"prompt": "Hi", "max_tokens": 4})})
+    assert isinstance(check_stream(outputs.of(text_id, timeout=120)), Done)
+    assert output_stream(r, video_id) is None, "nothing of the video yet: its decode hangs"
+    for decoder in _decoders(hung_worker):
+        decoder.kill()
+    error = check_stream(outputs.of(video_id, timeout=120))
+    assert isinstance(error, Error) and error.code == "poisoned", error
+    assert hung_worker.process.poll() is None
+
+
+def _decoders(worker: WorkerProcess) -> list[psutil.Process]:
+    """The worker's media decoder processes (spawned by its engine process)."""
+    children = psutil.Process(worker.process.pid).children(recursive=True)
+    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
