@@ -195,14 +195,15 @@ class Intake:
         return held is not None and held.route.stream == stream
 
     async def _accept_all(self, deliveries: list[Delivery]) -> None:
-        """Take new entries in side by side, and return once each has been sent to be
-        prepared (or has ended without): the next read does not wait for preparations,
-        so a request slow to prepare (a long video to decode) holds back nobody read
-        after it, and one after another a backlog's first wave would reach the batch a
-        step or two apart, to be started in as many prefills. Entries delivered before
-        go one at a time, each to its end: one may be what killed an engine process, and
-        a death is blamed on every request in preparation (`_prepared`), so it must be
-        prepared with nothing beside it for the next death to be blamed on it alone."""
+        """Take new entries in side by side (each waits on Redis and on its preparation;
+        one after another, a backlog's first wave would reach the batch a step or two
+        apart, to be started in as many prefills), and return once each has been sent to
+        be prepared or has ended: the next read does not wait for preparations, so a
+        request slow to prepare (a long video to decode) holds back nobody read after it.
+        Entries delivered before go one at a time, each to its end: one may be what
+        killed an engine process, and a death is blamed on every request in preparation
+        (`_prepared`), so it must be prepared with nothing beside it for the next death
+        to be blamed on it alone."""
         if any(delivery.deliveries > 1 for delivery in deliveries):
             for delivery in deliveries:
                 await self._accept(delivery)
