@@ -281,6 +281,10 @@ def test_preparations_that_end_out_of_order_reach_the_engine_in_the_order_they_c
     assert carried == [0, 1, 2]
     order.done(3, lambda: carried.append(3))
     assert carried == [0, 1, 2, 3]
+    # Counted as carried out while its outcome runs: a request queued in the engine is no
+    # longer one on its way, which the engine would hold a start for (`preparing`).
+    order.done(4, lambda: carried.append(order.carried_out))
+    assert carried[-1] == 5
 
 
 def test_a_request_with_media_holds_back_nobody_while_it_is_prepared():

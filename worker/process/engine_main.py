@@ -230,8 +230,8 @@ class InOrder:
     def done(self, number: int, outcome: Callable[[], None]) -> None:
         self._waiting[number] = outcome
         while (ready := self._waiting.pop(self.carried_out, None)) is not None:
+            self.carried_out += 1  # first: the engine must not count a request it has as on its way
             ready()
-            self.carried_out += 1
 
 
 def main() -> int:
