@@ -63,8 +63,7 @@ def main(model_path: str, seed: int, width: int = 16) -> None:
     decode_s = (tokens - len(planned)) / width * statistics.median(full)
     bound_s = decode_s + prompt_tokens * per_prompt_token
     print(f"bound: {tokens / bound_s:.0f} tok/s ({decode_s:.3f} s decoding, {prompt_tokens} prompt tokens at "
-          f"{per_prompt_token * 1e6:.0f} us each); raw BatchGenerator made {tokens / elapsed / (tokens / bound_s):.3f} "
-          f"of it")
+          f"{per_prompt_token * 1e6:.0f} us each); raw BatchGenerator made {bound_s / elapsed:.3f} of it")
 
 
 def _prefill_s(model, planned: list, group: int, repeats: int = 5) -> float:
