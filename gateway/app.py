@@ -284,7 +284,9 @@ def create_app(settings: GatewaySettings, api: bool = True) -> Starlette:
         yield
         for runner in runners:
             runner.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+        if runners:  # bounded as the close below: a Redis call cancelled mid-way can hang in
+            # redis-py's disconnect; what is left is cancelled once more as the loop ends
+            await asyncio.wait(runners, timeout=CLOSE_TIMEOUT_S)
         try:
             await asyncio.wait_for(gateway.close(), CLOSE_TIMEOUT_S)
         except asyncio.TimeoutError:

@@ -171,16 +171,28 @@ def test_the_gateway_socket_sends_small_writes_at_once():
 
 
 async def test_a_gateway_stops_even_if_its_redis_connections_never_close(monkeypatch):
-    """Closing redis-py's connections can hang (redis-py #3941); the gateway's shutdown
-    waits for them only so long, so that SIGTERM still stops it."""
+    """Closing redis-py's connections can hang (redis-py #3941), and so can a task
+    cancelled inside a Redis call; the gateway's shutdown waits for them only so long, so
+    that SIGTERM still stops it."""
     from gateway import app as gateway_app
 
     app = gateway_app.create_app(load_gateway_settings(redis_url="redis://127.0.0.1:1"))
     monkeypatch.setattr(gateway_app, "CLOSE_TIMEOUT_S", 0.1)
     app.state.gateway.close = asyncio.Event().wait  # never returns
 
+    running = asyncio.Event()
+
+    async def stubborn() -> None:  # the batch runner, cancelled inside a Redis call that hangs
+        running.set()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await asyncio.shield(asyncio.Event().wait())
+
+    app.state.gateway.runner.run = stubborn
+
     async def start_and_stop() -> None:
         async with app.router.lifespan_context(app):
-            pass
+            await running.wait()
 
     await asyncio.wait_for(start_and_stop(), 10)

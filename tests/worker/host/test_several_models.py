@@ -209,8 +209,9 @@ def test_two_hosts_one_queue_nobody_holds_exactly_one_loads_it(redis_url, demo_m
         assert all(sum(s in ("loading", "loaded") for s in look) <= 1 for look in seen), seen
         assert seen[-1] == ["available", "loaded"], seen
     finally:
-        for h in hosts:
-            assert h.stop() == 0, h.log()
+        stopped = [h.stop() for h in hosts]  # all, before any is judged
+        for h, status in zip(hosts, stopped, strict=True):
+            assert status == 0, h.log()
 
 
 def test_a_host_killed_mid_load_leaves_the_load_to_another(redis_url, demo_model, tmp_path, r, outputs):
@@ -265,9 +266,10 @@ def test_the_gateway_routes_to_a_model_not_loaded_and_waits_for_its_load(redis_u
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["completion_tokens"] >= 1
         assert states(r, host.name)[beta] in ("loading", "loaded")
-    finally:
-        assert gateway.stop() in (0, -signal.SIGTERM), gateway.log()
-        assert host.stop() == 0, host.log()
+    finally:  # both stopped before either is judged: a process left running fails a later test
+        stopped = gateway.stop(), host.stop()
+        assert stopped[0] in (0, -signal.SIGTERM), gateway.log()
+        assert stopped[1] == 0, host.log()
 
 
 def test_a_model_that_cannot_load_answers_its_requests_with_the_reason(redis_url, demo_model, tmp_path, r, outputs):
