@@ -303,10 +303,13 @@ async def test_redis_refusing_the_worker_while_a_request_is_taken_in_stops_the_i
     await ensure_groups(r, [KEYS.queue(queue)])
     await r.xadd(KEYS.queue(queue), {"id": "denied", "json": json.dumps({"prompt": "hi"})})
     running = asyncio.create_task(taking.run(asyncio.Event()))
-    await asyncio.wait([running], timeout=60)
-    assert running.done(), "the intake went on reading"
-    with pytest.raises(NoPermissionError, match="NOPERM"):
-        running.result()
+    try:
+        await asyncio.wait([running], timeout=60)
+        assert running.done(), "the intake went on reading"
+        with pytest.raises(NoPermissionError, match="NOPERM"):
+            running.result()
+    finally:
+        running.cancel()
 
 
 async def test_intake_takes_in_entries_of_two_streams_that_share_an_id(r, queue):

@@ -6,6 +6,7 @@ bounded."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -150,5 +151,9 @@ def test_a_video_slow_to_decode_holds_back_no_request_read_after_it(hung_worker,
 
 def _decoders(worker: WorkerProcess) -> list[psutil.Process]:
     """The worker's media decoder processes (spawned by its engine process)."""
-    children = psutil.Process(worker.process.pid).children(recursive=True)
-    return [child for child in children if "spawn_main" in " ".join(child.cmdline())]
+    decoders = []
+    for child in psutil.Process(worker.process.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):  # one that ended meanwhile (a decoder retired)
+            if "spawn_main" in " ".join(child.cmdline()):
+                decoders.append(child)
+    return decoders
