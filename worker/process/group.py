@@ -106,6 +106,7 @@ class Followers:
         self._sent_at = time.monotonic()
         joined = _accept(place, port, stall_s)
         self._socks = {rank: sock for rank, (sock, _) in joined.items()}
+        self._heard = {rank: threading.Event() for rank in joined}  # whether it said how its load went
         for rank, (_, reader) in joined.items():
             threading.Thread(target=self._watch, args=(rank, reader), name=f"mlxq-rank{rank}", daemon=True).start()
 
@@ -129,6 +130,14 @@ class Followers:
             if time.monotonic() - self._sent_at > self._stall_s / 4:
                 self.send([])
 
+    def hear_loads(self) -> None:
+        """Wait (at most `group_stall_s`) until every rank has said how its load went: one
+        that failed ends this process with its reason, which rank 0's own load, broken
+        by that rank's exit, would otherwise hide (a lost connection)."""
+        deadline = time.monotonic() + self._stall_s
+        for heard in self._heard.values():
+            heard.wait(max(0.0, deadline - time.monotonic()))
+
     def _watch(self, rank: int, reader: Any) -> None:
         """A follower says once whether its shard loaded, then nothing: any read after
         that returning is its end."""
@@ -136,6 +145,7 @@ class Followers:
             loaded = receive_frame(reader)
             if loaded != ["loaded"]:
                 _leave(f"rank {rank} could not load its shard: {loaded[1] if isinstance(loaded, list) else loaded}")
+            self._heard[rank].set()
             receive_frame(reader)
         except (EOFError, OSError, ValueError):
             pass
@@ -246,7 +256,11 @@ class LeaderShard:
         self.followers = Followers(self.place, self.settings.group_port, self.settings.group_stall_s)
         self.group = mx.distributed.init(strict=True)
         assert self.settings.distributed is not None
-        loaded = shard(path, self.settings.distributed, self.group)  # ends in a collective: every rank loaded
+        try:
+            loaded = shard(path, self.settings.distributed, self.group)  # ends in a collective: every rank loaded
+        except Exception:
+            self.followers.hear_loads()  # a rank that failed says why, and this process ends with it
+            raise
         self.followers.start()
         log.info("worker group joined", ranks=self.place.size, mode=self.settings.distributed)
         return loaded
