@@ -77,18 +77,13 @@ class Intake:
         # (`_accept_all`); by stream too: two streams' entries may share an id.
         self._turns: dict[tuple[str, str], tuple[list[asyncio.Event], asyncio.Event]] = {}
         self._accepting: set[asyncio.Task[None]] = set()  # entries still being taken in
-        self._runner: asyncio.Task[None] | None = None  # the task in `run`
         self._fatal: BaseException | None = None  # what an entry's intake raised that stops the worker
 
     async def run(self, stop: asyncio.Event) -> None:
         """Take requests in until `stop` is set (or the task is cancelled); raises what
         stops the worker (Redis refusing its own keys), in the loop or in an entry's intake."""
-        self._runner = asyncio.current_task()
         try:
             await self._read_while(stop)
-        except asyncio.CancelledError:
-            if self._fatal is None:
-                raise
         finally:
             for task in self._accepting:
                 task.cancel()
@@ -97,7 +92,10 @@ class Intake:
             raise self._fatal
 
     async def _read_while(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():  # also ends by itself if a cancellation gets lost in a Redis call
+        # Also ends by itself if a cancellation gets lost in a Redis call; and once an entry's
+        # intake failed the worker (`_accepted`), at the end of the read or wait under way:
+        # cancelled inside a Redis call, redis-py can hang in its disconnect.
+        while not stop.is_set() and self._fatal is None:
             read_ahead = self._read_ahead()
             room = self.requests.room(read_ahead)
             if room <= 0:
@@ -223,9 +221,8 @@ class Intake:
         self._accepting.discard(task)
         if task.cancelled() or task.exception() is None or self._fatal is not None:
             return
-        self._fatal = task.exception()
-        if self._runner is not None:
-            self._runner.cancel()  # `run` raises it
+        self._fatal = task.exception()  # `run` raises it
+        self.requests.wake()
 
     async def _accept(self, delivery: Delivery) -> None:
         """Take one entry in; whatever goes wrong with it stays with it."""

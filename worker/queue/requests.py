@@ -103,6 +103,10 @@ class RequestTable:
             return 0
         return self.slots + read_ahead - len(self._held)
 
+    def wake(self) -> None:
+        """End the waits for room or a leave now (their caller looks again)."""
+        self._room.set()
+
     async def wait_for_room(self, read_ahead: int) -> None:
         """Return once a request has left the table (or at once if there is room)."""
         if self.room(read_ahead) > 0:
